@@ -1,0 +1,22 @@
+"""fxpipe: automatic pipeline parallelism for PyTorch models, as inspectable torch.fx passes."""
+
+from fxpipe import models
+from fxpipe.compile import compile, units_of
+from fxpipe.cost import CostTable, Partition
+from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
+from fxpipe.pipeline import CompiledPipeline
+from fxpipe.plan import Plan
+
+__all__ = [
+    "CompiledPipeline",
+    "CostTable",
+    "FxpipeError",
+    "FxpipeTraceError",
+    "Partition",
+    "Plan",
+    "PlanError",
+    "compile",
+    "models",
+    "units_of",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,7 @@
+"""`python -m fxpipe` runs the fxpipe command."""
+
+import sys
+
+from fxpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""compile(): trace -> shapes -> units -> partition -> rewrite, the one place passes meet the IR."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.cost import CostTable, Partition
+from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.passes.analysis.shape import annotate_shapes
+from fxpipe.passes.partition import even
+from fxpipe.passes.rewrite.stages import split_stages
+from fxpipe.pipeline import CompiledPipeline
+from fxpipe.plan import Plan
+from fxpipe.trace import trace
+from fxpipe.units import Unit, cut_units
+
+__all__ = ["compile", "units_of"]
+
+_PARTITIONERS = {"even": even}
+
+
+def compile(
+    model: torch.nn.Module,
+    plan: Plan,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> CompiledPipeline:
+    """Compile `model` into the pipeline `plan` describes.
+
+    `example_inputs` is one example batch (a tensor or a tuple of forward()'s positional
+    arguments); it fixes the shapes and, later, the measured costs. The model's parameters stay
+    the same objects: the compiled module and the model train the same weights.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FxpipeError(f"compile() takes an nn.Module, got {type(model).__name__}.")
+    if not isinstance(plan, Plan):
+        raise FxpipeError(f"compile() takes an fxpipe.Plan, got {type(plan).__name__}; "
+                          "e.g. fxpipe.Plan(stages=2).")
+    args, kwargs = _example(example_inputs, example_kwargs)
+    devices = _devices(model, plan)
+
+    traced = trace(model, args, kwargs, plan, check=_shapes_on(args, kwargs))
+    units = cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
+    _check_stage_count(model, plan, units)
+    cost = CostTable.from_arrays([0.0] * len(units), [0.0] * len(units))
+    partition = _partition(model, plan, units, cost)
+    graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
+    pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices)
+    for stage, device in zip(pipe.stages, devices):
+        stage.to(device)
+    return pipe
+
+
+def units_of(
+    model: torch.nn.Module, example_inputs: Any, plan: Plan | None = None
+) -> list[Unit]:
+    """The units `compile` would cut `model` into (tracing options from `plan`, if given)."""
+    plan = plan or Plan(stages=1)
+    args, kwargs = _example(example_inputs, None)
+    traced = trace(model, args, kwargs, plan, check=_shapes_on(args, kwargs))
+    return cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
+
+
+def _shapes_on(args: tuple, kwargs: Mapping[str, Any]):
+    """The check a candidate graph must pass: it runs on the example and gets its shapes."""
+    return lambda traced: annotate_shapes(traced.gm, traced.bind(args, kwargs))
+
+
+def _example(example_inputs: Any, example_kwargs: Mapping[str, Any] | None):
+    if example_inputs is None and not example_kwargs:
+        raise FxpipeError(
+            "compile() needs one example batch to record shapes: "
+            "fxpipe.compile(model, plan, example_inputs=(x,))."
+        )
+    if example_inputs is None:
+        args: tuple = ()
+    elif isinstance(example_inputs, tuple):
+        args = example_inputs
+    elif isinstance(example_inputs, list):
+        args = tuple(example_inputs)
+    else:
+        args = (example_inputs,)
+    return args, dict(example_kwargs or {})
+
+
+def _devices(model: torch.nn.Module, plan: Plan) -> list[str]:
+    """One device per stage: the plan's, or the device the model's parameters are on."""
+    if plan.devices is None:
+        first = next(iter(model.parameters()), None)
+        device = str(first.device) if first is not None else "cpu"
+        return [device] * plan.stages
+    for name in plan.devices:
+        device = torch.device(name)
+        if device.type == "cuda":
+            count = torch.cuda.device_count()
+            index = device.index or 0
+            if index >= count:
+                raise PlanError(
+                    f"Plan(devices=...) names {name!r}, but this machine has {count} CUDA "
+                    f"device{'s' if count != 1 else ''}; use devices={['cpu'] * plan.stages} "
+                    "to run every stage on the CPU."
+                )
+        elif device.type not in ("cpu", "meta") and not _backend_available(device.type):
+            raise PlanError(f"Plan(devices=...) names {name!r}, but no {device.type} device "
+                            "is available here.")
+    return list(plan.devices)
+
+
+def _backend_available(kind: str) -> bool:
+    backend = getattr(torch, kind, None) or getattr(torch.backends, kind, None)
+    return bool(backend is not None and getattr(backend, "is_available", lambda: False)())
+
+
+def _check_stage_count(model: torch.nn.Module, plan: Plan, units: Sequence[Unit]) -> None:
+    if plan.stages <= len(units):
+        return
+    names = ", ".join(u.name for u in units[:8]) + (", ..." if len(units) > 8 else "")
+    finer = (" or cut finer with a larger Plan(unit_depth=...) or none"
+             if plan.unit_depth is not None else "")
+    raise PlanError(
+        f"Plan(stages={plan.stages}) asks for more stages than {type(model).__name__} has "
+        f"units: it cuts into {len(units)} units ({names}); use stages <= {len(units)}{finer}."
+    )
+
+
+def _partition(
+    model: torch.nn.Module, plan: Plan, units: Sequence[Unit], cost: CostTable
+) -> Partition:
+    p = plan.micro_batches if isinstance(plan.micro_batches, int) else 1
+    if plan.sizes is not None:
+        if sum(plan.sizes) != len(units):
+            raise PlanError(
+                f"Plan(partitioner={list(plan.sizes)}) covers {sum(plan.sizes)} units, but "
+                f"{type(model).__name__} has {len(units)} units; make the sizes add up to "
+                f"{len(units)} (print(fxpipe.units_of(model, x)) lists them)."
+            )
+        bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
+        return Partition.evaluate(cost, bounds, p, "given")
+    if plan.partitioner not in _PARTITIONERS:
+        raise PlanError(
+            f"Plan(partitioner={plan.partitioner!r}) is not available in this version of "
+            f"fxpipe; available: {', '.join(_PARTITIONERS)} or a list of units per stage."
+        )
+    return _PARTITIONERS[plan.partitioner](cost, plan.stages, p)

@@ -1,0 +1,196 @@
+"""CostTable (per-unit f, b, cf, cb as functions of the micro-batch count p) and the cost model.
+
+Notation follows ALGORITHMS §0-§1: K units, N stages, p micro-batches of a mini-batch of size B.
+A partition is given by its `bounds`, the exclusive end unit of every stage (bounds[-1] == K).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["CostTable", "Partition", "StageCost", "check_bounds", "step_times"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CostTable:
+    """Per-unit costs in seconds for one micro-batch, measured at one or more micro-batch sizes.
+
+    Row m of `f`, `b`, `cf`, `cb` holds the costs at micro-batch size `sizes[m]` (samples).
+    `at(p)` interpolates linearly in the micro-batch size B/p between measured sizes and
+    extrapolates linearly beyond them; it never assumes time proportional to batch size. A table
+    with one row is the same for every p (the synthetic tables planners are tested on).
+
+    cf[i] / cb[i] are the times to send the values crossing the cut after unit i forward /
+    their gradients backward (0 for the last unit).
+    """
+
+    f: np.ndarray
+    b: np.ndarray
+    cf: np.ndarray
+    cb: np.ndarray
+    sizes: np.ndarray  # (M,) micro-batch sizes of the rows, ascending
+    batch: int | None = None  # mini-batch size B; needed to turn p into a micro-batch size
+    params: np.ndarray | None = None  # (K,) parameter count per unit
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        arrays = {}
+        for field in ("f", "b", "cf", "cb"):
+            value = np.atleast_2d(np.asarray(getattr(self, field), dtype=np.float64))
+            arrays[field] = value
+        shape = arrays["f"].shape
+        for field, value in arrays.items():
+            if value.shape != shape:
+                raise ValueError(f"CostTable.{field} has shape {value.shape}, f has {shape}")
+            if np.any(value < 0) or not np.all(np.isfinite(value)):
+                raise ValueError(f"CostTable.{field} must hold finite non-negative times")
+            value.setflags(write=False)
+            object.__setattr__(self, field, value)
+        sizes = np.atleast_1d(np.asarray(self.sizes, dtype=np.float64))
+        if sizes.shape != (shape[0],) or np.any(np.diff(sizes) <= 0):
+            raise ValueError(f"CostTable.sizes must be {shape[0]} ascending micro-batch sizes")
+        object.__setattr__(self, "sizes", sizes)
+        params = np.zeros(shape[1]) if self.params is None else np.asarray(self.params, float)
+        object.__setattr__(self, "params", params)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        f: Sequence[float] | np.ndarray,
+        b: Sequence[float] | np.ndarray,
+        cf: Sequence[float] | np.ndarray | None = None,
+        cb: Sequence[float] | np.ndarray | None = None,
+        *,
+        sizes: Sequence[float] | None = None,
+        batch: int | None = None,
+        params: Sequence[float] | None = None,
+    ) -> CostTable:
+        """A table from plain arrays: 1-D (the same at every p) or 2-D (one row per size)."""
+        f = np.atleast_2d(np.asarray(f, dtype=np.float64))
+        zeros = np.zeros_like(f)
+        cf = zeros if cf is None else cf
+        cb = zeros if cb is None else cb
+        if sizes is None:
+            if f.shape[0] != 1:
+                raise ValueError("a CostTable with several rows needs the micro-batch `sizes`")
+            sizes = [1.0]
+        return cls(f, b, cf, cb, np.asarray(sizes, float), batch, params)
+
+    @property
+    def units(self) -> int:
+        return self.f.shape[1]
+
+    def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
+        """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
+        scalar = np.ndim(p) == 0
+        counts = np.atleast_1d(np.asarray(p, dtype=np.float64))
+        weights = self._interpolation(counts)
+        result = tuple(weights @ table for table in (self.f, self.b, self.cf, self.cb))
+        result = tuple(np.maximum(r, 0.0) for r in result)
+        return tuple(r[0] for r in result) if scalar else result
+
+    def _interpolation(self, counts: np.ndarray) -> np.ndarray:
+        """(P, M) weights so that weights @ rows interpolates at micro-batch size B/p."""
+        rows = len(self.sizes)
+        weights = np.zeros((len(counts), rows))
+        if rows == 1:
+            weights[:, 0] = 1.0
+            return weights
+        if self.batch is None:
+            raise ValueError("CostTable.batch is needed to interpolate between micro-batch sizes")
+        size = self.batch / counts
+        hi = np.clip(np.searchsorted(self.sizes, size), 1, rows - 1)
+        lo = hi - 1
+        t = (size - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
+        weights[np.arange(len(counts)), lo] = 1.0 - t
+        weights[np.arange(len(counts)), hi] += t
+        return weights
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """What one stage costs per micro-batch: compute, boundary communication, parameters."""
+
+    units: tuple[int, int]  # [start, end) unit range
+    f: float
+    b: float
+    cf: float
+    cb: float
+    params: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """A partition of the units into stages, with what the cost model predicts for it."""
+
+    bounds: tuple[int, ...]
+    micro_batches: int
+    partitioner: str
+    predicted_time: float
+    rho_f: float
+    rho_b: float
+    bubble: float
+    stages: tuple[StageCost, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(end - start for start, end in (s.units for s in self.stages))
+
+    @classmethod
+    def evaluate(
+        cls, cost: CostTable, bounds: Sequence[int], p: int = 1, partitioner: str = "given"
+    ) -> Partition:
+        """Score `bounds` with the closed-form model of ALGORITHMS §1."""
+        bounds = check_bounds(bounds, cost.units)
+        f, b, cf, cb = cost.at(p)
+        starts = (0, *bounds[:-1])
+        stages = []
+        for s, (start, end) in enumerate(zip(starts, bounds)):
+            last = s == len(bounds) - 1
+            stages.append(StageCost(
+                (start, end),
+                float(f[start:end].sum()),
+                float(b[start:end].sum()),
+                0.0 if last else float(cf[end - 1]),
+                0.0 if last else float(cb[end - 1]),
+                float(cost.params[start:end].sum()),
+            ))
+        time, rho_f, rho_b = _closed_form(stages, p)
+        busy = p * sum(s.f + s.b for s in stages)
+        bubble = 1.0 - busy / (len(stages) * time) if time > 0 else 0.0
+        return cls(bounds, p, partitioner, time, rho_f, rho_b, bubble, tuple(stages))
+
+
+def check_bounds(bounds: Sequence[int], units: int) -> tuple[int, ...]:
+    """`bounds` as a tuple, or ValueError unless they are increasing and end at `units`."""
+    bounds = tuple(int(x) for x in bounds)
+    if not bounds or bounds[-1] != units or any(a >= b for a, b in zip((0, *bounds), bounds)):
+        raise ValueError(f"bounds {bounds} are not increasing stage ends covering {units} units")
+    return bounds
+
+
+def _closed_form(stages: Sequence[StageCost], p: int) -> tuple[float, float, float]:
+    rho_f = max(max(s.f, s.cf) for s in stages)
+    rho_b = max(max(s.b, s.cb) for s in stages)
+    trip = sum(s.f + s.cf + s.b + s.cb for s in stages)
+    return trip + (p - 1) * (rho_f + rho_b), rho_f, rho_b
+
+
+def step_times(cost: CostTable, bounds: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+    """T(λ, p) of ALGORITHMS §1 for every micro-batch count in `counts`, in one numpy pass."""
+    bounds = check_bounds(bounds, cost.units)
+    counts = np.asarray(counts, dtype=np.float64)
+    f, b, cf, cb = cost.at(counts)  # (P, K)
+    ends = np.asarray(bounds)
+    starts = np.concatenate([[0], ends[:-1]])
+    stage_f = np.add.reduceat(f, starts, axis=1)
+    stage_b = np.add.reduceat(b, starts, axis=1)
+    link_f = cf[:, ends[:-1] - 1]
+    link_b = cb[:, ends[:-1] - 1]
+    rho_f = np.maximum(stage_f.max(axis=1), link_f.max(axis=1, initial=0.0))
+    rho_b = np.maximum(stage_b.max(axis=1), link_b.max(axis=1, initial=0.0))
+    trip = stage_f.sum(1) + stage_b.sum(1) + link_f.sum(1) + link_b.sum(1)
+    return trip + (counts - 1) * (rho_f + rho_b)

@@ -1,0 +1,61 @@
+"""A traced graph's calling convention: a model call's (args, kwargs) <-> flat graph values."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from fxpipe.errors import FxpipeError
+
+__all__ = ["CallConvention", "placeholders"]
+
+
+def placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+class CallConvention:
+    """Turns a call of the model into the graph's placeholder values, and its output back.
+
+    Graphs from torch.export flatten their inputs with a pytree spec. Graphs from torch.fx take
+    one placeholder per parameter of forward(); they are bound through forward()'s signature, so
+    defaults apply and concrete arguments take the value they were traced with.
+    """
+
+    def __init__(self, model: torch.nn.Module, gm: fx.GraphModule,
+                 concrete: Mapping[str, Any] | None = None) -> None:
+        self.in_spec = getattr(gm, "_in_spec", None)
+        self.out_spec = getattr(gm, "_out_spec", None)
+        self.signature = inspect.signature(model.forward)
+        self.concrete = dict(concrete or {})
+        self.names = [n.target.lstrip("*") for n in placeholders(gm.graph)]
+
+    def unflatten(self, output: Any) -> Any:
+        """The model's output structure from what the graph returned."""
+        if self.out_spec is None:
+            return output
+        return pytree.tree_unflatten(list(output), self.out_spec)
+
+    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        if self.in_spec is not None:
+            return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise FxpipeError(f"the model's forward{self.signature} cannot take this call: {e}"
+                              ) from e
+        bound.apply_defaults()
+        values = {**bound.arguments, **self.concrete}
+        order = list(self.signature.parameters)
+        flat = []
+        for position, name in enumerate(self.names):
+            # fx renames a placeholder that clashes with a global (`double` -> `double_1`)
+            key = name if name in values else order[position]
+            flat.append(values[key])
+        return flat

@@ -1,0 +1,118 @@
+"""Text renderings of a compiled pipeline: the stage table and the rewritten graph."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from torch import fx
+
+from fxpipe.cost import Partition
+from fxpipe.ir import CommTable, recv, send
+from fxpipe.meta import SHAPE, STAGE
+from fxpipe.units import Unit
+
+__all__ = ["format_bytes", "format_graph", "format_stage_table", "format_table"]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def format_stage_table(
+    title: str,
+    units: Sequence[Unit],
+    partition: Partition,
+    table: CommTable,
+    devices: Sequence[str],
+    params: Sequence[int],
+    shared: dict[str, list[int]] | None = None,
+) -> str:
+    """One row per stage: device, units, parameters, and what crosses its boundaries."""
+    rows = []
+    for s, stage in enumerate(partition.stages):
+        start, end = stage.units
+        received = table.recvs(s)
+        sent = table.sends(s)
+        rows.append([
+            s, devices[s], f"{start}-{end - 1}" if end - start > 1 else start,
+            f"{units[start].name} .. {units[end - 1].name}" if end - start > 1
+            else units[start].name,
+            f"{params[s]:,}",
+            _traffic(received), _traffic(sent),
+        ])
+    lines = [title, format_table(
+        ["stage", "device", "units", "first .. last unit", "params", "receives", "sends"], rows
+    )]
+    for name, stages in (shared or {}).items():
+        lines.append(f"shared parameter {name}: used by stages {', '.join(map(str, stages))} "
+                     "(one Parameter, gradients summed; counted in each stage above)")
+    if table.edges:
+        lines.append("boundary values:")
+        edge_rows = [[f"{e.src} -> {e.dst}", e.value, e.info, format_bytes(e.info.nbytes),
+                      "skip" if e.dst - e.src > 1 else ""] for e in table.edges]
+        lines.append(_indent(format_table(["edge", "value", "shape", "bytes", ""], edge_rows)))
+    return "\n".join(lines)
+
+
+def _traffic(edges) -> str:
+    if not edges:
+        return "-"
+    total = sum(e.info.nbytes for e in edges)
+    return f"{len(edges)} value{'s' if len(edges) > 1 else ''}, {format_bytes(total)}"
+
+
+def format_graph(gm: fx.GraphModule, title: str = "") -> str:
+    """One line per node of a PipelineGraph: stage, name, operation, value."""
+    rows = []
+    for node in gm.graph.nodes:
+        stage = node.meta.get(STAGE, "")
+        info = node.meta.get(SHAPE)
+        value = "" if info is None else str(info)
+        rows.append([stage, node.name, _describe(node), value])
+    text = format_table(["stage", "node", "operation", "value"], rows)
+    legend = ("(hook: identity whose backward fires the stage's callbacks once the stage's "
+              "backward is done; send/recv: a value crossing stages)")
+    return "\n".join(filter(None, [title, legend, text]))
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "output":
+        return f"return {fx.map_arg(node.args[0], lambda n: n.name)}"
+    if node.op == "get_attr":
+        return f"self.{node.target}"
+    args = ", ".join(_arg(a) for a in node.args)
+    if node.target is send:
+        return f"send({args}, {node.kwargs['src']} -> {node.kwargs['dst']})"
+    if node.target is recv:
+        return (f"recv({args}, {node.kwargs['src']} -> {node.kwargs['dst']}, "
+                f"on {node.kwargs['device']})")
+    if node.target is operator.getitem:
+        return f"{node.args[0]}[{node.args[1]}]"
+    if node.op == "call_module" and str(node.target).startswith("hook"):
+        return f"hook({args})"
+    if node.op == "call_module":
+        return f"{node.target}({args})"
+    return f"{getattr(node.target, '__name__', node.target)}({args})"
+
+
+def _arg(a: object) -> str:
+    return a.name if isinstance(a, fx.Node) else repr(a)
+
+
+def _indent(text: str, prefix: str = "  ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())

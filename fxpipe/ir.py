@@ -1,0 +1,171 @@
+"""The pipeline IR: stage, hook, send and recv nodes of a PipelineGraph, and its send/recv table.
+
+A PipelineGraph is an fx.GraphModule whose top-level graph reads like the pipeline:
+
+    hook1 = self.hook1(relu_3_at_s1)      # identity; its backward marks the end of stage 1's
+    stage1 = self.stage1(hook1)           #   backward and fires stage 1's callbacks
+    add_5 = stage1[0]
+    add_5_to_s2 = send(add_5, src=1, dst=2)
+    add_5_at_s2 = recv(add_5_to_s2, src=1, dst=2, device='cpu')
+
+Run as an ordinary module it executes the stages one after another (the reference every
+pipelined run is checked against). The runtime never re-reads this graph: it runs the `Stage`
+and `StageHook` modules and moves tensors along the `CommTable` the rewrite pass computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import fx
+from torch.func import functional_call
+from torch.utils.hooks import RemovableHandle
+
+from fxpipe.meta import ValueInfo
+
+__all__ = [
+    "CommTable",
+    "Edge",
+    "Stage",
+    "StageArgs",
+    "StageHook",
+    "StageIO",
+    "recv",
+    "send",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """One value crossing from stage `src` to stage `dst`."""
+
+    value: str  # the producing node's name in the traced graph
+    src: int
+    dst: int
+    info: ValueInfo
+
+    def __str__(self) -> str:
+        return f"{self.value}: {self.src}->{self.dst} {self.info} ({self.info.nbytes} B)"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageIO:
+    """The values a stage takes (its placeholders, in order) and returns (in order)."""
+
+    stage: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommTable:
+    """Everything the runtime needs to move values between stages, computed once by the rewrite.
+
+    Stage 0 owns the model's inputs and the last stage owns the model's outputs: an input used by
+    a later stage is sent from stage 0, an output made by an earlier stage is sent to the last.
+    """
+
+    stages: tuple[StageIO, ...]
+    edges: tuple[Edge, ...]
+    graph_inputs: tuple[str, ...]
+    graph_outputs: tuple[str, ...]  # in the order of the flattened model output
+
+    def sends(self, stage: int) -> tuple[Edge, ...]:
+        return tuple(e for e in self.edges if e.src == stage)
+
+    def recvs(self, stage: int) -> tuple[Edge, ...]:
+        return tuple(e for e in self.edges if e.dst == stage)
+
+    def bytes_between(self, src: int, dst: int) -> int:
+        return sum(e.info.nbytes for e in self.edges if (e.src, e.dst) == (src, dst))
+
+
+def send(value: Any, *, src: int, dst: int) -> Any:
+    """Hand `value` from stage `src` to stage `dst`; run sequentially, the value passes as is."""
+    return value
+
+
+def recv(message: Any, *, src: int, dst: int, device: str) -> Any:
+    """Receive a value sent by stage `src` on stage `dst`'s device."""
+    if isinstance(message, torch.Tensor) and message.device != torch.device(device):
+        return message.to(device)
+    return message
+
+
+class StageArgs(NamedTuple):
+    """What a stage runs on: its inputs and the weights to use (empty: the stage's own)."""
+
+    inputs: tuple[Any, ...]
+    weights: Mapping[str, torch.Tensor]
+
+
+class Stage(torch.nn.Module):
+    """One pipeline stage: the stage's graph module, run with the weights its hook hands it."""
+
+    def __init__(self, index: int, module: fx.GraphModule) -> None:
+        super().__init__()
+        self.index = index
+        self.module = module
+
+    def forward(self, args: StageArgs) -> tuple[Any, ...]:
+        if args.weights:
+            return functional_call(self.module, dict(args.weights), tuple(args.inputs))
+        return self.module(*args.inputs)
+
+
+class StageHook(torch.nn.Module):
+    """Identity in forward; in backward, fires the stage's callbacks once its backward is done.
+
+    The hook passes the stage's inputs and trainable parameters through one autograd function,
+    and the stage runs on what comes out. Autograd calls that function's backward only when the
+    gradients of all of them are complete, so the callbacks see a finished stage backward, also
+    for a first stage whose inputs need no gradient.
+    """
+
+    def __init__(self, index: int, weights: Mapping[str, torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.index = index
+        self._weights = dict(weights)  # a plain dict: the stage module owns the parameters
+        self._callbacks: OrderedDict[int, Callable[[int], None]] = OrderedDict()  # weakref-able
+
+    def register(self, callback: Callable[[int], None]) -> RemovableHandle:
+        """Call `callback(stage)` after each backward of this stage; returns a removable handle."""
+        handle = RemovableHandle(self._callbacks)
+        self._callbacks[handle.id] = callback
+        return handle
+
+    def fire(self) -> None:
+        for callback in list(self._callbacks.values()):
+            callback(self.index)
+
+    def forward(self, *inputs: Any) -> StageArgs:
+        if not torch.is_grad_enabled():
+            return StageArgs(inputs, {})
+        weights = {name: w for name, w in self._weights.items() if w.requires_grad}
+        slots = [i for i, x in enumerate(inputs)
+                 if isinstance(x, torch.Tensor) and x.requires_grad]
+        tensors = [inputs[i] for i in slots] + list(weights.values())
+        if not tensors:
+            return StageArgs(inputs, {})
+        hooked = _HookFunction.apply(self, *tensors)
+        passed = list(inputs)
+        for i, tensor in zip(slots, hooked):
+            passed[i] = tensor
+        return StageArgs(tuple(passed), dict(zip(weights, hooked[len(slots):])))
+
+
+class _HookFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hook: StageHook, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        ctx.set_materialize_grads(False)  # unused weights keep grad None, as in the plain model
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.hook.fire()
+        return (None, *grads)

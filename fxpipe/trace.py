@@ -1,0 +1,228 @@
+"""Tracing frontends: torch.fx symbolic tracing, torch.export, or the user's own tracer."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+
+from fxpipe.errors import FxpipeTraceError
+from fxpipe.graph_io import CallConvention
+from fxpipe.plan import Plan
+
+__all__ = ["Traced", "trace"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXPIPE_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_DIR = os.path.dirname(contextlib.__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A model as a graph, and how it was obtained."""
+
+    gm: fx.GraphModule
+    frontend: str  # "fx", "export" or "custom"
+    training: bool  # the mode the model was in when traced (export bakes it into the graph)
+    leaf_paths: tuple[str, ...]  # modules the user asked to keep whole
+    bind: CallConvention  # a model call's (args, kwargs) <-> the graph's flat values
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    frontend: str
+    module: str | None
+    location: str | None
+    message: str
+
+    def describe(self) -> str:
+        where = f"in module {self.module}" if self.module else "in the model"
+        at = f" at {self.location}" if self.location else ""
+        return f"  {self.frontend}: failed {where}{at}: {self.message}"
+
+
+def trace(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    plan: Plan,
+    check: Callable[[Traced], None] | None = None,
+) -> Traced:
+    """Turn `model` into an fx.GraphModule with the frontend the plan asks for.
+
+    `check(traced)` runs on each candidate graph (e.g. shape propagation); a frontend whose graph
+    fails it counts as failed, so `tracer="auto"` moves on to the next frontend.
+    """
+    leaf_paths = _leaf_paths(model, plan.leaf_modules)
+    if callable(plan.tracer):
+        frontends: Sequence[str] = ("custom",)
+    elif plan.tracer == "auto":
+        frontends = ("fx", "export")
+    else:
+        frontends = (plan.tracer,)
+    failures = []
+    for frontend in frontends:
+        recorder = _ModuleStack(model)
+        try:
+            with recorder:
+                gm = _FRONTENDS[frontend](model, args, kwargs, plan, leaf_paths, recorder)
+            concrete = plan.concrete_args if frontend == "fx" else None
+            traced = Traced(gm, frontend, model.training, leaf_paths,
+                            CallConvention(model, gm, concrete))
+            if check is not None:
+                check(traced)
+        except FxpipeTraceError:
+            raise
+        except Exception as e:  # any failure of a frontend is reported, with its cause
+            failures.append(_describe_failure(frontend, recorder.innermost, e))
+            continue
+        return traced
+    raise FxpipeTraceError(_trace_error_message(model, failures)) from None
+
+
+def _leaf_paths(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> tuple[str, ...]:
+    classes = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
+    names = {leaf for leaf in leaf_modules if isinstance(leaf, str)}
+    paths = [
+        path for path, module in model.named_modules()
+        if path and (isinstance(module, classes) or path in names or type(module).__name__ in names)
+    ]
+    matched = set(paths) | {type(model.get_submodule(p)).__name__ for p in paths}
+    unknown = sorted(names - matched)
+    if unknown:
+        raise FxpipeTraceError(
+            f"Plan(leaf_modules=...) names {unknown}, which match no submodule of "
+            f"{type(model).__name__}; use qualified names from model.named_modules() "
+            "(e.g. 'blocks.3.attn') or class names."
+        )
+    return tuple(paths)
+
+
+class _LeafTracer(fx.Tracer):
+    """torch.fx tracer that keeps the user's leaf modules whole."""
+
+    def __init__(self, leaf_paths: Sequence[str], recorder: _ModuleStack) -> None:
+        super().__init__()
+        self.leaf_paths = frozenset(leaf_paths)
+        self.recorder = recorder
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaf_paths or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
+    def call_module(self, m, forward, args, kwargs):
+        # fx calls forward() directly, so module hooks do not fire; keep the stack here.
+        self.recorder.push(m, args)
+        result = super().call_module(m, forward, args, kwargs)
+        self.recorder.pop(m, args, result)
+        return result
+
+
+def _trace_fx(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:
+    tracer = _LeafTracer(leaf_paths, recorder)
+    graph = tracer.trace(model, concrete_args=dict(plan.concrete_args or {}) or None)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:
+    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+    return exported.module()
+
+
+def _trace_custom(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:
+    gm = plan.tracer(model, tuple(args))
+    if not isinstance(gm, fx.GraphModule):
+        raise FxpipeTraceError(
+            f"Plan(tracer=...) returned {type(gm).__name__}; a tracer callable must return "
+            "a torch.fx.GraphModule, e.g. lambda model, inputs: torch.fx.symbolic_trace(model)."
+        )
+    return gm
+
+
+_FRONTENDS = {"fx": _trace_fx, "export": _trace_export, "custom": _trace_custom}
+
+
+class _ModuleStack(contextlib.AbstractContextManager):
+    """Records which submodule was running when tracing failed (global module hooks)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names = {id(m): (path, type(m).__name__) for path, m in model.named_modules()}
+        self.stack: list[tuple[str, str]] = []
+        self.innermost: tuple[str, str] | None = None
+
+    def push(self, module, args) -> None:
+        entry = self.names.get(id(module))
+        if entry is not None:
+            self.stack.append(entry)
+
+    def pop(self, module, args, output) -> None:
+        if id(module) in self.names and self.stack:
+            self.stack.pop()
+
+    def __enter__(self) -> _ModuleStack:
+        self.handles = [
+            register_module_forward_pre_hook(self.push),
+            register_module_forward_hook(self.pop),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if self.stack:
+            self.innermost = self.stack[-1]
+
+
+def _describe_failure(frontend: str, innermost, error: BaseException) -> _Failure:
+    module = None
+    if innermost is not None:
+        path, cls = innermost
+        module = f"'{path}' ({cls})" if path else f"the top-level {cls}"
+    return _Failure(frontend, module, _user_location(error), _first_lines(error))
+
+
+def _user_location(error: BaseException) -> str | None:
+    """The innermost traceback frame in the user's code (not torch's, fxpipe's or stdlib's)."""
+    frames = [
+        frame for frame in traceback.extract_tb(error.__traceback__)
+        if not frame.filename.startswith((_TORCH_DIR, _FXPIPE_DIR, _STDLIB_DIR))
+    ]
+    if not frames:
+        return None
+    frame = frames[-1]
+    code = f" `{frame.line.strip()}`" if frame.line else ""
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}{code}"
+
+
+def _first_lines(error: BaseException, limit: int = 2) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:limit]) or type(error).__name__
+    return f"{type(error).__name__}: {text}"
+
+
+def _trace_error_message(model: torch.nn.Module, failures: Sequence[_Failure]) -> str:
+    name = type(model).__name__
+    tried = ", ".join(f.frontend for f in failures)
+    return "\n".join([
+        f"fxpipe could not turn {name} into a graph (tried: {tried}).",
+        *(f.describe() for f in failures),
+        "How to fix it:",
+        "  - keep the failing module whole, called as one unit: "
+        "Plan(leaf_modules=[TheModuleClass]) or Plan(leaf_modules=['its.qualified.name']);",
+        "  - fix arguments that steer Python control flow: Plan(concrete_args={'flag': True});",
+        "  - try the other frontend: Plan(tracer='export') (torch.export, non-strict) "
+        "or Plan(tracer='fx');",
+        "  - bring your own tracer: Plan(tracer=lambda model, inputs: my_trace(model)) returning "
+        "a torch.fx.GraphModule (e.g. transformers.utils.fx.symbolic_trace).",
+    ])

@@ -1,0 +1,111 @@
+"""How a traced graph is cut into partitionable units (ALGORITHMS §0).
+
+A unit is a contiguous run of graph nodes owned by one module call: a leaf module (a torch.nn
+layer, or a module the user asked to keep whole, or a module at `unit_depth`) together with the
+functional glue that follows it in its parent's forward (activations, residual adds, reshapes).
+The rule reads the `nn_module_stack` metadata that both torch.fx and torch.export record, so
+both frontends cut the same model into the same units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from torch import fx
+
+from fxpipe.meta import UNIT
+
+__all__ = ["Unit", "cut_units", "module_key"]
+
+_OPAQUE_OPS = ("placeholder", "get_attr", "output")  # not owned by any one unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One partitionable slice of the graph."""
+
+    index: int
+    name: str  # the owning module's qualified name, or the first node's name for root glue
+    kind: str  # the owning module's class name, or "glue"
+    nodes: tuple[str, ...]  # node names in graph order
+
+
+def module_key(
+    node: fx.Node, depth: int | None = None, leaf_paths: Sequence[str] = ()
+) -> tuple[str, ...]:
+    """The chain of module paths a node runs inside, cut at a leaf module and at `depth`.
+
+    `depth` counts the components of a module path ("blocks.3" has two). Modules from torch.nn
+    (other than containers) count as leaves, as torch.fx treats them, so an exported graph and an
+    fx graph agree even though export records the ops inside e.g. nn.MultiheadAttention.
+    """
+    key: list[str] = []
+    for path, module_type in _module_stack(node):
+        if depth is not None and path.count(".") + 1 > depth:
+            break
+        key.append(path)
+        if path in leaf_paths or _is_torch_leaf(module_type):
+            break
+    return tuple(key)
+
+
+def cut_units(
+    gm: fx.GraphModule, depth: int | None = None, leaf_paths: Sequence[str] = ()
+) -> list[Unit]:
+    """Cut `gm` into units and record each node's unit index under node.meta[UNIT].
+
+    Walking the nodes in order, a node joins the current unit when its module chain is a prefix
+    of the unit's (glue in an enclosing forward) or extends a unit that so far holds only glue;
+    any other module chain starts a new unit.
+    """
+    groups: list[tuple[tuple[str, ...], list[fx.Node]]] = []
+    for node in gm.graph.nodes:
+        if node.op in _OPAQUE_OPS:
+            continue
+        key = module_key(node, depth, leaf_paths)
+        if groups:
+            unit_key, nodes = groups[-1]
+            if key[: len(unit_key)] == unit_key or unit_key[: len(key)] == key:
+                nodes.append(node)
+                if len(key) > len(unit_key):  # glue followed by the module it leads into
+                    groups[-1] = (key, nodes)
+                continue
+        groups.append((key, [node]))
+
+    types = _module_types(gm)
+    units = []
+    for index, (key, nodes) in enumerate(groups):
+        for node in nodes:
+            node.meta[UNIT] = index
+        name = key[-1] if key else nodes[0].name
+        kind = types.get(name, "glue") if key else "glue"
+        units.append(Unit(index, name, kind, tuple(n.name for n in nodes)))
+    return units
+
+
+def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """(path, qualified class name) of each module the node runs in, outermost first, no root."""
+    stack = node.meta.get("nn_module_stack") or {}
+    entries = []
+    for path, module_type in stack.values():
+        if not path:
+            continue  # torch.export records the root module with an empty path
+        if isinstance(module_type, type):
+            module_type = f"{module_type.__module__}.{module_type.__qualname__}"
+        entries.append((path, str(module_type)))
+    return entries
+
+
+def _is_torch_leaf(qualified_type: str) -> bool:
+    if not qualified_type.startswith(("torch.nn.", "torch.ao.nn.")):
+        return False
+    return not qualified_type.endswith((".Sequential", ".ModuleList", ".ModuleDict"))
+
+
+def _module_types(gm: fx.GraphModule) -> dict[str, str]:
+    types = {}
+    for node in gm.graph.nodes:
+        for path, module_type in _module_stack(node):
+            types[path] = module_type.rsplit(".", 1)[-1]
+    return types

@@ -1,0 +1,1 @@
+"""Graph passes: analysis (graph -> annotations) and transforms (graph -> graph)."""

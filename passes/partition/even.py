@@ -1,0 +1,23 @@
+"""`even`: the same number of units in every stage (the remainder goes to the last stages)."""
+
+from __future__ import annotations
+
+from fxpipe.cost import CostTable, Partition
+
+__all__ = ["even", "even_bounds"]
+
+
+def even_bounds(units: int, stages: int) -> tuple[int, ...]:
+    """Exclusive stage ends of the even split of `units` into `stages`."""
+    base, extra = divmod(units, stages)
+    sizes = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
+    ends, total = [], 0
+    for size in sizes:
+        total += size
+        ends.append(total)
+    return tuple(ends)
+
+
+def even(cost: CostTable, stages: int, p: int = 1) -> Partition:
+    """Equal unit counts per stage, ignoring costs: the baseline every planner is compared to."""
+    return Partition.evaluate(cost, even_bounds(cost.units, stages), p, "even")

@@ -1,0 +1,1 @@
+"""Runtime: executes a compiled pipeline (StageRunner, transports, driver); never imports passes."""

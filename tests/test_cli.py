@@ -1,0 +1,26 @@
+"""The fxpipe command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from fxpipe.cli import main
+
+
+def test_demo_prints_stage_table_graph_and_a_falling_loss(capsys):
+    assert main(["demo", "--steps", "3", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "CompiledPipeline(ResNet): traced with fx" in out
+    assert "send(" in out and "recv(" in out and "hook(" in out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if "loss" in line
+              and line.strip().startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_demo_reports_user_errors_without_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "fxpipe", "demo", "--model", "mlp",
+                             "--stages", "50"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "fxpipe: error: Plan(stages=50) asks for more stages than MLP has units" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,165 @@
+"""compile(): the drop-in module, its parameters, state_dict, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.models import GPT, MLP, ResNet
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_tied_embedding_stays_one_parameter_with_the_summed_gradient(frontend):
+    model = GPT(layers=2).double()
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 128, (2, 16))
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, tracer=frontend), example_inputs=(idx,))
+    first, last = pipe.stages[0].module, pipe.stages[-1].module
+    tied = [p for p in last.parameters() if p is model.wte.weight]
+    assert tied and any(p is model.wte.weight for p in first.parameters())
+    assert sum(p is model.wte.weight for p in pipe.parameters()) == 1
+    assert pipe.shared_parameters() == {"wte.weight": [0, 2]}
+    assert "shared parameter wte.weight: used by stages 0, 2" in repr(pipe)
+    pipe(idx).square().mean().backward()
+    reference(idx).square().mean().backward()
+    torch.testing.assert_close(model.wte.weight.grad, reference.wte.weight.grad,
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_parameters_are_the_models_own_objects_and_names():
+    model = ResNet()
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2), example_inputs=(torch.randn(2, 3, 32, 32),))
+    assert [(n, id(p)) for n, p in pipe.named_parameters()] == \
+        [(n, id(p)) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_state_dict_round_trips_between_plain_and_compiled(frontend):
+    model, other = ResNet(), ResNet()
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, tracer=frontend),
+                          example_inputs=(torch.randn(2, 3, 32, 32),))
+    assert pipe.state_dict().keys() == model.state_dict().keys()
+    other.load_state_dict(pipe.state_dict())
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key])
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    pipe.load_state_dict(other.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    pipe.eval() if frontend == "fx" else None
+    other.train(pipe.training)
+    torch.testing.assert_close(pipe(x), other(x))
+
+
+def test_to_keeps_stages_on_the_models_buffers():
+    model = ResNet()
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, tracer="export"),
+                          example_inputs=(torch.randn(2, 3, 32, 32),))
+    pipe.to(torch.float64)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    pipe(x)  # trains BatchNorm statistics: they must land in the model's buffers
+    buffers = dict(pipe.named_buffers())
+    for stage in pipe.stages:
+        for name, buffer in stage.module.named_buffers():
+            if name in buffers:
+                assert buffer is buffers[name]
+    assert model.stem[1].running_mean.dtype == torch.float64
+
+
+def test_compiling_leaves_the_model_and_rng_untouched():
+    model = ResNet()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 3, 32, 32)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    fxpipe.compile(model, fxpipe.Plan(stages=2), example_inputs=(x,))
+    assert torch.equal(torch.rand(3), expected)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: neither fx nor export can trace it
+            return x
+        return -x
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.fc(x))
+
+
+def test_untraceable_model_names_module_line_and_fixes():
+    with pytest.raises(fxpipe.FxpipeTraceError) as err:
+        fxpipe.compile(Untraceable(), fxpipe.Plan(stages=2), example_inputs=(torch.randn(2, 4),))
+    message = str(err.value)
+    assert "could not turn Untraceable into a graph (tried: fx, export)" in message
+    assert "module 'gate' (Gate)" in message
+    assert "test_compile.py" in message and "if x.sum() > 0:" in message
+    assert "Plan(leaf_modules=" in message and "Plan(tracer='export')" in message
+
+
+def test_leaf_module_makes_an_untraceable_model_traceable():
+    model = Untraceable()
+    plan = fxpipe.Plan(stages=2, tracer="fx", leaf_modules=[Gate])
+    pipe = fxpipe.compile(model, plan, example_inputs=(torch.randn(2, 4),))
+    assert [u.name for u in pipe.units] == ["fc", "gate"]
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_more_stages_than_units_says_how_many_units():
+    with pytest.raises(fxpipe.PlanError, match=r"cuts into 9 units \(0, 1, 2, .*use stages <= 9"):
+        fxpipe.compile(MLP(), fxpipe.Plan(stages=12), example_inputs=(torch.randn(2, 32),))
+
+
+def test_stage_sizes_that_do_not_cover_the_units():
+    with pytest.raises(fxpipe.PlanError, match=r"covers 5 units, but MLP has 9 units; make the "
+                                               r"sizes add up to 9"):
+        fxpipe.compile(MLP(), fxpipe.Plan(stages=2, partitioner=[2, 3]),
+                       example_inputs=(torch.randn(2, 32),))
+
+
+def test_unavailable_cuda_device():
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has 8 CUDA devices")
+    plan = fxpipe.Plan(stages=2, devices=["cpu", "cuda:7"])
+    with pytest.raises(fxpipe.PlanError, match=r"names 'cuda:7', but this machine has \d+ CUDA "
+                                               r"device.*devices=\['cpu', 'cpu'\]"):
+        fxpipe.compile(MLP(), plan, example_inputs=(torch.randn(2, 32),))
+
+
+def test_missing_example_inputs():
+    with pytest.raises(fxpipe.FxpipeError, match=r"needs one example batch.*example_inputs=\(x,\)"):
+        fxpipe.compile(MLP(), fxpipe.Plan(stages=2))
+
+
+def test_export_pipeline_refuses_a_mode_it_was_not_traced_in():
+    pipe = fxpipe.compile(ResNet(), fxpipe.Plan(stages=2, tracer="export"),
+                          example_inputs=(torch.randn(2, 3, 32, 32),))
+    pipe.train()  # same mode: fine
+    with pytest.raises(fxpipe.FxpipeError, match=r"traced with torch.export in training mode"):
+        pipe.eval()
+
+
+def test_print_shows_stage_table_and_graph_with_send_recv_and_hooks():
+    pipe = fxpipe.compile(ResNet(), fxpipe.Plan(stages=2),
+                          example_inputs=(torch.randn(2, 3, 32, 32),))
+    table = repr(pipe)
+    assert "CompiledPipeline(ResNet): traced with fx, 20 units in 2 stages" in table
+    assert "boundary values:" in table
+    graph = pipe.format_graph(stages=True)
+    for word in ("hook0", "hook1", "stage0(hook0)", "send(", "recv(", "stage 1:", "def forward"):
+        assert word in graph
