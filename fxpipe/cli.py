@@ -1,17 +1,20 @@
-"""The `fxpipe` command: `fxpipe demo` compiles and trains a bundled model on the CPU."""
+"""The `fxpipe` command: `demo` trains a bundled model through a compiled pipeline on the CPU;
+`plan` prints the stage table of any importable model."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
 import torch
 
-from fxpipe.compile import compile
+from fxpipe.compile import available_partitioners, compare_partitioners, compile
 from fxpipe.errors import FxpipeError
+from fxpipe.inspect import format_bytes, format_table
 from fxpipe.models import MODELS, bundled
-from fxpipe.plan import Plan
+from fxpipe.plan import PARTITIONERS, Plan
 
 __all__ = ["main"]
 
@@ -22,7 +25,8 @@ def _demo(args: argparse.Namespace) -> None:
     model = spec.build()
     data = torch.Generator().manual_seed(args.seed)
     x, y = spec.batch(args.batch, data)
-    plan = Plan(stages=args.stages, partitioner=args.partitioner, loss_fn=spec.loss_fn)
+    plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
+                loss_fn=spec.loss_fn)
     pipe = compile(model, plan, example_inputs=(x,))
     print(pipe)
     print()
@@ -39,6 +43,80 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"  step {step}: loss {loss.item():.4f}")
 
 
+def _plan(args: argparse.Namespace) -> None:
+    model, inputs = _load_model(args.model, args.batch, args.input_shape, args.input_dtype,
+                                args.input_high)
+    micro_batches = args.micro_batches if args.micro_batches == "auto" \
+        else int(args.micro_batches)
+    plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
+                micro_batches=micro_batches, schedule=args.schedule, tracer=args.tracer)
+    pipe = compile(model, plan, example_inputs=inputs)
+    print(pipe)
+    if args.compare:
+        print()
+        print(_comparison(pipe))
+    if args.json:
+        chosen = Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
+                         "partitioner": list(pipe.partition.sizes),
+                         "micro_batches": pipe.partition.micro_batches})
+        chosen.save(args.json, partitioner_used=pipe.partition.partitioner,
+                    predicted_step_seconds=pipe.partition.predicted_time,
+                    units=[u.name for u in pipe.units])
+        print(f"\nplan written to {args.json}")
+
+
+def _comparison(pipe) -> str:
+    rows = []
+    for name, part in compare_partitioners(pipe).items():
+        slowest = max(s.f + s.b for s in part.stages)
+        rows.append([name, "+".join(map(str, part.sizes)), f"{part.predicted_time * 1e3:.2f}",
+                     f"{part.bubble:.0%}", f"{slowest * 1e3:.2f}",
+                     format_bytes(max(s.memory for s in part.stages))])
+    header = ["partitioner", "units per stage", "predicted ms", "bubble",
+              "slowest stage ms", "max memory"]
+    return "partitioners compared (same cost table):\n" + format_table(header, rows)
+
+
+def _partitioner(text: str) -> str | list[int]:
+    if "," in text or text.isdigit():
+        try:
+            return [int(part) for part in text.split(",")]
+        except ValueError as e:
+            raise FxpipeError(f"--partitioner {text!r}: give a name or units per stage "
+                              "such as 4,6") from e
+    return text
+
+
+def _load_model(spec: str, batch: int, shapes: Sequence[str] | None, dtype: str, high: int):
+    """A bundled model by name, or MODULE:FACTORY with inputs described on the command line."""
+    if ":" not in spec:
+        if spec not in MODELS:
+            raise FxpipeError(f"{spec!r} is neither a bundled model ({', '.join(MODELS)}) nor "
+                              "MODULE:FACTORY (e.g. mypkg.models:make_model).")
+        model_spec = bundled(spec)
+        x, _ = model_spec.batch(batch, torch.Generator().manual_seed(0))
+        return model_spec.build(), (x,)
+    module_name, _, factory_name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as e:
+        raise FxpipeError(f"cannot load {spec!r}: {e}") from e
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise FxpipeError(f"{spec} returned {type(model).__name__}, not an nn.Module.")
+    if not shapes:
+        raise FxpipeError("describe the model's input: --input-shape 3x32x32 (per sample, "
+                          "without the batch; repeat the flag for several inputs).")
+    inputs = []
+    for shape in shapes:
+        dims = [batch, *(int(d) for d in shape.lower().split("x") if d)]
+        if dtype.startswith("int"):
+            inputs.append(torch.randint(0, high, dims, dtype=getattr(torch, dtype)))
+        else:
+            inputs.append(torch.randn(dims, dtype=getattr(torch, dtype)))
+    return model, tuple(inputs)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +129,23 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=0.05)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
+
+    plan = commands.add_parser("plan", help="print the stage table of a model's pipeline")
+    plan.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: {', '.join(MODELS)}")
+    plan.add_argument("--stages", type=int, required=True)
+    plan.add_argument("--partitioner", default="even",
+                      help=f"one of {', '.join(PARTITIONERS)} (available: "
+                           f"{', '.join(available_partitioners())}), or units per stage: 4,6")
+    plan.add_argument("--batch", type=int, default=16, help="example mini-batch size")
+    plan.add_argument("--micro-batches", default="1", help="a number, or auto")
+    plan.add_argument("--schedule", default="gpipe")
+    plan.add_argument("--tracer", default="auto")
+    plan.add_argument("--input-shape", action="append", help="per-sample shape, e.g. 3x32x32")
+    plan.add_argument("--input-dtype", default="float32")
+    plan.add_argument("--input-high", type=int, default=2, help="integer inputs: upper bound")
+    plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
+    plan.add_argument("--json", help="write the chosen plan to this file")
+    plan.set_defaults(run=_plan)
     return parser
 
 

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from fxpipe.cost import CostTable, Partition
+from fxpipe.batching import input_dims
+from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.passes.analysis.comm import default_link
+from fxpipe.passes.analysis.costs import cost_table
+from fxpipe.passes.analysis.profile import (
+    ProfileCache,
+    default_cache_dir,
+    profile_units,
+    unit_parameters,
+)
 from fxpipe.passes.analysis.shape import annotate_shapes
 from fxpipe.passes.partition import even
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
-from fxpipe.plan import Plan
+from fxpipe.plan import TIMED_PARTITIONERS, Plan
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
-__all__ = ["compile", "units_of"]
+__all__ = ["available_partitioners", "compare_partitioners", "compile", "units_of"]
 
 _PARTITIONERS = {"even": even}
 
@@ -27,12 +38,15 @@ def compile(
     plan: Plan,
     example_inputs: Any = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    cache: bool | str | os.PathLike = True,
 ) -> CompiledPipeline:
     """Compile `model` into the pipeline `plan` describes.
 
-    `example_inputs` is one example batch (a tensor or a tuple of forward()'s positional
-    arguments); it fixes the shapes and, later, the measured costs. The model's parameters stay
-    the same objects: the compiled module and the model train the same weights.
+    `example_inputs` is one example mini-batch (a tensor or a tuple of forward()'s positional
+    arguments); it fixes the shapes, and the units are timed on slices of it. The model's
+    parameters stay the same objects: the compiled module and the model train the same weights.
+    `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path; False: off).
     """
     if not isinstance(model, torch.nn.Module):
         raise FxpipeError(f"compile() takes an nn.Module, got {type(model).__name__}.")
@@ -45,13 +59,34 @@ def compile(
     traced = trace(model, args, kwargs, plan, check=_shapes_on(args, kwargs))
     units = cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
     _check_stage_count(model, plan, units)
-    cost = CostTable.from_arrays([0.0] * len(units), [0.0] * len(units))
+    flat = traced.bind(args, kwargs)
+    link = _link(plan, devices)
+    cost = _costs(traced.gm, units, flat, plan, devices, link, _profile_cache(cache))
     partition = _partition(model, plan, units, cost)
     graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
-    pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices)
+    pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
+                            cost, link)
     for stage, device in zip(pipe.stages, devices):
         stage.to(device)
     return pipe
+
+
+def available_partitioners() -> tuple[str, ...]:
+    """The partitioner names this version of fxpipe can run."""
+    return tuple(_PARTITIONERS)
+
+
+def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
+    """Every available partitioner's partition of `pipe`'s cost table, under its plan."""
+    plan = pipe.plan
+    results = {}
+    for name, partitioner in _PARTITIONERS.items():
+        if plan.costs == "none" and name in TIMED_PARTITIONERS:
+            continue
+        chosen = partitioner(pipe.cost, plan.stages, pipe.partition.micro_batches)
+        results[name] = Partition.evaluate(pipe.cost, chosen.bounds, chosen.micro_batches,
+                                           name, schedule=plan.schedule)
+    return results
 
 
 def units_of(
@@ -62,6 +97,48 @@ def units_of(
     args, kwargs = _example(example_inputs, None)
     traced = trace(model, args, kwargs, plan, check=_shapes_on(args, kwargs))
     return cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
+
+
+def _costs(gm, units, flat, plan: Plan, devices, link: Link,
+           cache: ProfileCache | None) -> CostTable:
+    """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only."""
+    unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
+                                          [devices[0]] * len(units))
+    names = [u.name for u in units]
+    if plan.costs == "none":
+        params, param_bytes = unit_parameters(unit_graph, len(units))
+        zeros = [0.0] * len(units)
+        return CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, tuple(names),
+                         param_bytes)
+    batch = input_dims(flat).batch
+    profile = profile_units(unit_graph, unit_table, flat, _profile_sizes(batch, plan),
+                            devices[0], cache=cache)
+    return cost_table(profile, link, batch, names)
+
+
+def _profile_sizes(batch: int, plan: Plan) -> list[int]:
+    """Micro-batch sizes to time: the plan's, or powers of two up to the batch for 'auto'."""
+    if plan.micro_batches == "auto":
+        return sorted({batch} | {2 ** k for k in range(batch.bit_length()) if 2 ** k <= batch})
+    if plan.micro_batches > batch:
+        raise PlanError(
+            f"Plan(micro_batches={plan.micro_batches}) splits a batch of {batch} samples into "
+            f"more micro-batches than samples; use micro_batches <= {batch}."
+        )
+    return [-(-batch // plan.micro_batches)]  # the largest micro-batch, ceil(B / p)
+
+
+def _link(plan: Plan, devices: Sequence[str]) -> Link:
+    if plan.link is not None:
+        return Link(plan.link[0], plan.link[1], "plan")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return default_link(devices[0], devices[-1], distributed)
+
+
+def _profile_cache(cache: bool | str | os.PathLike) -> ProfileCache | None:
+    if cache is False:
+        return None
+    return ProfileCache(default_cache_dir() if cache is True else pathlib.Path(cache))
 
 
 def _shapes_on(args: tuple, kwargs: Mapping[str, Any]):
@@ -138,10 +215,12 @@ def _partition(
                 f"{len(units)} (print(fxpipe.units_of(model, x)) lists them)."
             )
         bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
-        return Partition.evaluate(cost, bounds, p, "given")
+        return Partition.evaluate(cost, bounds, p, "given", schedule=plan.schedule)
     if plan.partitioner not in _PARTITIONERS:
         raise PlanError(
             f"Plan(partitioner={plan.partitioner!r}) is not available in this version of "
             f"fxpipe; available: {', '.join(_PARTITIONERS)} or a list of units per stage."
         )
-    return _PARTITIONERS[plan.partitioner](cost, plan.stages, p)
+    chosen = _PARTITIONERS[plan.partitioner](cost, plan.stages, p)
+    return Partition.evaluate(cost, chosen.bounds, chosen.micro_batches, chosen.partitioner,
+                              schedule=plan.schedule)

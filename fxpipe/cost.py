@@ -7,11 +7,33 @@ A partition is given by its `bounds`, the exclusive end unit of every stage (bou
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["CostTable", "Partition", "StageCost", "check_bounds", "step_times"]
+__all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "step_times"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A point-to-point link between two stages' devices: time = latency + bytes / bandwidth."""
+
+    latency: float  # seconds per message
+    bandwidth: float  # bytes per second (math.inf: no copy at all)
+    source: str = "configured"  # where the figures come from: configured, default, measured
+
+    def time(self, nbytes: np.ndarray | float) -> np.ndarray:
+        """Seconds to send `nbytes` (0 bytes cost nothing: no message is sent)."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        transfer = 0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth
+        return np.where(nbytes > 0, self.latency + transfer, 0.0)
+
+    def __str__(self) -> str:
+        if math.isinf(self.bandwidth) and self.latency == 0:
+            return f"free (same device, no copy; {self.source})"
+        return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s "
+                f"({self.source})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -35,6 +57,8 @@ class CostTable:
     batch: int | None = None  # mini-batch size B; needed to turn p into a micro-batch size
     params: np.ndarray | None = None  # (K,) parameter count per unit
     names: tuple[str, ...] = ()
+    param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
+    activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -55,6 +79,10 @@ class CostTable:
         object.__setattr__(self, "sizes", sizes)
         params = np.zeros(shape[1]) if self.params is None else np.asarray(self.params, float)
         object.__setattr__(self, "params", params)
+        param_bytes = params * 4 if self.param_bytes is None else self.param_bytes
+        object.__setattr__(self, "param_bytes", np.asarray(param_bytes, float))
+        saved = np.zeros(shape) if self.activation_bytes is None else self.activation_bytes
+        object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
 
     @classmethod
     def from_arrays(
@@ -67,6 +95,8 @@ class CostTable:
         sizes: Sequence[float] | None = None,
         batch: int | None = None,
         params: Sequence[float] | None = None,
+        param_bytes: Sequence[float] | None = None,
+        activation_bytes: Sequence[float] | np.ndarray | None = None,
     ) -> CostTable:
         """A table from plain arrays: 1-D (the same at every p) or 2-D (one row per size)."""
         f = np.atleast_2d(np.asarray(f, dtype=np.float64))
@@ -77,11 +107,17 @@ class CostTable:
             if f.shape[0] != 1:
                 raise ValueError("a CostTable with several rows needs the micro-batch `sizes`")
             sizes = [1.0]
-        return cls(f, b, cf, cb, np.asarray(sizes, float), batch, params)
+        return cls(f, b, cf, cb, np.asarray(sizes, float), batch, params, (), param_bytes,
+                   activation_bytes)
 
     @property
     def units(self) -> int:
         return self.f.shape[1]
+
+    def saved_bytes(self, p: int) -> np.ndarray:
+        """(K,) bytes each unit saves for backward per micro-batch, at micro-batch count p."""
+        return np.maximum(self._interpolation(np.array([float(p)]))[0] @ self.activation_bytes,
+                          0.0)
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -120,6 +156,7 @@ class StageCost:
     cf: float
     cb: float
     params: float
+    memory: float = 0.0  # bytes: weights, gradients, optimizer state, in-flight activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,15 +178,30 @@ class Partition:
 
     @classmethod
     def evaluate(
-        cls, cost: CostTable, bounds: Sequence[int], p: int = 1, partitioner: str = "given"
+        cls,
+        cost: CostTable,
+        bounds: Sequence[int],
+        p: int = 1,
+        partitioner: str = "given",
+        *,
+        schedule: str = "gpipe",
+        optimizer_slots: float = 2.0,
     ) -> Partition:
-        """Score `bounds` with the closed-form model of ALGORITHMS §1."""
+        """Score `bounds` with the closed-form model of ALGORITHMS §1.
+
+        The memory estimate per stage counts weights, gradients and `optimizer_slots` more
+        copies (2: Adam's moments), plus the activations of the micro-batches in flight: p for
+        gpipe, at most N − s on stage s for the 1F1B schedules.
+        """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
+        saved = cost.saved_bytes(p)
         starts = (0, *bounds[:-1])
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
+            in_flight = p if schedule == "gpipe" else min(len(bounds) - s, p)
+            weights = float(cost.param_bytes[start:end].sum()) * (2 + optimizer_slots)
             stages.append(StageCost(
                 (start, end),
                 float(f[start:end].sum()),
@@ -157,6 +209,7 @@ class Partition:
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
+                weights + in_flight * float(saved[start:end].sum()),
             ))
         time, rho_f, rho_b = _closed_form(stages, p)
         busy = p * sum(s.f + s.b for s in stages)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from torch import fx
 
-from fxpipe.cost import Partition
+from fxpipe.cost import Link, Partition
 from fxpipe.ir import CommTable, recv, send
 from fxpipe.meta import SHAPE, STAGE
 from fxpipe.units import Unit
@@ -39,32 +39,47 @@ def format_stage_table(
     devices: Sequence[str],
     params: Sequence[int],
     shared: dict[str, list[int]] | None = None,
+    timed: bool = True,
+    link: Link | None = None,
 ) -> str:
-    """One row per stage: device, units, parameters, and what crosses its boundaries."""
+    """One row per stage: device, units, parameters, predicted times and memory, and what
+    crosses its boundaries; then the prediction for the whole step."""
     rows = []
     for s, stage in enumerate(partition.stages):
         start, end = stage.units
-        received = table.recvs(s)
-        sent = table.sends(s)
-        rows.append([
-            s, devices[s], f"{start}-{end - 1}" if end - start > 1 else start,
-            f"{units[start].name} .. {units[end - 1].name}" if end - start > 1
-            else units[start].name,
-            f"{params[s]:,}",
-            _traffic(received), _traffic(sent),
-        ])
-    lines = [title, format_table(
-        ["stage", "device", "units", "first .. last unit", "params", "receives", "sends"], rows
-    )]
+        span = f"{start}-{end - 1}" if end - start > 1 else str(start)
+        names = (f"{units[start].name} .. {units[end - 1].name}" if end - start > 1
+                 else units[start].name)
+        times = ([_ms(stage.f), _ms(stage.b)] if timed else ["-", "-"])
+        rows.append([s, devices[s], span, names, f"{params[s]:,}", *times,
+                     format_bytes(stage.memory), _traffic(table.recvs(s)),
+                     _traffic(table.sends(s))])
+    header = ["stage", "device", "units", "first .. last unit", "params", "fwd ms", "bwd ms",
+              "memory", "receives", "sends"]
+    lines = [title, format_table(header, rows)]
+    if timed:
+        lines.append(
+            f"fwd/bwd ms: per micro-batch; predicted step ({partition.micro_batches} "
+            f"micro-batch{'es' if partition.micro_batches != 1 else ''}, gpipe closed form): "
+            f"{_ms(partition.predicted_time)} ms, bubble {partition.bubble:.0%}, "
+            f"slowest forward {_ms(partition.rho_f)} ms, slowest backward "
+            f"{_ms(partition.rho_b)} ms" + (f"; links: {link}" if link else "")
+        )
+    else:
+        lines.append("no times measured (Plan(costs='none')): the partition ignores speed")
     for name, stages in (shared or {}).items():
         lines.append(f"shared parameter {name}: used by stages {', '.join(map(str, stages))} "
                      "(one Parameter, gradients summed; counted in each stage above)")
     if table.edges:
-        lines.append("boundary values:")
+        lines.append("boundary values (shapes at the example batch):")
         edge_rows = [[f"{e.src} -> {e.dst}", e.value, e.info, format_bytes(e.info.nbytes),
                       "skip" if e.dst - e.src > 1 else ""] for e in table.edges]
         lines.append(_indent(format_table(["edge", "value", "shape", "bytes", ""], edge_rows)))
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
 
 
 def _traffic(edges) -> str:

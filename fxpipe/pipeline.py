@@ -9,7 +9,7 @@ import torch
 from torch import fx
 from torch.utils.hooks import RemovableHandle
 
-from fxpipe.cost import Partition
+from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_graph, format_stage_table
 from fxpipe.ir import CommTable, Stage, StageHook
@@ -38,6 +38,8 @@ class CompiledPipeline(torch.nn.Module):
         graph: fx.GraphModule,
         comm: CommTable,
         devices: Sequence[str],
+        cost: CostTable,
+        link: Link,
     ) -> None:
         super().__init__()
         for name, child in model.named_children():
@@ -51,7 +53,8 @@ class CompiledPipeline(torch.nn.Module):
         # Plain attributes, not submodules: the stages share the parameters registered above.
         vars(self).update(
             plan=plan, traced=traced, units=tuple(units), partition=partition, graph=graph,
-            comm=comm, devices=tuple(devices), model_name=type(model).__name__,
+            comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
+            link=link,
         )
 
     @property
@@ -128,7 +131,8 @@ class CompiledPipeline(torch.nn.Module):
                  f"partition {partition.partitioner} ({sizes})")
         params = [sum(p.numel() for p in s.module.parameters()) for s in self.stages]
         return format_stage_table(title, self.units, partition, self.comm, self.devices, params,
-                                  self.shared_parameters())
+                                  self.shared_parameters(), self.plan.costs == "measure",
+                                  self.link)
 
     def shared_parameters(self) -> dict[str, list[int]]:
         """Parameters used by more than one stage (tied weights), by name -> stages."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,6 +15,7 @@ from fxpipe.errors import PlanError
 
 __all__ = [
     "CONSISTENCY_POLICIES",
+    "COSTS",
     "DP_SYNCS",
     "PARTITIONERS",
     "SCHEDULES",
@@ -24,6 +28,9 @@ SCHEDULES = ("gpipe", "1f1b", "async-1f1b")
 CONSISTENCY_POLICIES = ("none", "stash", "2bw", "predict")
 DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
+_FORMAT, _VERSION = "fxpipe.plan", 1
+COSTS = ("measure", "none")
+TIMED_PARTITIONERS = ("balanced", "ampa", "imd", "csimd", "exact")  # need measured costs
 
 
 def _choice(field: str, value: object, allowed: Sequence[str]) -> None:
@@ -57,6 +64,8 @@ class Plan:
     leaf_modules: Sequence[type[torch.nn.Module] | str] = ()
     concrete_args: Mapping[str, Any] | None = None
     unit_depth: int | None = None
+    costs: str = "measure"  # measure: profile every unit; none: structure only (no times)
+    link: tuple[float, float] | None = None  # (latency s, bandwidth bytes/s) between stages
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -88,6 +97,25 @@ class Plan:
                 )
         if self.unit_depth is not None:
             _positive_int("unit_depth", self.unit_depth)
+        _choice("costs", self.costs, COSTS)
+        if self.costs == "none" and self.partitioner in TIMED_PARTITIONERS:
+            raise PlanError(
+                f"Plan(partitioner={self.partitioner!r}) balances measured times, but "
+                "costs='none' measures nothing; use costs='measure' (the default) or "
+                "partitioner='even', 'params' or a list of stage sizes."
+            )
+        if self.link is not None:
+            self._check_link()
+
+    def _check_link(self) -> None:
+        link = tuple(self.link)
+        object.__setattr__(self, "link", link)
+        ok = len(link) == 2 and all(isinstance(v, (int, float)) for v in link)
+        if not ok or link[0] < 0 or link[1] <= 0:
+            raise PlanError(
+                f"Plan(link={self.link!r}) must be (latency in seconds >= 0, bandwidth in "
+                "bytes per second > 0), e.g. link=(20e-6, 10e9)."
+            )
 
     def _check_partitioner(self) -> None:
         if isinstance(self.partitioner, str):
@@ -121,6 +149,45 @@ class Plan:
                     f"Plan(devices=...) holds {device!r}, which is not a device; "
                     "use strings such as 'cpu' or 'cuda:0'."
                 ) from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (loss_fn is not data and is left out)."""
+        if callable(self.tracer):
+            raise PlanError("a plan with a tracer callable cannot be saved; save it with "
+                            "tracer='auto' and pass Plan.load(path, tracer=my_tracer).")
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "loss_fn"}
+        data["leaf_modules"] = [leaf if isinstance(leaf, str) else leaf.__name__
+                                for leaf in self.leaf_modules]
+        for name in ("partitioner", "devices", "link"):
+            if isinstance(data[name], tuple):
+                data[name] = list(data[name])
+        data["concrete_args"] = dict(self.concrete_args) if self.concrete_args else None
+        return data
+
+    def save(self, path: str | os.PathLike, **extra: Any) -> None:
+        """Write the plan as versioned JSON; `extra` adds informational fields (e.g. the
+        predicted step time) that load() ignores."""
+        document = {"format": _FORMAT, "version": _VERSION, "plan": self.to_dict(), **extra}
+        pathlib.Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, **overrides: Any) -> Plan:
+        """Read a plan written by save(); `overrides` replace fields (e.g. loss_fn=...)."""
+        try:
+            document = json.loads(pathlib.Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise PlanError(f"cannot read a plan from {str(path)!r}: {e}") from e
+        if not isinstance(document, dict) or document.get("format") != _FORMAT:
+            raise PlanError(f"{str(path)!r} is not an fxpipe plan file.")
+        if document.get("version") != _VERSION:
+            raise PlanError(f"{str(path)!r} is plan format version {document.get('version')}; "
+                            f"this fxpipe reads version {_VERSION}.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in document["plan"].items() if k in fields}
+        if isinstance(data.get("link"), list):
+            data["link"] = tuple(data["link"])
+        return cls(**{**data, **overrides})
 
     @property
     def sizes(self) -> tuple[int, ...] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +16,9 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
+from torch.utils import _pytree as pytree
 
+from fxpipe.batching import input_dims
 from fxpipe.errors import FxpipeTraceError
 from fxpipe.graph_io import CallConvention
 from fxpipe.plan import Plan
@@ -136,8 +139,35 @@ def _trace_fx(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule
 
 
 def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:
-    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
-    return exported.module()
+    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
+                                   dynamic_shapes=_dynamic_shapes(model, args, kwargs))
+    gm = exported.module()
+    # The input guards re-check how the example was laid out (even the size of a view's base
+    # tensor), which micro-batches legitimately differ in; the graph itself is shape-generic.
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+            delattr(gm, "_guards_fn")
+    gm.recompile()
+    return gm
+
+
+def _dynamic_shapes(model, args, kwargs) -> dict[str, Any]:
+    """Batch (and token-sequence) dimensions stay symbolic, so the exported graph runs on
+    micro-batches of any size, not only on the example's."""
+    dims = input_dims(pytree.tree_leaves((tuple(args), dict(kwargs))))
+
+    def spec(x: Any) -> dict[int, Any] | None:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != dims.batch:
+            return None
+        dynamic = {0: torch.export.Dim.AUTO}
+        if dims.seq is not None and x.dim() == 2 and x.shape[1] == dims.seq \
+                and not x.is_floating_point():
+            dynamic[1] = torch.export.Dim.AUTO
+        return dynamic
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
 def _trace_custom(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:

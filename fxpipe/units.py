@@ -89,8 +89,8 @@ def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
     stack = node.meta.get("nn_module_stack") or {}
     entries = []
     for path, module_type in stack.values():
-        if not path:
-            continue  # torch.export records the root module with an empty path
+        if not path or path.startswith("_empty_nn_module_stack"):
+            continue  # torch.export's records of the root module, or of no module
         if isinstance(module_type, type):
             module_type = f"{module_type.__module__}.{module_type.__qualname__}"
         entries.append((path, str(module_type)))

@@ -20,3 +20,9 @@ settings.load_profile(os.environ.get("FXPIPE_HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Unit timings go to a cache of this test session's, not the user's ~/.cache."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))

@@ -24,3 +24,24 @@ def test_demo_reports_user_errors_without_a_traceback():
     assert result.returncode == 2
     assert "fxpipe: error: Plan(stages=50) asks for more stages than MLP has units" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_plan_prints_the_stage_table_compares_and_writes_json(capsys, tmp_path):
+    import json
+
+    from fxpipe import Plan
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "fxpipe.models:MLP", "--stages", "3", "--input-shape", "32",
+                 "--batch", "8", "--micro-batches", "2", "--compare", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "CompiledPipeline(MLP)" in out and "predicted step (2 micro-batches" in out
+    assert "partitioners compared" in out
+    document = json.loads(path.read_text())
+    assert document["plan"]["partitioner"] == [3, 3, 3]
+    assert Plan.load(path).sizes == (3, 3, 3)
+
+
+def test_plan_needs_an_input_description(capsys):
+    assert main(["plan", "fxpipe.models:MLP", "--stages", "2"]) == 2
+    assert "describe the model's input: --input-shape" in capsys.readouterr().err

@@ -159,7 +159,7 @@ def test_print_shows_stage_table_and_graph_with_send_recv_and_hooks():
                           example_inputs=(torch.randn(2, 3, 32, 32),))
     table = repr(pipe)
     assert "CompiledPipeline(ResNet): traced with fx, 20 units in 2 stages" in table
-    assert "boundary values:" in table
+    assert "boundary values (shapes at the example batch):" in table
     graph = pipe.format_graph(stages=True)
     for word in ("hook0", "hook1", "stage0(hook0)", "send(", "recv(", "stage 1:", "def forward"):
         assert word in graph

@@ -35,3 +35,34 @@ def test_plan_is_frozen_and_normalised():
     assert plan.sizes == (1, 2) and plan.devices == ("cpu", "cpu")
     with pytest.raises(AttributeError):
         plan.stages = 3
+
+
+def test_save_and_load_round_trip(tmp_path):
+    plan = Plan(stages=3, partitioner=[2, 2, 1], schedule="1f1b", micro_batches=4,
+                devices=["cpu"] * 3, link=(1e-5, 1e9), leaf_modules=["blocks.0"])
+    path = tmp_path / "plan.json"
+    plan.save(path, predicted_step_seconds=0.1)
+    assert Plan.load(path) == plan
+    assert Plan.load(path, micro_batches=8).micro_batches == 8
+
+
+def test_load_refuses_other_files_and_versions(tmp_path):
+    import json
+
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"format": "something"}))
+    with pytest.raises(PlanError, match="is not an fxpipe plan file"):
+        Plan.load(path)
+    path.write_text(json.dumps({"format": "fxpipe.plan", "version": 99, "plan": {}}))
+    with pytest.raises(PlanError, match="plan format version 99; this fxpipe reads version 1"):
+        Plan.load(path)
+
+
+def test_timed_partitioner_needs_measured_costs():
+    with pytest.raises(PlanError, match=r"balances measured times, but costs='none'"):
+        Plan(stages=2, partitioner="balanced", costs="none")
+
+
+def test_bad_link():
+    with pytest.raises(PlanError, match=r"must be \(latency in seconds >= 0, bandwidth"):
+        Plan(stages=2, link=(1e-5, 0))

@@ -11,26 +11,37 @@ from torch import fx
 
 from fxpipe.meta import SHAPE, ValueInfo
 
-__all__ = ["annotate_shapes", "preserved_state"]
+__all__ = ["annotate_shapes", "preserved_state", "record_values"]
 
 
 class _ShapeRecorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[str, ValueInfo] = {}
+
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        n.meta[SHAPE] = ValueInfo.of(result)
+        self.values[n.name] = ValueInfo.of(result)
         return result
 
 
-def annotate_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> Any:
+def record_values(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, ValueInfo]:
+    """Run `gm` on placeholder values (without side effects) and return every node's ValueInfo."""
+    recorder = _ShapeRecorder(gm)
+    with preserved_state(gm):
+        recorder.run(*flat_inputs, enable_io_processing=False)
+    return recorder.values
+
+
+def annotate_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> None:
     """Run `gm` on example placeholder values and write a ValueInfo under node.meta[SHAPE].
 
     The run leaves the model as it found it: buffers (BatchNorm statistics) and the random
-    number generators are restored afterwards. Returns the graph's output for checks.
+    number generators are restored afterwards.
     """
-    flat = list(flat_inputs)
-    with preserved_state(gm):
-        output = _ShapeRecorder(gm).run(*flat, enable_io_processing=False)
-    return output
+    values = record_values(gm, flat_inputs)
+    for node in gm.graph.nodes:
+        node.meta[SHAPE] = values[node.name]
 
 
 @contextlib.contextmanager

@@ -18,13 +18,14 @@ from fxpipe.ir import recv, send
 def compiled_networks(draw, frontends=("fx", "export")):
     model, inputs = draw(networks())
     frontend = draw(st.sampled_from(frontends))
-    units = len(fxpipe.units_of(model, inputs, fxpipe.Plan(stages=1, tracer=frontend)))
+    units = len(fxpipe.units_of(model, inputs, fxpipe.Plan(stages=1, tracer=frontend,
+                                                           costs="none")))
     stages = draw(st.integers(1, min(4, units)))
     cuts = sorted(draw(st.sets(st.integers(1, units - 1), min_size=stages - 1,
                                max_size=stages - 1)))
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, units])]
     reference = copy.deepcopy(model)
-    plan = fxpipe.Plan(stages=stages, partitioner=sizes, tracer=frontend)
+    plan = fxpipe.Plan(stages=stages, partitioner=sizes, tracer=frontend, costs="none")
     return fxpipe.compile(model, plan, example_inputs=inputs), reference, inputs
 
 

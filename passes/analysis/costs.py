@@ -1,0 +1,27 @@
+"""From measured unit costs and a link model to the CostTable every planner reads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fxpipe.passes.analysis.profile import UnitProfile
+
+from fxpipe.cost import CostTable, Link
+
+__all__ = ["cost_table"]
+
+
+def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str]) -> CostTable:
+    """Per-unit f, b from the profile; cf, cb from the bytes crossing each cut over `link`."""
+    return CostTable(
+        f=profile.forward,
+        b=profile.backward,
+        cf=link.time(profile.boundary_bytes),
+        cb=link.time(profile.boundary_grad_bytes),
+        sizes=profile.sizes,
+        batch=batch,
+        params=profile.params,
+        names=tuple(names),
+        param_bytes=profile.param_bytes,
+        activation_bytes=profile.activation_bytes,
+    )

@@ -1,0 +1,266 @@
+"""Profile pass: measured forward and backward time of every unit at several micro-batch sizes.
+
+Each unit runs alone, as the rewrite pass cuts it when every unit is a stage of its own, on the
+outputs of the units before it: warm-up runs, then repeats, and the median counts. Inputs that
+carry gradients in training get them here too, so a unit's backward includes its input gradient
+as it will in a pipeline stage. Nothing is left behind on the model: gradients are returned,
+not accumulated, and buffers and random number generators are restored. Results are cached on
+disk by (model signature, device, micro-batch sizes, repeats), so compiling the same model twice
+measures it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from fxpipe.passes.analysis.shape import preserved_state
+from torch import fx
+
+from fxpipe.batching import input_dims, resize
+from fxpipe.ir import CommTable
+
+__all__ = [
+    "ProfileCache", "UnitProfile", "default_cache_dir", "profile_units", "unit_parameters",
+]
+
+_FORMAT = 1  # bump when the cached record changes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UnitProfile:
+    """Measurements per (micro-batch size, unit); times in seconds, sizes in bytes."""
+
+    sizes: tuple[int, ...]  # micro-batch sizes measured, ascending
+    forward: np.ndarray  # (M, K)
+    backward: np.ndarray  # (M, K)
+    boundary_bytes: np.ndarray  # (M, K): values crossing the cut after unit i
+    boundary_grad_bytes: np.ndarray  # (M, K): their gradients (floating values only)
+    activation_bytes: np.ndarray  # (M, K): tensors the unit saves for its backward
+    param_bytes: np.ndarray  # (K,)
+    params: np.ndarray  # (K,) parameter counts (a tied weight counts in its first unit)
+    device: str
+    cached: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in arrays.items()
+                if k != "cached"}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> UnitProfile:
+        fields = {f.name for f in dataclasses.fields(cls)} - {"cached", "sizes", "device"}
+        arrays = {k: np.asarray(data[k], dtype=np.float64) for k in fields}
+        return cls(tuple(data["sizes"]), device=data["device"], cached=True, **arrays)
+
+
+def default_cache_dir() -> pathlib.Path:
+    """~/.cache/fxpipe/profiles (or under $XDG_CACHE_HOME)."""
+    root = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(root) / "fxpipe" / "profiles"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileCache:
+    """Profiles on disk, one JSON file per key."""
+
+    directory: pathlib.Path
+
+    def get(self, key: str) -> UnitProfile | None:
+        path = self.directory / f"{key}.json"
+        try:
+            return UnitProfile.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def put(self, key: str, profile: UnitProfile) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f".{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(profile.to_json()))
+            tmp.replace(self.directory / f"{key}.json")
+        except OSError:
+            pass  # an unwritable cache only costs a re-measurement next time
+
+
+def profile_units(
+    graph: fx.GraphModule,
+    table: CommTable,
+    flat_inputs: Sequence[Any],
+    sizes: Sequence[int],
+    device: str = "cpu",
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    cache: ProfileCache | None = None,
+) -> UnitProfile:
+    """Measure every unit at each micro-batch size in `sizes`.
+
+    `graph` and `table` are the rewrite pass's PipelineGraph and CommTable of the model split
+    with one unit per stage.
+    """
+    sizes = tuple(sorted(set(int(s) for s in sizes)))
+    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    units = len(table.stages)
+    params, param_bytes = unit_parameters(graph, units)
+    dims = input_dims(flat_inputs)
+    rows = []
+    with preserved_state(graph):
+        for size in sizes:
+            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x
+                      for x in resize(flat_inputs, dims, size)]
+            rows.append(_measure(graph, table, inputs, device, warmup, repeats))
+    forward, backward, crossing, crossing_grad, saved = (np.array(r) for r in zip(*rows))
+    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
+                          param_bytes, params, device)
+    if cache is not None:
+        cache.put(key, profile)
+    return profile
+
+
+def _measure(graph, table, inputs, device, warmup, repeats):
+    """One micro-batch size: per-unit forward, backward, crossing and saved bytes."""
+    needs_grad = {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
+                  for e in table.edges}
+    env = dict(zip(table.graph_inputs, inputs))
+    timer = _timer(torch.device(device))
+    forward, backward, saved = [], [], []
+    for io in table.stages:
+        module = graph.get_submodule(f"stage{io.stage}").module
+        args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
+        wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        wants += [p for p in module.parameters() if p.requires_grad]
+        f_times, b_times = [], []
+        for rep in range(warmup + repeats):
+            with _SavedBytes(module) as counted:
+                outputs, seconds = timer(module, *args)
+            grads_for = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if grads_for and wants:
+                ones = [torch.ones_like(o) for o in grads_for]
+                _, b_seconds = timer(torch.autograd.grad, grads_for, wants, ones,
+                                     allow_unused=True)
+            else:
+                b_seconds = 0.0
+            if rep >= warmup:
+                f_times.append(seconds)
+                b_times.append(b_seconds)
+        forward.append(statistics.median(f_times))
+        backward.append(statistics.median(b_times))
+        saved.append(counted.nbytes)
+        for value, out in zip(io.outputs, outputs):
+            env[value] = out.detach() if isinstance(out, torch.Tensor) else out
+    crossing, crossing_grad = _crossing_bytes(table, env, len(table.stages))
+    return forward, backward, crossing, crossing_grad, saved
+
+
+def _as_input(value: Any, needs_grad: bool) -> Any:
+    """A unit's input as a pipeline stage receives it: detached, needing a gradient if the
+    value needs one in training."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(needs_grad and value.is_floating_point())
+
+
+def _crossing_bytes(table, env, units: int) -> tuple[list[float], list[float]]:
+    """Bytes of the values crossing each cut (after unit i), and of their gradients."""
+    last_use: dict[str, tuple[int, int]] = {}
+    for edge in table.edges:
+        src, dst = last_use.get(edge.value, (edge.src, edge.dst))
+        last_use[edge.value] = (src, max(dst, edge.dst))
+    crossing, crossing_grad = [0.0] * units, [0.0] * units
+    for value, (src, dst) in last_use.items():
+        tensor = env.get(value)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        carries_grad = tensor.is_floating_point()
+        for cut in range(src, dst):
+            crossing[cut] += tensor.nbytes
+            if carries_grad:
+                crossing_grad[cut] += tensor.nbytes
+    return crossing, crossing_grad
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward during a forward (parameters excluded)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params = {p.data_ptr() for p in module.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> _SavedBytes:
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+
+def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:
+    """timer(fn, *args, **kwargs) -> (result, seconds): CUDA events on GPU, perf_counter else."""
+    if device.type == "cuda":
+        def cuda_timed(fn, *args, **kwargs):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            result = fn(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            return result, start.elapsed_time(end) / 1e3
+        return cuda_timed
+
+    def cpu_timed(fn, *args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        return result, time.perf_counter() - start
+    return cpu_timed
+
+
+def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parameter count and bytes of each unit (a weight shared by units counts in the first)."""
+    seen: set[int] = set()
+    counts, nbytes = np.zeros(units), np.zeros(units)
+    for i in range(units):
+        for p in graph.get_submodule(f"stage{i}").module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                counts[i] += p.numel()
+                nbytes[i] += p.numel() * p.element_size()
+    return counts, nbytes
+
+
+def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats) -> str:
+    stages = [m for name, m in graph.named_children() if name.startswith("stage")]
+    signature = {
+        "format": _FORMAT, "torch": torch.__version__, "device": device, "sizes": sizes,
+        "warmup": warmup, "repeats": repeats,
+        "code": [stage.module.code for stage in stages],
+        "state": [(n, list(t.shape), str(t.dtype), t.requires_grad)
+                  for n, t in [*graph.named_parameters(), *graph.named_buffers()]],
+        "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
+                   for x in flat_inputs],
+        "threads": torch.get_num_threads(),
+    }
+    return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]

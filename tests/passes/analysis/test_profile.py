@@ -1,0 +1,84 @@
+"""Profile pass: per-unit times and bytes, cached, leaving the model untouched."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from fxpipe.passes.analysis.profile import profile_units
+from fxpipe.passes.rewrite.stages import split_stages
+from torch import nn
+
+import fxpipe
+from fxpipe.models import GPT, VGG
+
+
+def _per_unit(model, x):
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=1, costs="none"), example_inputs=(x,))
+    k = len(pipe.units)
+    graph, table = split_stages(pipe.traced.gm, pipe.units, range(1, k + 1), ["cpu"] * k)
+    return pipe, graph, table
+
+
+def test_second_compile_reads_the_cache(tmp_path):
+    model, x = VGG(), torch.randn(8, 3, 32, 32)
+    first = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2),
+                           example_inputs=(x,), cache=tmp_path)
+    start = time.perf_counter()
+    second = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2),
+                            example_inputs=(x,), cache=tmp_path)
+    assert list(tmp_path.glob("*.json"))
+    np.testing.assert_array_equal(first.cost.f, second.cost.f)
+    np.testing.assert_array_equal(first.cost.b, second.cost.b)
+    assert time.perf_counter() - start < 5.0
+
+
+def test_profile_shapes_and_bytes():
+    model, x = VGG(), torch.randn(8, 3, 32, 32)
+    pipe, graph, table = _per_unit(model, x)
+    profile = profile_units(graph, table, [x], [2, 4, 8], warmup=1, repeats=2)
+    k = len(pipe.units)
+    assert profile.sizes == (2, 4, 8)
+    for array in (profile.forward, profile.backward, profile.boundary_bytes,
+                  profile.activation_bytes):
+        assert array.shape == (3, k) and np.all(array >= 0)
+    assert np.all(profile.forward > 0)
+    # the first conv's output, 8 x 16 x 32 x 32 floats, crosses the cut after unit 0
+    assert profile.boundary_bytes[2, 0] == 8 * 16 * 32 * 32 * 4
+    assert profile.boundary_bytes[0, 0] == 2 * 16 * 32 * 32 * 4
+    assert profile.boundary_bytes[2, -1] == 0
+    assert profile.params.sum() == sum(p.numel() for p in model.parameters())
+
+
+def test_integer_values_carry_no_gradient_bytes():
+    model, idx = GPT(layers=1), torch.randint(0, 128, (4, 16))
+
+    class Split(nn.Module):  # token ids cross the first cut as well as embeddings
+        def __init__(self):
+            super().__init__()
+            self.gpt = model
+
+        def forward(self, idx):
+            return self.gpt(idx) + self.gpt.wte(idx).sum()
+
+    _, graph, table = _per_unit(Split(), idx)
+    profile = profile_units(graph, table, [idx], [4], warmup=0, repeats=1)
+    assert np.all(profile.boundary_grad_bytes <= profile.boundary_bytes)
+    assert np.any(profile.boundary_grad_bytes < profile.boundary_bytes)
+
+
+def test_profiling_a_training_model_leaves_no_trace():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model.train()
+    x = torch.randn(16, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(3)
+    expected = torch.rand(2)
+    torch.manual_seed(3)
+    fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=4), example_inputs=(x,),
+                   cache=False)
+    assert torch.equal(torch.rand(2), expected)
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

@@ -1,0 +1,57 @@
+"""CostTable interpolation, links, and the memory estimate."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from fxpipe.passes.analysis.comm import default_link
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fxpipe.cost import CostTable, Link, Partition
+
+
+def test_interpolates_in_micro_batch_size_not_proportionally():
+    # times at micro-batch sizes 2 and 8 for one unit; batch 8 -> p=1 is size 8, p=2 size 4
+    cost = CostTable.from_arrays([[1.0], [2.0]], [[3.0], [5.0]], sizes=[2, 8], batch=8)
+    f, b, _, _ = cost.at(2)
+    assert f[0] == pytest.approx(1.0 + (4 - 2) / 6)
+    assert b[0] == pytest.approx(3.0 + 2 * (4 - 2) / 6)
+    assert cost.at(4)[0][0] == pytest.approx(1.0)  # size 2, measured
+    assert cost.at(1)[0][0] == pytest.approx(2.0)  # size 8, measured
+
+
+@given(st.lists(st.floats(0.01, 5.0), min_size=2, max_size=4, unique=True))
+def test_rows_are_reproduced_at_measured_sizes(times):
+    sizes = [2 ** i for i in range(len(times))]
+    batch = sizes[-1]
+    cost = CostTable.from_arrays(np.array(times)[:, None], np.array(times)[:, None],
+                                 sizes=sizes, batch=batch)
+    for time_, size in zip(times, sizes):
+        assert cost.at(batch // size)[0][0] == pytest.approx(time_)
+
+
+def test_bad_tables_are_refused():
+    with pytest.raises(ValueError, match="finite non-negative"):
+        CostTable.from_arrays([-1.0], [1.0])
+    with pytest.raises(ValueError, match="ascending micro-batch sizes"):
+        CostTable.from_arrays([[1.0], [2.0]], [[1.0], [2.0]], sizes=[4, 2], batch=4)
+
+
+def test_link_time_and_defaults():
+    link = Link(1e-3, 1e6)
+    np.testing.assert_allclose(link.time([0, 1e6]), [0.0, 1.0 + 1e-3])
+    assert default_link("cpu", "cpu").time(1e9) == 0.0  # one process: references, no copy
+    assert default_link("cpu", "cpu", distributed=True).time(2e9) == pytest.approx(1 + 50e-6)
+    assert math.isfinite(default_link("cuda:0", "cuda:1").bandwidth)
+
+
+def test_memory_estimate_counts_weights_state_and_in_flight_activations():
+    cost = CostTable.from_arrays([1.0, 1.0], [1.0, 1.0], params=[10, 20],
+                                 param_bytes=[40, 80], activation_bytes=[100, 1000])
+    gpipe = Partition.evaluate(cost, [1, 2], p=4, schedule="gpipe")
+    one_f_one_b = Partition.evaluate(cost, [1, 2], p=4, schedule="1f1b")
+    assert [s.memory for s in gpipe.stages] == [40 * 4 + 4 * 100, 80 * 4 + 4 * 1000]
+    assert [s.memory for s in one_f_one_b.stages] == [40 * 4 + 2 * 100, 80 * 4 + 1 * 1000]
