@@ -1,32 +1,4 @@
-"""Pipeline schedules as plain data: per-stage action lists, their generators and lowering steps.
-
-A `Schedule` holds one ordered tuple of `Action`s per stage. Generators (`gpipe`, `one_f_one_b`,
-`async_one_f_one_b`) return compute-only lists; lowering is a chain of pure functions, each
-returning a new schedule: `add_communication` (SEND/RECV pairs), then `add_step` (STEP, and
-ALLREDUCE for data-parallel groups). `check_communication` proves a lowered schedule cannot hang.
-`fxpipe.simulate` times any of them.
-
-Compact form of an action, `<stage><kind>[<mb>][<dir><peer>]`:
-
-    1F0      stage 1, forward of micro-batch 0         (B backward, W weight-grad alike)
-    0SF3>1   stage 0 sends micro-batch 3's activations to stage 1
-    1RF3<0   stage 1 receives them from stage 0
-    1SB3>0   stage 1 sends micro-batch 3's input gradient back to stage 0
-    0RB3<1   stage 0 receives it from stage 1
-    0AR  0STEP      gradient all-reduce, optimizer step (single mini-batch)
-    0AR1 0STEP1     the same, closing mini-batch 1 (multi-mini-batch schedules)
-
-`mb` numbers micro-batches globally: micro-batch `mb` belongs to mini-batch
-`mb // micro_batches`. Synchronous schedules hold one mini-batch (mb in 0..p-1); async-1f1b
-streams `minibatches` of them with no flush. For STEP and ALLREDUCE `mb` is the mini-batch
-index they close, None when the schedule holds a single mini-batch.
-
-Weight versions: a stage's weights start at version 0 and every STEP on the stage adds one, so
-`Schedule.weight_version(action)` (STEPs before the action in its stage's list) is the version
-the action meets under the consistency policy "none"; sequential training would use version
-`Schedule.minibatch(action)`. A "stash" runtime runs B with the version its F met, "predict"
-(PipeOptim) predicts `weight_version(B) - weight_version(F)` updates ahead for the forward.
-"""
+"""Pipeline schedules as plain data: per-stage action lists, their generators and lowering."""
 
 from __future__ import annotations
 
@@ -89,30 +61,44 @@ class ActionKind(str, Enum):
 
     @property
     def is_send(self) -> bool:
-        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+        return self is ActionKind.SEND_F or self is ActionKind.SEND_B
 
     @property
     def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+        return self is ActionKind.RECV_F or self is ActionKind.RECV_B
 
 
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 _COMPUTE = frozenset({F, B, W})
 _MINIBATCH_KINDS = frozenset({ActionKind.ALLREDUCE, ActionKind.STEP})
 _DOWNSTREAM = frozenset({ActionKind.SEND_F, ActionKind.RECV_B})  # the peer is a later stage
-# the action a send or receive pairs with on its peer, and the compute action it serves
+# the kind a send or receive pairs with on its peer, and the compute it serves
 _PARTNER = {
     ActionKind.SEND_F: ActionKind.RECV_F, ActionKind.RECV_F: ActionKind.SEND_F,
     ActionKind.SEND_B: ActionKind.RECV_B, ActionKind.RECV_B: ActionKind.SEND_B,
 }
 _SERVES = {ActionKind.SEND_F: F, ActionKind.RECV_F: F, ActionKind.SEND_B: B, ActionKind.RECV_B: B}
-_GRAMMAR = "<stage><kind>[<mb>][>|<<peer>], e.g. 1F0, 0SF3>1, 1RF3<0, 0STEP"
+_GRAMMAR = "<stage><kind>[<mb>][('>' | '<')<peer>], e.g. 1F0, 0SF3>1, 1RF3<0, 0STEP"
 _PATTERN = re.compile(r"(\d+)([A-Z]+)(\d*)(?:([<>])(\d+))?")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Action:
-    """One step of one stage: compute, a send or receive with `peer`, a reduction or a step."""
+    """One step of one stage: compute, a send or receive with `peer`, a reduction or a step.
+
+    Compact form `<stage><kind>[<mb>][('>' | '<')<peer>]`, `str(a)` and `Action.parse`:
+
+        1F0      stage 1, forward of micro-batch 0 (1B0 backward, 1W0 weight gradient)
+        0SF3>1   stage 0 sends micro-batch 3's activations to stage 1
+        1RF3<0   stage 1 receives them from stage 0
+        1SB3>0   stage 1 sends micro-batch 3's input gradient back to stage 0
+        0RB3<1   stage 0 receives it from stage 1
+        0AR 0STEP     all-reduce stage 0's gradients, step its optimizer (single mini-batch)
+        0AR1 0STEP1   the same, closing mini-batch 1 of a multi-mini-batch schedule
+
+    `mb` numbers micro-batches from 0 across the whole schedule (see `Schedule`); for STEP and
+    ALLREDUCE it is the mini-batch they close, None when the schedule holds one mini-batch.
+    """
 
     stage: int
     kind: ActionKind
@@ -120,19 +106,22 @@ class Action:
     peer: int | None = None
 
     def __post_init__(self) -> None:
-        try:
-            kind = ActionKind(self.kind)
-        except ValueError:
-            codes = " ".join(k.value for k in ActionKind)
-            raise ValueError(f"unknown action kind {self.kind!r}; use one of {codes}") from None
-        object.__setattr__(self, "kind", kind)
+        kind = self.kind
+        if type(kind) is not ActionKind:
+            try:
+                kind = ActionKind(kind)
+            except ValueError:
+                codes = " ".join(k.value for k in ActionKind)
+                raise ValueError(f"unknown action kind {kind!r}; use one of {codes}") from None
+            object.__setattr__(self, "kind", kind)
         for field in ("stage", "mb", "peer"):
             value = getattr(self, field)
-            if value is not None and (isinstance(value, bool) or not _is_index(value)):
+            if (type(value) is int and value >= 0) or (value is None and field != "stage"):
+                continue  # the common case, checked fast
+            if isinstance(value, bool) or not _is_index(value):
                 raise ValueError(f"Action.{field} must be a non-negative integer, not {value!r}")
-            if value is not None:
-                object.__setattr__(self, field, operator.index(value))
-        communicates = kind.is_send or kind.is_recv
+            object.__setattr__(self, field, operator.index(value))
+        communicates = kind in _PARTNER
         if self.mb is None and kind not in _MINIBATCH_KINDS:
             raise ValueError(f"{kind.name} needs a micro-batch: "
                              f"Action({self.stage}, {kind.name}, mb)")
@@ -154,6 +143,13 @@ class Action:
         return f"{self.stage}{self.kind.value}{mb}{arrow}{self.peer}"
 
     __repr__ = __str__
+
+    @property
+    def partner(self) -> Action:
+        """The receive a send pairs with on its peer, or the send a receive waits for."""
+        if self.kind not in _PARTNER:
+            raise ValueError(f"{self} is not a send or a receive, so it has no partner")
+        return Action(self.peer, _PARTNER[self.kind], self.mb, self.stage)
 
     @classmethod
     def parse(cls, text: str) -> Action:
@@ -178,7 +174,22 @@ def _is_index(value: object) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Per-stage ordered action lists: `actions[s]` is what stage s runs, in order."""
+    """Per-stage ordered action lists: `actions[s]` is what stage s runs, in order.
+
+    Generators return compute-only lists; lowering is a chain of pure functions, each returning
+    a new schedule: `add_communication` (SEND/RECV pairs), then `add_step` (STEP, and ALLREDUCE
+    for data-parallel groups). `check_communication` proves a lowered schedule cannot hang and
+    `fxpipe.simulate.simulate` times any of them.
+
+    Micro-batch `mb` belongs to mini-batch `mb // micro_batches`: synchronous schedules hold one
+    mini-batch (mb in 0..p-1), async-1f1b streams `minibatches` of them with no flush.
+
+    Weight versions: a stage starts at version 0 and every STEP on it adds one, so
+    `weight_version(action)` (STEPs before the action in its list) is the version it meets with
+    no consistency policy ("none"); sequential training would use version `minibatch(action)`.
+    "stash" runs B(mb) with the version F(mb) met; "predict" (PipeOptim) runs F(mb) with weights
+    predicted `weight_version(B) - weight_version(F)` updates ahead.
+    """
 
     name: str
     stages: int
@@ -436,7 +447,7 @@ def check_communication(schedule: Schedule) -> None:
         for a in stage:
             if a.kind not in _PARTNER:
                 continue
-            partner = Action(a.peer, _PARTNER[a.kind], a.mb, s)
+            partner = a.partner
             if partner not in present[a.peer]:
                 raise ScheduleError(f"{a} on stage {s} has no matching {partner} on stage "
                                     f"{a.peer}; add it there or drop {a}")
@@ -488,7 +499,7 @@ def _run_messages(schedule: Schedule) -> None:
                     queue = channels[a.peer, s]
                     if not queue:
                         break
-                    expected = Action(a.peer, _PARTNER[a.kind], a.mb, s)
+                    expected = a.partner
                     if queue[0] != expected:
                         raise ScheduleError(
                             f"messages from stage {a.peer} to stage {s} arrive in another order "
@@ -499,7 +510,7 @@ def _run_messages(schedule: Schedule) -> None:
                 progress = True
     waiting = [(s, stage[pc[s]]) for s, stage in enumerate(schedule.actions) if pc[s] < len(stage)]
     if waiting:
-        waits = "; ".join(f"stage {s} waits at {a} (action {pc[s]}) for "
-                          f"{Action(a.peer, _PARTNER[a.kind], a.mb, s)}" for s, a in waiting)
+        waits = "; ".join(f"stage {s} waits at {a} (action {pc[s]}) for {a.partner}"
+                          for s, a in waiting)
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}. Reorder the lists so "
                             "every receive is met by a send its peer reaches first")

@@ -1,18 +1,4 @@
-"""The event simulator: start and end of every action of a schedule, and its ASCII timeline.
-
-The model (ALGORITHMS §1, generalised from GPipe's closed form to any schedule):
-
-- a stage runs the actions of its list one at a time, in order, each as soon as the stage is
-  free and its dependencies are met;
-- F(s, m) runs after the activations of every producer of stage s have arrived, B(s, m) after
-  the gradients of every consumer have arrived and after F(s, m) on stage s (W after B);
-- a SEND takes no stage time: it hands its message to the link from the stage to its peer,
-  which moves one message at a time in send order; every directed stage pair is its own link,
-  so a forward and a backward transfer between two stages never block each other (full duplex);
-- a RECV blocks its stage until its message has arrived.
-
-Compute-only schedules are lowered with `add_communication` first, so both forms time the same.
-"""
+"""The event simulator: start and end of every action of a schedule, and its ASCII timeline."""
 
 from __future__ import annotations
 
@@ -140,6 +126,17 @@ def simulate(
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
+    The model (ALGORITHMS §1, generalised from GPipe's closed form to any schedule): a stage
+    runs its list one action at a time, in order, each as soon as the stage is free and the
+    action's dependencies are met. F(s, m) waits for the activations of every producer of stage
+    s, B(s, m) for the gradients of every consumer and for F(s, m) on s (W(s, m) for B(s, m)).
+    A SEND takes no stage time: it hands its message to the link from the stage to its peer,
+    which carries one message at a time in send order; every directed stage pair is a link of
+    its own, so a forward and a backward transfer between two stages never block each other
+    (full duplex). A RECV blocks its stage until its message has arrived. A compute-only
+    schedule is lowered with `add_communication(schedule, edges)` first, so both forms time the
+    same; a lowered one is checked with `check_communication`.
+
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
     (N, p * minibatches). step, allreduce: a scalar or one per stage.
@@ -227,8 +224,7 @@ def _run(
 def _needs(a: Action) -> Action | None:
     """The action that must have finished before `a` can start, beyond its list order."""
     if a.kind.is_recv:
-        partner = ActionKind.SEND_F if a.kind is ActionKind.RECV_F else ActionKind.SEND_B
-        return Action(a.peer, partner, a.mb, a.stage)
+        return a.partner
     if a.kind is ActionKind.B:
         return Action(a.stage, ActionKind.F, a.mb)
     if a.kind is ActionKind.W:

@@ -19,6 +19,7 @@ from fxpipe.schedules import (
     F,
     Schedule,
     ScheduleError,
+    W,
     add_communication,
     add_step,
     async_one_f_one_b,
@@ -96,6 +97,13 @@ def test_compact_form_round_trips_for_every_kind(action: Action):
     assert Action.parse(text) == action
     assert hash(Action.parse(text)) == hash(action)
     assert repr(action) == text
+    if action.kind.is_send or action.kind.is_recv:
+        partner = action.partner  # the other end of the message, on the peer stage
+        assert (partner.stage, partner.peer, partner.mb) == (action.peer, action.stage, action.mb)
+        assert partner.kind.is_send != action.kind.is_send and partner.partner == action
+    else:
+        with pytest.raises(ValueError, match="not a send or a receive"):
+            _ = action.partner
 
 
 @pytest.mark.parametrize(
@@ -126,6 +134,9 @@ def test_constructor_rejects_bad_fields():
         Action(-1, F, 0)
     with pytest.raises(ValueError, match="non-negative integer"):
         Action(0, F, 1.5)
+    with pytest.raises(ValueError, match=r"Action\.stage must be a non-negative integer, not None"):
+        Action(None, F, 0)
+    assert Action(np.int64(2), F, np.int64(3)) == Action(2, F, 3)  # numpy indices are fine
 
 
 # --- generators -------------------------------------------------------------------------------
@@ -378,6 +389,19 @@ def test_step_and_allreduce_times_count_on_their_stage():
     assert slow.busy == base.busy  # busy counts F, B and W only
 
 
+def test_weight_gradients_run_after_their_backward_and_count_as_busy():
+    # zero-bubble style: B computes the input gradient early, W the weight gradient later
+    split = Schedule.from_lists([["0F0", "0F1", "0B0", "0B1", "0W0", "0W1"],
+                                 ["1F0", "1B0", "1F1", "1B1", "1W0", "1W1"]])
+    timeline = simulate(split, 1.0, 1.0, weight=0.5)
+    for s in range(2):
+        for m in range(2):
+            assert timeline.event(Action(s, W, m)).start >= timeline.event(Action(s, B, m)).end
+    assert timeline.busy == (5.0, 5.0)
+    with pytest.raises(DeadlockError, match=r"waits at 0W0 \(action 1\) for 0B0"):
+        simulate(Schedule.from_lists([["0F0", "0W0", "0B0"]]), 1.0, 1.0)
+
+
 def test_links_are_full_duplex_and_serialise_each_direction():
     # 2 stages, 1F1B, links 3x slower than compute
     timeline = simulate(one_f_one_b(2, 3), 1.0, 1.0, 3.0, 3.0)
@@ -433,6 +457,17 @@ def test_build_by_name():
         build("zb", 2, 3)
     with pytest.raises(ValueError, match="stages must be a positive integer, not 0"):
         build("gpipe", 0, 3)
+
+
+def test_schedule_prints_one_line_per_stage_in_compact_form():
+    schedule = add_communication(one_f_one_b(2, 2))
+    assert str(schedule).splitlines() == [
+        "1f1b: 2 stages x 2 micro-batches",
+        "0: 0F0 0SF0>1 0F1 0SF1>1 0RB0<1 0B0 0RB1<1 0B1",
+        "1: 1RF0<0 1F0 1B0 1SB0>0 1RF1<0 1F1 1B1 1SB1>0",
+    ]
+    lists = [line.split(": ")[1].split() for line in str(schedule).splitlines()[1:]]
+    assert Schedule.from_lists(lists, "1f1b") == schedule
 
 
 def test_schedule_rejects_misplaced_actions():
