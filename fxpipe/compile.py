@@ -25,6 +25,7 @@ from fxpipe.passes.partition import even
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
+from fxpipe.runtime.executor import LocalExecutor
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
@@ -61,14 +62,39 @@ def compile(
     _check_stage_count(model, plan, units)
     flat = traced.bind(args, kwargs)
     link = _link(plan, devices)
-    cost = _costs(traced.gm, units, flat, plan, devices, link, _profile_cache(cache))
+    threads = _threads_per_stage(devices)
+    cost = _costs(traced.gm, units, flat, plan, devices, link, _profile_cache(cache), threads)
     partition = _partition(model, plan, units, cost)
     graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
     pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
                             cost, link)
     for stage, device in zip(pipe.stages, devices):
         stage.to(device)
+    pipe.executor = LocalExecutor(
+        pipe.stages, [pipe.stage_hook(s) for s in range(plan.stages)], comm, devices,
+        _output_names(traced.gm), plan.schedule, partition.micro_batches, traced.bind.unflatten,
+        threads=threads,
+    )
     return pipe
+
+
+def _threads_per_stage(devices: Sequence[str]) -> int:
+    """Intra-op threads for each stage's worker: stages on the CPU share its threads evenly
+    (more would oversubscribe the cores and slow every stage down)."""
+    on_cpu = sum(torch.device(d).type == "cpu" for d in devices)
+    return max(1, torch.get_num_threads() // max(on_cpu, 1))
+
+
+def _output_names(gm: torch.fx.GraphModule) -> Any:
+    """The model's flat output as a structure of value names; refuses outputs no stage makes."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in output.all_input_nodes:
+        if node.op == "get_attr":
+            raise FxpipeError(
+                f"the model returns its attribute {node.target!r} as it is; fxpipe runs only "
+                "computed outputs through the pipeline: return a tensor computed from it."
+            )
+    return torch.fx.map_arg(output.args[0], lambda n: n.name)
 
 
 def available_partitioners() -> tuple[str, ...]:
@@ -100,7 +126,7 @@ def units_of(
 
 
 def _costs(gm, units, flat, plan: Plan, devices, link: Link,
-           cache: ProfileCache | None) -> CostTable:
+           cache: ProfileCache | None, threads: int) -> CostTable:
     """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only."""
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
                                           [devices[0]] * len(units))
@@ -112,7 +138,7 @@ def _costs(gm, units, flat, plan: Plan, devices, link: Link,
                          param_bytes)
     batch = input_dims(flat).batch
     profile = profile_units(unit_graph, unit_table, flat, _profile_sizes(batch, plan),
-                            devices[0], cache=cache)
+                            devices[0], cache=cache, threads=threads)
     return cost_table(profile, link, batch, names)
 
 

@@ -10,9 +10,12 @@ from torch import fx
 from fxpipe.cost import Link, Partition
 from fxpipe.ir import CommTable, recv, send
 from fxpipe.meta import SHAPE, STAGE
+from fxpipe.simulate import Event
 from fxpipe.units import Unit
 
-__all__ = ["format_bytes", "format_graph", "format_stage_table", "format_table"]
+__all__ = [
+    "chrome_trace", "format_bytes", "format_graph", "format_stage_table", "format_table",
+]
 
 
 def format_bytes(n: float) -> str:
@@ -123,6 +126,24 @@ def _describe(node: fx.Node) -> str:
     if node.op == "call_module":
         return f"{node.target}({args})"
     return f"{getattr(node.target, '__name__', node.target)}({args})"
+
+
+def chrome_trace(timelines: dict[str, Sequence[Event]]) -> dict:
+    """A Chrome/Perfetto trace: one process per timeline (e.g. measured, predicted), one track
+    per stage, one slice per action; times in microseconds."""
+    events: list[dict] = []
+    for pid, (name, timeline) in enumerate(timelines.items()):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+        for stage in sorted({e.stage for e in timeline}):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": stage,
+                           "args": {"name": f"stage {stage}"}})
+        for e in timeline:
+            events.append({
+                "ph": "X", "name": str(e.action), "cat": e.action.kind.name, "pid": pid,
+                "tid": e.stage, "ts": e.start * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6,
+                "args": {"micro_batch": e.action.mb},
+            })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def _arg(a: object) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,9 +14,10 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
-from fxpipe.inspect import format_graph, format_stage_table
+from fxpipe.inspect import chrome_trace, format_graph, format_stage_table
 from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.plan import Plan
+from fxpipe.simulate import Event, Timeline, simulate
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
 
@@ -54,7 +58,7 @@ class CompiledPipeline(torch.nn.Module):
         vars(self).update(
             plan=plan, traced=traced, units=tuple(units), partition=partition, graph=graph,
             comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
-            link=link,
+            link=link, executor=None,
         )
 
     @property
@@ -69,7 +73,54 @@ class CompiledPipeline(torch.nn.Module):
         return self.graph.get_submodule(f"hook{stage}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output, computed micro-batch by micro-batch through the pipeline stages;
+        `loss.backward()` then runs the pipelined backward."""
+        flat = self.traced.bind(args, kwargs)
+        if self.executor is None:
+            return self.run_sequential(*args, **kwargs)
+        return self.executor.forward(flat)
+
+    def run_sequential(self, *args: Any, **kwargs: Any) -> Any:
+        """The PipelineGraph run as an ordinary module, one stage after another: the reference
+        every pipelined run is checked against."""
         return self.traced.bind.unflatten(self.graph(*self.traced.bind(args, kwargs)))
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`pipe.step(*inputs, target)`: run the whole schedule on one mini-batch (forward and
+        backward, interleaved as the schedule says) and return the mini-batch's mean loss.
+        Gradients accumulate in the parameters' .grad; the optimizer step is yours."""
+        if self.plan.loss_fn is None:
+            raise FxpipeError("pipe.step(x, target) computes the loss inside the pipeline and "
+                              "needs Plan(loss_fn=...), e.g. loss_fn=torch.nn.functional."
+                              "cross_entropy; or call loss_fn(pipe(x), target).backward().")
+        if not args:
+            raise FxpipeError("pipe.step(*inputs, target) needs the target as its last "
+                              "positional argument.")
+        *inputs, target = args
+        flat = self.traced.bind(tuple(inputs), kwargs)
+        return self.executor.step(flat, target, self.plan.loss_fn)
+
+    def last_trace(self) -> list[Event]:
+        """Every action of the last pipelined forward/backward or step, with start and end
+        in seconds from its beginning."""
+        return self.executor.last_trace() if self.executor is not None else []
+
+    def predicted_timeline(self) -> Timeline:
+        """The event simulator's timeline of one step under this plan's schedule."""
+        stages = self.partition.stages
+        return simulate(self.executor.schedule, [s.f for s in stages], [s.b for s in stages],
+                        [s.cf for s in stages], [s.cb for s in stages])
+
+    def save_trace(self, path: str | os.PathLike) -> None:
+        """Write the last run's measured timeline and the predicted one as Chrome/Perfetto
+        trace JSON (open it at ui.perfetto.dev or chrome://tracing)."""
+        measured = self.last_trace()
+        if not measured:
+            raise FxpipeError("nothing has run yet: call pipe(x) (and backward) or "
+                              "pipe.step(x, target) before save_trace().")
+        trace = chrome_trace({"measured": measured,
+                              "predicted": self.predicted_timeline().events})
+        pathlib.Path(path).write_text(json.dumps(trace))
 
     def register_stage_hook(self, stage: int, callback: Callable[[int], None]) -> RemovableHandle:
         """Call `callback(stage)` each time `stage` finishes a backward pass."""

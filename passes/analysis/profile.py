@@ -102,14 +102,17 @@ def profile_units(
     warmup: int = 2,
     repeats: int = 5,
     cache: ProfileCache | None = None,
+    threads: int | None = None,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
     `graph` and `table` are the rewrite pass's PipelineGraph and CommTable of the model split
-    with one unit per stage.
+    with one unit per stage. `threads`: intra-op threads to time with, as many as each stage's
+    worker will have (stages sharing the CPU share its cores).
     """
     sizes = tuple(sorted(set(int(s) for s in sizes)))
-    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats)
+    threads = threads or torch.get_num_threads()
+    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads)
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
@@ -117,12 +120,14 @@ def profile_units(
     units = len(table.stages)
     params, param_bytes = unit_parameters(graph, units)
     dims = input_dims(flat_inputs)
-    rows = []
-    with preserved_state(graph):
-        for size in sizes:
-            inputs = [x.to(device) if isinstance(x, torch.Tensor) else x
-                      for x in resize(flat_inputs, dims, size)]
-            rows.append(_measure(graph, table, inputs, device, warmup, repeats))
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with preserved_state(graph):
+            rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
+                             device, warmup, repeats) for size in sizes]
+    finally:
+        torch.set_num_threads(previous_threads)
     forward, backward, crossing, crossing_grad, saved = (np.array(r) for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
                           param_bytes, params, device)
@@ -164,6 +169,10 @@ def _measure(graph, table, inputs, device, warmup, repeats):
             env[value] = out.detach() if isinstance(out, torch.Tensor) else out
     crossing, crossing_grad = _crossing_bytes(table, env, len(table.stages))
     return forward, backward, crossing, crossing_grad, saved
+
+
+def _on(values: list[Any], device: str) -> list[Any]:
+    return [x.to(device) if isinstance(x, torch.Tensor) else x for x in values]
 
 
 def _as_input(value: Any, needs_grad: bool) -> Any:
@@ -251,7 +260,7 @@ def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.n
     return counts, nbytes
 
 
-def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats) -> str:
+def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads) -> str:
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
     signature = {
         "format": _FORMAT, "torch": torch.__version__, "device": device, "sizes": sizes,
@@ -261,6 +270,6 @@ def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats) -> str:
                   for n, t in [*graph.named_parameters(), *graph.named_buffers()]],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in flat_inputs],
-        "threads": torch.get_num_threads(),
+        "threads": threads,
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]

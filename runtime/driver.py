@@ -1,0 +1,179 @@
+"""The driver: runs per-stage action lists over StageRunners, one worker thread per stage.
+
+Each worker walks its stage's list in order (GroPipe's PMPIA: a worker per device, fed by its
+in/out messages). F and B call the runner; SEND/RECV go through the transport; the action list
+alone decides what runs when, so gpipe, 1f1b and async schedules share this loop. Every action
+is timed; a failing stage aborts the transport so the others stop instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.transport import LocalTransport, PipelineAborted
+
+from fxpipe.errors import FxpipeError
+from fxpipe.ir import CommTable
+from fxpipe.schedules import Action, ActionKind
+from fxpipe.simulate import Event
+
+__all__ = ["Driver", "Run"]
+
+K = ActionKind
+
+
+@dataclasses.dataclass
+class Run:
+    """One execution of action lists: what goes in, and what comes out, per micro-batch."""
+
+    feeds: Sequence[Mapping[str, Any]]  # per micro-batch: the model's inputs by name
+    grad_enabled: bool = True
+    loss: Callable[[int, Mapping[str, Any]], torch.Tensor] | None = None  # (mb, outputs) -> loss
+    output_grads: Sequence[Mapping[str, Any]] | None = None  # per mb: grads of model outputs
+    outputs: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    input_grads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    events: list[Event] = dataclasses.field(default_factory=list)
+    on_action: Callable[[Action], None] | None = None  # STEP / ALLREDUCE handler
+
+
+class Driver:
+    """Executes action lists over the runners of one process (one thread per stage)."""
+
+    def __init__(self, runners: Sequence[StageRunner], comm: CommTable,
+                 transport: LocalTransport, threads: int | None = None) -> None:
+        self.runners = list(runners)
+        self.threads = threads  # intra-op threads of each worker
+        self.comm = comm
+        self.transport = transport
+        self.pool = ThreadPoolExecutor(len(runners), thread_name_prefix="fxpipe-stage")
+        self._state: dict[int, _StageState] = {}
+
+    def run(self, programs: Sequence[Sequence[Action]], run: Run, key: Any = None) -> Run:
+        """Execute `programs[s]` on stage s for every stage; `key` keeps this run's in-flight
+        micro-batches apart from another run's (a forward now, its backward later)."""
+        self.transport.reset()
+        start = time.perf_counter()
+        futures = [self.pool.submit(self._stage_loop, s, program, run, key, start)
+                   for s, program in enumerate(programs)]
+        errors = [f.exception() for f in futures]
+        failures = [(s, e) for s, e in enumerate(errors) if e is not None]
+        if failures:
+            for runner in self.runners:
+                runner.discard()
+            self._state.clear()
+            stage, error = next(((s, e) for s, e in failures
+                                 if not isinstance(e, PipelineAborted)), failures[0])
+            if isinstance(error, FxpipeError):
+                raise error
+            raise RuntimeError(f"stage {stage} failed: {type(error).__name__}: {error}"
+                               ) from error
+        run.events.sort(key=lambda e: (e.stage, e.start))
+        return run
+
+    def _stage_loop(self, s: int, program: Sequence[Action], run: Run, key: Any,
+                    start: float) -> None:
+        torch.set_grad_enabled(run.grad_enabled)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # per thread: this worker's parallel regions
+        state = self._state.setdefault(s, _StageState())
+        device = self.runners[s].device
+        context = torch.cuda.device(device) if device.type == "cuda" else _nothing()
+        # after these actions, a micro-batch's values / input gradients are no longer needed
+        last_value_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.F, K.SEND_F)}
+        last_grad_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.B, K.SEND_B)}
+        try:
+            with context:
+                for i, action in enumerate(program):
+                    began = time.perf_counter()
+                    self._execute(s, action, run, key, state)
+                    run.events.append(Event(s, action, began - start,
+                                            time.perf_counter() - start))
+                    if last_value_use.get(action.mb) == i:
+                        state.values.pop((key, action.mb), None)
+                    if last_grad_use.get(action.mb) == i:
+                        state.input_grads.pop((key, action.mb), None)
+        except BaseException as error:
+            self.transport.abort(error if not isinstance(error, PipelineAborted)
+                                 else error.__cause__ or error)
+            raise
+
+    def _execute(self, s: int, a: Action, run: Run, key: Any, state: _StageState) -> None:
+        runner, mb = self.runners[s], (key, a.mb)
+        if a.kind is K.RECV_F:
+            state.values[mb].update(self.transport.recv(a.peer, s, "F", mb))
+        elif a.kind is K.F:
+            values = state.values[mb]
+            if s == 0:
+                values.update(run.feeds[a.mb])
+            values.update(runner.forward(mb, values))
+            if s == len(self.runners) - 1:
+                self._finish_forward(runner, mb, a.mb, values, run)
+        elif a.kind is K.SEND_F:
+            values = state.values[mb]
+            self.transport.send(s, a.peer, "F", mb, {e.value: values[e.value]
+                                                     for e in self.comm.sends(s)
+                                                     if e.dst == a.peer})
+        elif a.kind is K.RECV_B:
+            _accumulate(state.grads[mb], self.transport.recv(a.peer, s, "B", mb))
+        elif a.kind is K.B:
+            grads = state.grads.pop(mb, {})
+            if run.output_grads is not None and s == len(self.runners) - 1:
+                _accumulate(grads, run.output_grads[a.mb])
+            state.input_grads[mb] = runner.backward(mb, grads)
+            if s == 0:
+                run.input_grads[a.mb] = state.input_grads[mb]
+        elif a.kind is K.SEND_B:
+            grads = state.input_grads[mb]
+            self.transport.send(s, a.peer, "B", mb, {e.value: grads.get(e.value)
+                                                     for e in self.comm.recvs(s)
+                                                     if e.src == a.peer})
+        elif a.kind in (K.STEP, K.ALLREDUCE):
+            if run.on_action is not None:
+                run.on_action(a)
+        else:
+            raise FxpipeError(f"the local runtime cannot run {a} ({a.kind.name}) yet")
+
+    def _finish_forward(self, runner, mb, index, values, run: Run) -> None:
+        outputs = {name: values[name] for name in self.comm.graph_outputs}
+        run.outputs[index] = outputs
+        if run.loss is not None:
+            loss = run.loss(index, outputs)
+            if run.grad_enabled:
+                runner.add_root(mb, loss)
+            run.losses[index] = loss.detach()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+class _StageState:
+    """What one stage holds between actions, per micro-batch key."""
+
+    def __init__(self) -> None:
+        self.values: dict[Any, dict[str, Any]] = defaultdict(dict)
+        self.grads: dict[Any, dict[str, Any]] = defaultdict(dict)
+        self.input_grads: dict[Any, dict[str, Any]] = {}
+
+
+def _accumulate(into: dict[str, Any], grads: Mapping[str, Any]) -> None:
+    """Sum gradients per value: a value sent to several stages gets one gradient from each."""
+    for name, grad in grads.items():
+        if grad is None:
+            continue
+        into[name] = grad if into.get(name) is None else into[name] + grad
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None

@@ -1,0 +1,88 @@
+"""StageRunner: the forward and backward of one micro-batch on one stage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fxpipe.ir import Stage, StageHook, StageIO
+
+__all__ = ["StageRunner"]
+
+
+class StageRunner:
+    """Runs one stage's hook and graph module on micro-batches.
+
+    A forward keeps what its backward needs (the stage's input leaves and outputs) under its
+    micro-batch key; the backward releases them, so only in-flight micro-batches hold
+    activations. Received values are cut from the sender's autograd graph: each stage's backward
+    is its own, and hands input gradients back explicitly.
+    """
+
+    def __init__(self, stage: Stage, hook: StageHook, io: StageIO, device: str,
+                 needs_grad: Mapping[str, bool]) -> None:
+        self.stage, self.hook, self.io = stage, hook, io
+        self.index = io.stage
+        self.device = torch.device(device)
+        self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
+        self._in_flight: dict[Any, tuple[list[Any], tuple[Any, ...], list[torch.Tensor]]] = {}
+        self.peak_in_flight = 0  # most micro-batches held at once since the last reset
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose forward ran and whose backward has not."""
+        return len(self._in_flight)
+
+    def forward(self, mb: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Run the stage on `values` (its inputs by name). Returns its outputs by name, and its
+        inputs as the stage saw them (cut from the sender's graph), so a later use of an input,
+        such as a loss on a model output that passed through, backpropagates into this stage."""
+        training = torch.is_grad_enabled()
+        inputs = [self._leaf(values[name], name, training) for name in self.io.inputs]
+        outputs = self.stage(self.hook(*inputs))
+        if training:
+            self._in_flight[mb] = (inputs, outputs, [])
+            self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+        return {**dict(zip(self.io.inputs, inputs)), **dict(zip(self.io.outputs, outputs))}
+
+    def add_root(self, mb: Any, tensor: torch.Tensor) -> None:
+        """Make `tensor` (the micro-batch's loss, on the last stage) a root of its backward."""
+        self._in_flight[mb][2].append(tensor)
+
+    def backward(self, mb: Any, grads: Mapping[str, torch.Tensor | None]) -> dict[str, Any]:
+        """Backpropagate the gradients of the stage's outputs (and of any roots added);
+        accumulate parameter gradients; return the gradients of the stage's inputs by name.
+        A gradient given for an input name (an input that is also a model output) is added."""
+        inputs, outputs, roots = self._in_flight.pop(mb)
+        tensors, grad_tensors = list(roots), [None] * len(roots)
+        for name, output in zip(self.io.outputs, outputs):
+            grad = grads.get(name)
+            if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+                tensors.append(output)
+                grad_tensors.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+        result = {}
+        for name, leaf in zip(self.io.inputs, inputs):
+            if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
+                continue
+            grad, direct = leaf.grad, grads.get(name)
+            if direct is not None:
+                grad = direct if grad is None else grad + direct
+            result[name] = grad
+        return result
+
+    def discard(self) -> None:
+        """Drop every in-flight micro-batch (after a failed run)."""
+        self._in_flight.clear()
+
+    def _leaf(self, value: Any, name: str, training: bool) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        leaf = value.detach()
+        wanted = value.requires_grad or self.needs_grad.get(name, False)
+        if training and wanted and leaf.is_floating_point():
+            leaf.requires_grad_(True)
+        return leaf

@@ -1,0 +1,95 @@
+"""Transports move a micro-batch's values between stages; LocalTransport does it in one process.
+
+A send never waits for its receiver (the schedules are lowered for posted sends); a receive
+blocks until the message is there, the run is aborted, or the timeout passes. Messages are
+keyed by (src, dst, direction, micro-batch), so their order on a link does not matter.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fxpipe.errors import FxpipeError
+
+__all__ = ["LocalTransport", "PipelineAborted"]
+
+Key = tuple[int, int, str, Any]  # (src, dst, "F" or "B", micro-batch key)
+
+
+class PipelineAborted(FxpipeError):
+    """Another stage failed, so this one stopped waiting."""
+
+
+class LocalTransport:
+    """Stages in one process: a message is a dict of values handed over, copied to the
+    receiver's device when it differs. On CUDA the copy runs on a side stream and the receiver's
+    stream waits on an event, so copies overlap compute."""
+
+    def __init__(self, devices: list[str], timeout: float = 300.0) -> None:
+        self.devices = [torch.device(d) for d in devices]
+        self.timeout = timeout
+        self._messages: dict[Key, tuple[dict[str, Any], Any]] = {}
+        self._ready = threading.Condition()
+        self._error: BaseException | None = None
+        self._copy_streams: dict[torch.device, Any] = {}
+
+    def send(self, src: int, dst: int, direction: str, mb: Any,
+             values: Mapping[str, Any]) -> None:
+        payload, event = self._to_device(values, self.devices[dst])
+        with self._ready:
+            self._messages[(src, dst, direction, mb)] = (payload, event)
+            self._ready.notify_all()
+
+    def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
+        key = (src, dst, direction, mb)
+        with self._ready:
+            arrived = self._ready.wait_for(lambda: key in self._messages or self._error,
+                                           self.timeout)
+            if self._error is not None:
+                raise PipelineAborted(f"stage {dst} stopped: {self._error}") from self._error
+            if not arrived:
+                raise FxpipeError(
+                    f"stage {dst} waited {self.timeout:.0f} s for {direction} micro-batch {mb} "
+                    f"from stage {src}; the schedule's sends and receives do not match."
+                )
+            payload, event = self._messages.pop(key)
+        if event is not None:  # CUDA: make the receiver's stream wait for the copy
+            torch.cuda.current_stream(self.devices[dst]).wait_event(event)
+        return payload
+
+    def abort(self, error: BaseException) -> None:
+        """Wake every waiting receiver with `error`."""
+        with self._ready:
+            self._error = error
+            self._ready.notify_all()
+
+    def reset(self) -> None:
+        with self._ready:
+            self._messages.clear()
+            self._error = None
+
+    def _to_device(self, values: Mapping[str, Any], device: torch.device):
+        moved, event = {}, None
+        for name, value in values.items():
+            if not isinstance(value, torch.Tensor) or value.device == device:
+                moved[name] = value
+            elif device.type == "cuda" and value.device.type == "cuda":
+                stream = self._copy_stream(device)
+                stream.wait_stream(torch.cuda.current_stream(value.device))
+                with torch.cuda.stream(stream):
+                    moved[name] = value.to(device, non_blocking=True)
+                    value.record_stream(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            else:
+                moved[name] = value.to(device)
+        return moved, event
+
+    def _copy_stream(self, device: torch.device):
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.cuda.Stream(device)
+        return self._copy_streams[device]
