@@ -25,7 +25,7 @@ from fxpipe.passes.partition import even
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
-from fxpipe.runtime.executor import LocalExecutor
+from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
@@ -70,7 +70,7 @@ def compile(
                             cost, link)
     for stage, device in zip(pipe.stages, devices):
         stage.to(device)
-    pipe.executor = LocalExecutor(
+    pipe.executor = PipelineExecutor.local(
         pipe.stages, [pipe.stage_hook(s) for s in range(plan.stages)], comm, devices,
         _output_names(traced.gm), plan.schedule, partition.micro_batches, traced.bind.unflatten,
         threads=threads,

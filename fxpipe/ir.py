@@ -47,6 +47,7 @@ class Edge:
     src: int
     dst: int
     info: ValueInfo
+    shape: tuple[Any, ...] | None = None  # sympy shape in batch b (and sequence s), if known
 
     def __str__(self) -> str:
         return f"{self.value}: {self.src}->{self.dst} {self.info} ({self.info.nbytes} B)"

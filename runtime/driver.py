@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from fxpipe.runtime.stage import StageRunner
-from fxpipe.runtime.transport import LocalTransport, PipelineAborted
 
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable
+from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.transport import PipelineAborted, Transport
 from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
@@ -45,28 +45,36 @@ class Run:
 
 
 class Driver:
-    """Executes action lists over the runners of one process (one thread per stage)."""
+    """Executes action lists over the runners this process holds: every stage (one worker
+    thread each) in one process, or one stage under torch.distributed (run inline)."""
 
-    def __init__(self, runners: Sequence[StageRunner], comm: CommTable,
-                 transport: LocalTransport, threads: int | None = None) -> None:
-        self.runners = list(runners)
+    def __init__(self, runners: Mapping[int, StageRunner], comm: CommTable,
+                 transport: Transport, threads: int | None = None) -> None:
+        self.runners = dict(runners)
+        self.last_stage = len(comm.stages) - 1
         self.threads = threads  # intra-op threads of each worker
         self.comm = comm
         self.transport = transport
-        self.pool = ThreadPoolExecutor(len(runners), thread_name_prefix="fxpipe-stage")
+        self.pool = (ThreadPoolExecutor(len(runners), thread_name_prefix="fxpipe-stage")
+                     if len(runners) > 1 else None)
         self._state: dict[int, _StageState] = {}
 
     def run(self, programs: Sequence[Sequence[Action]], run: Run, key: Any = None) -> Run:
-        """Execute `programs[s]` on stage s for every stage; `key` keeps this run's in-flight
+        """Execute `programs[s]` on every stage s held here; `key` keeps this run's in-flight
         micro-batches apart from another run's (a forward now, its backward later)."""
         self.transport.reset()
         start = time.perf_counter()
-        futures = [self.pool.submit(self._stage_loop, s, program, run, key, start)
-                   for s, program in enumerate(programs)]
-        errors = [f.exception() for f in futures]
-        failures = [(s, e) for s, e in enumerate(errors) if e is not None]
+        if self.pool is None:
+            (s,) = self.runners
+            errors = [(s, _error_of(self._stage_loop, s, programs[s], run, key, start))]
+        else:
+            futures = [(s, self.pool.submit(self._stage_loop, s, programs[s], run, key, start))
+                       for s in self.runners]
+            errors = [(s, f.exception()) for s, f in futures]
+        self.transport.flush()
+        failures = [(s, e) for s, e in errors if e is not None]
         if failures:
-            for runner in self.runners:
+            for runner in self.runners.values():
                 runner.discard()
             self._state.clear()
             stage, error = next(((s, e) for s, e in failures
@@ -114,7 +122,7 @@ class Driver:
             if s == 0:
                 values.update(run.feeds[a.mb])
             values.update(runner.forward(mb, values))
-            if s == len(self.runners) - 1:
+            if s == self.last_stage:
                 self._finish_forward(runner, mb, a.mb, values, run)
         elif a.kind is K.SEND_F:
             values = state.values[mb]
@@ -125,7 +133,7 @@ class Driver:
             _accumulate(state.grads[mb], self.transport.recv(a.peer, s, "B", mb))
         elif a.kind is K.B:
             grads = state.grads.pop(mb, {})
-            if run.output_grads is not None and s == len(self.runners) - 1:
+            if run.output_grads is not None and s == self.last_stage:
                 _accumulate(grads, run.output_grads[a.mb])
             state.input_grads[mb] = runner.backward(mb, grads)
             if s == 0:
@@ -151,7 +159,16 @@ class Driver:
             run.losses[index] = loss.detach()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+
+def _error_of(fn: Callable[..., Any], *args: Any) -> BaseException | None:
+    try:
+        fn(*args)
+    except BaseException as error:  # reported like a worker thread's failure
+        return error
+    return None
 
 
 class _StageState:

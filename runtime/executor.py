@@ -1,73 +1,116 @@
-"""LocalExecutor: a compiled pipeline run in one process, as a drop-in module and as a schedule.
+"""PipelineExecutor: runs a compiled pipeline, as a drop-in module and as a whole schedule.
 
 `forward` splits the mini-batch into micro-batches and runs the schedule's forward actions; in
 training it returns outputs connected to autograd through one function whose backward runs the
-schedule's backward actions on the same stage threads. `step` runs the whole schedule, forward
+schedule's backward actions on the same stage workers. `step` runs the whole schedule, forward
 and backward interleaved as the schedule says (1F1B needs this), with the loss on the last stage.
-Both drive the same StageRunners through the same Driver.
+Both drive the same StageRunners through the same Driver. In one process the executor holds
+every stage; under torch.distributed it holds this rank's, and a Coordinator shares what only
+one rank knows (the micro-batch sizes, the loss).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from fxpipe.runtime.driver import Driver, Run
-from fxpipe.runtime.microbatch import merge, split, split_sizes
-from fxpipe.runtime.stage import StageRunner
-from fxpipe.runtime.transport import LocalTransport
 from torch.utils import _pytree as pytree
 
+from fxpipe.batching import input_dims
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Stage, StageHook
+from fxpipe.runtime.driver import Driver, Run
+from fxpipe.runtime.microbatch import merge, split
+from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.transport import LocalTransport, Transport
 from fxpipe.schedules import ActionKind, Schedule, add_communication, build, check_communication
 from fxpipe.simulate import Event
 
-__all__ = ["LocalExecutor"]
+__all__ = ["Coordinator", "LocalCoordinator", "PipelineExecutor", "lowered_schedule"]
 
 K = ActionKind
 _FORWARD = (K.RECV_F, K.F, K.SEND_F)
 _BACKWARD = (K.RECV_B, K.B, K.SEND_B)
 
 
-class LocalExecutor:
-    """Runs the stages of a compiled pipeline on worker threads of this process."""
+class Coordinator(Protocol):
+    """What the ranks of one pipeline agree on per step (trivial in one process)."""
+
+    def dims(self, sizes: list[int] | None, seq: int | None) -> tuple[list[int], int | None]:
+        """The micro-batch sizes and sequence length, from the rank that holds the inputs."""
+
+    def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The step's loss, from the rank that computed it, on every rank."""
+
+    def after_backward(self) -> None:
+        """Gradient work once the backward of a mini-batch is complete (tied weights)."""
+
+
+class LocalCoordinator:
+    """Every stage in this process: nothing to share."""
+
+    def dims(self, sizes, seq):
+        return sizes, seq
+
+    def loss(self, loss):
+        return loss
+
+    def after_backward(self) -> None:
+        return None
+
+
+class PipelineExecutor:
+    """Runs the stages this process holds: all of them on worker threads, or one rank's."""
 
     def __init__(
         self,
-        stages: Sequence[Stage],
-        hooks: Sequence[StageHook],
+        runners: dict[int, StageRunner],
         comm: CommTable,
-        devices: Sequence[str],
+        transport: Transport,
         outputs: Any,
         schedule: str,
         micro_batches: int,
         unflatten: Callable[[Any], Any] = lambda out: out,
-        timeout: float = 300.0,
         threads: int | None = None,
+        coordinator: Coordinator | None = None,
     ) -> None:
-        needs_grad = {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
-                      for e in comm.edges}
-        self.runners = [StageRunner(stage, hook, io, device, needs_grad)
-                        for stage, hook, io, device in zip(stages, hooks, comm.stages, devices)]
+        self.runners = runners
         self.comm = comm
+        self.transport = transport
         self.output_names, self.output_spec = pytree.tree_flatten(outputs)
         self.unflatten = unflatten
         self.micro_batches = micro_batches
-        self.schedule = lowered_schedule(schedule, len(stages), micro_batches, comm)
-        self.driver = Driver(self.runners, comm, LocalTransport(list(devices), timeout), threads)
+        self.schedule = lowered_schedule(schedule, len(comm.stages), micro_batches, comm)
+        self.driver = Driver(self.runners, comm, transport, threads)
+        self.coordinator = coordinator or LocalCoordinator()
+        self.first, self.last = 0 in runners, len(comm.stages) - 1 in runners
+        self.everything_here = len(runners) == len(comm.stages)
         self._calls = itertools.count()
         self._trace: list[Event] = []
 
-    def forward(self, flat_inputs: Sequence[Any]) -> Any:
+    @classmethod
+    def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
+              devices: Sequence[str], outputs: Any, schedule: str, micro_batches: int,
+              unflatten: Callable[[Any], Any] = lambda out: out, timeout: float = 300.0,
+              threads: int | None = None) -> PipelineExecutor:
+        """Every stage in this process, one worker thread each."""
+        needs_grad = _needs_grad(comm)
+        runners = {io.stage: StageRunner(stage, hook, io, device, needs_grad)
+                   for stage, hook, io, device in zip(stages, hooks, comm.stages, devices)}
+        return cls(runners, comm, LocalTransport(list(devices), timeout), outputs, schedule,
+                   micro_batches, unflatten, threads)
+
+    def forward(self, flat_inputs: Sequence[Any] | None) -> Any:
         """The model's output for a mini-batch, run micro-batch by micro-batch through the stages;
         connected to autograd when gradients are enabled."""
+        if not self.everything_here:
+            return self._forward_only_distributed(flat_inputs)
         chunks = split(flat_inputs, self.micro_batches)
         call = _Call(next(self._calls), chunks, self.comm.graph_inputs)
         if not torch.is_grad_enabled():
-            run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call.key)
+            run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call)
             return self._merged_outputs(run, call.sizes)
         call.wanted = _inputs_wanting_grad(flat_inputs)
         phony = torch.empty(0, requires_grad=True)  # makes autograd call our backward
@@ -76,17 +119,24 @@ class LocalExecutor:
         merged = [next(tensors) if isinstance(x, torch.Tensor) else x for x in call.merged]
         return self.unflatten(pytree.tree_unflatten(merged, self.output_spec))
 
-    def step(self, flat_inputs: Sequence[Any], target: Any,
+    def step(self, flat_inputs: Sequence[Any] | None, target: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-        """Run the whole schedule on one mini-batch and return its mean loss (detached).
+        """Run the whole schedule on one mini-batch and return its mean loss (detached), on
+        every rank. The first stage reads the inputs, the last stage the target.
 
         Each micro-batch's loss (loss_fn averages over its samples, as PyTorch's losses do)
         counts with its share of the mini-batch, so the result and the parameters' gradients
         are those of loss_fn on the whole mini-batch. The optimizer step is the caller's.
         """
-        chunks = split(flat_inputs, self.micro_batches)
-        targets = [chunk[0] for chunk in split([target], self.micro_batches)]
-        call = _Call(next(self._calls), chunks, self.comm.graph_inputs)
+        call = self._call(flat_inputs)
+        if self.last:
+            if target is None:
+                raise FxpipeError("the last stage computes the loss and needs the target: "
+                                  "pass it to pipe.step(x, target) on every rank.")
+            targets = [chunk[0] for chunk in split([target], self.micro_batches)]
+            if [_rows(t) for t in targets] != call.sizes:
+                raise FxpipeError(f"the target has {_rows([target])} rows but the inputs "
+                                  f"{sum(call.sizes)}; give one target row per sample.")
         total = sum(call.sizes)
 
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
@@ -96,23 +146,52 @@ class LocalExecutor:
                                   f"loss of a micro-batch), got {type(value).__name__}.")
             return value * (call.sizes[mb] / total)
 
-        run = self._run(None, Run(call.feeds, loss=loss), call.key)
-        return torch.stack([run.losses[mb] for mb in range(len(call.sizes))]).sum()
+        run = self._run(None, Run(call.feeds, loss=loss), call)
+        self.coordinator.after_backward()
+        mine = (torch.stack([run.losses[mb] for mb in range(len(call.sizes))]).sum()
+                if self.last else None)
+        return self.coordinator.loss(mine)
 
     def last_trace(self) -> list[Event]:
         """Every action of the last forward/backward or step, timed (seconds from its start)."""
         return list(self._trace)
 
     def in_flight(self) -> list[int]:
-        return [runner.in_flight for runner in self.runners]
+        return [runner.in_flight for runner in self.runners.values()]
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _run(self, kinds, run: Run, key: Any, append: bool = False) -> Run:
+    def _call(self, flat_inputs: Sequence[Any] | None) -> _Call:
+        """Split the inputs (on the first stage) and agree on the micro-batch sizes."""
+        if self.first:
+            if flat_inputs is None:
+                raise FxpipeError("the first stage reads the inputs: pass them to "
+                                  "pipe.step(x, target) on every rank.")
+            chunks = split(flat_inputs, self.micro_batches)
+            sizes, seq = [_rows(c) for c in chunks], _seq_len(flat_inputs)
+        else:
+            chunks, sizes, seq = [[] for _ in range(self.micro_batches)], None, None
+        sizes, seq = self.coordinator.dims(sizes, seq)
+        call = _Call(next(self._calls), chunks, self.comm.graph_inputs, sizes)
+        call.seq = seq
+        return call
+
+    def _forward_only_distributed(self, flat_inputs):
+        if torch.is_grad_enabled():
+            raise FxpipeError(
+                "under torch.distributed, train with loss = pipe.step(x, target) (every rank "
+                "calls it); pipe(x) runs inference only: wrap it in torch.no_grad()."
+            )
+        call = self._call(flat_inputs)
+        run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call)
+        return self._merged_outputs(run, call.sizes) if self.last else None
+
+    def _run(self, kinds, run: Run, call: _Call, append: bool = False) -> Run:
         programs = [[a for a in stage if kinds is None or a.kind in kinds]
                     for stage in self.schedule.actions]
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0
-        self.driver.run(programs, run, key)
+        self.transport.prepare(call.key, call.sizes, call.seq)
+        self.driver.run(programs, run, call.key)
         events = [Event(e.stage, e.action, e.start + offset, e.end + offset) for e in run.events]
         self._trace = (self._trace + events) if append else events
         return run
@@ -131,30 +210,42 @@ class LocalExecutor:
 class _Call:
     """One mini-batch's trip through the pipeline: its micro-batches and what comes back."""
 
-    def __init__(self, key: int, chunks: list[list[Any]], names: Sequence[str]) -> None:
+    def __init__(self, key: int, chunks: list[list[Any]], names: Sequence[str],
+                 sizes: list[int] | None = None) -> None:
         self.key = key
         self.feeds = [dict(zip(names, chunk)) for chunk in chunks]
-        self.sizes = split_sizes(sum(_rows(chunk) for chunk in chunks), len(chunks))
+        self.sizes = sizes if sizes is not None else [_rows(chunk) for chunk in chunks]
+        self.seq: int | None = None
         self.merged: list[Any] = []
         self.wanted: list[int] = []  # positions of inputs whose gradient autograd asks for
 
 
-def _rows(chunk: list[Any]) -> int:
+def _rows(chunk: Any) -> int:
     for leaf in pytree.tree_leaves(chunk):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
     return 0
 
 
+def _seq_len(flat_inputs: Sequence[Any]) -> int | None:
+    leaves = [x for x in pytree.tree_leaves(list(flat_inputs)) if isinstance(x, torch.Tensor)]
+    return input_dims(leaves).seq if leaves else None
+
+
+def _needs_grad(comm: CommTable) -> dict[str, bool]:
+    return {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
+            for e in comm.edges}
+
+
 class _Pipelined(torch.autograd.Function):
     """Autograd's view of a pipelined forward: its backward runs the pipeline's backward."""
 
     @staticmethod
-    def forward(ctx, executor: LocalExecutor, call: _Call, phony: torch.Tensor,
+    def forward(ctx, executor: PipelineExecutor, call: _Call, phony: torch.Tensor,
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.executor, ctx.call = executor, call
         ctx.set_materialize_grads(False)
-        run = executor._run(_FORWARD, Run(call.feeds, grad_enabled=True), call.key)
+        run = executor._run(_FORWARD, Run(call.feeds, grad_enabled=True), call)
         per_mb = [[run.outputs[mb][name] for name in executor.output_names]
                   for mb in range(len(call.sizes))]
         call.merged = pytree.tree_leaves(merge(per_mb, call.sizes))
@@ -177,7 +268,7 @@ class _Pipelined(torch.autograd.Function):
                 previous = output_grads[mb].get(name)
                 output_grads[mb][name] = piece if previous is None else previous + piece
         run = Run(call.feeds, grad_enabled=True, output_grads=output_grads)
-        executor._run(_BACKWARD, run, call.key, append=True)
+        executor._run(_BACKWARD, run, call, append=True)
         return (None, None, None, *_input_grads(call, run))
 
 

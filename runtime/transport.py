@@ -8,20 +8,37 @@ keyed by (src, dst, direction, micro-batch), so their order on a link does not m
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from fxpipe.errors import FxpipeError
 
-__all__ = ["LocalTransport", "PipelineAborted"]
+__all__ = ["LocalTransport", "PipelineAborted", "Transport"]
 
 Key = tuple[int, int, str, Any]  # (src, dst, "F" or "B", micro-batch key)
 
 
 class PipelineAborted(FxpipeError):
     """Another stage failed, so this one stopped waiting."""
+
+
+class Transport(Protocol):
+    """What the driver needs to move a micro-batch's values between stages."""
+
+    def send(self, src: int, dst: int, direction: str, mb: Any,
+             values: Mapping[str, Any]) -> None: ...
+
+    def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]: ...
+
+    def prepare(self, key: Any, sizes: Sequence[int], seq: int | None) -> None: ...
+
+    def abort(self, error: BaseException) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 class LocalTransport:
@@ -71,6 +88,12 @@ class LocalTransport:
         with self._ready:
             self._messages.clear()
             self._error = None
+
+    def flush(self) -> None:
+        """Sends complete when posted here."""
+
+    def prepare(self, key: Any, sizes: Sequence[int], seq: int | None) -> None:
+        """Messages here carry their own shapes."""
 
     def _to_device(self, values: Mapping[str, Any], device: torch.device):
         moved, event = {}, None

@@ -6,11 +6,11 @@ import math
 
 import numpy as np
 import pytest
-from fxpipe.passes.analysis.comm import default_link
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fxpipe.cost import CostTable, Link, Partition
+from fxpipe.passes.analysis.comm import default_link
 
 
 def test_interpolates_in_micro_batch_size_not_proportionally():

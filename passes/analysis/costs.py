@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fxpipe.passes.analysis.profile import UnitProfile
-
 from fxpipe.cost import CostTable, Link
+from fxpipe.passes.analysis.profile import UnitProfile
 
 __all__ = ["cost_table"]
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from fxpipe.passes.analysis.shape import preserved_state
 from torch import fx
 
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
+from fxpipe.passes.analysis.shape import preserved_state
 
 __all__ = [
     "ProfileCache", "UnitProfile", "default_cache_dir", "profile_units", "unit_parameters",

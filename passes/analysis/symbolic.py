@@ -17,17 +17,16 @@ from typing import Any
 
 import sympy
 import torch
-from fxpipe.passes.analysis.shape import record_values
 from torch import fx
 from torch.utils import flop_counter
 
 from fxpipe.batching import input_dims, resize
-from fxpipe.meta import ValueInfo
+from fxpipe.meta import SYMBOLIC, ValueInfo
+from fxpipe.passes.analysis.shape import record_values
 from fxpipe.units import Unit
 
 __all__ = ["BATCH", "SEQ", "SYMBOLIC", "SymbolicCost", "annotate_symbolic", "unit_flops"]
 
-SYMBOLIC = "fxpipe.symbolic"  # node.meta key of a SymbolicCost
 BATCH = sympy.Symbol("b", positive=True, integer=True)
 SEQ = sympy.Symbol("s", positive=True, integer=True)
 

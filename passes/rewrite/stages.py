@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from fxpipe.ir import CommTable, Edge, Stage, StageHook, StageIO, recv, send
-from fxpipe.meta import SHAPE, STAGE, UNIT, ValueInfo
+from fxpipe.meta import SHAPE, STAGE, SYMBOLIC, UNIT, ValueInfo
 from fxpipe.units import Unit
 
 __all__ = ["assign_stages", "build_pipeline", "find_edges", "split_stages"]
@@ -75,6 +75,8 @@ def find_edges(gm: fx.GraphModule, stage_of: dict[fx.Node, int], n_stages: int) 
     edges: dict[tuple[str, int], Edge] = {}
     produced = {n.name: stage_of[n] for n in gm.graph.nodes if n.op not in ("get_attr", "output")}
     info = {n.name: n.meta.get(SHAPE) or ValueInfo("object", ()) for n in gm.graph.nodes}
+    shapes = {n.name: n.meta[SYMBOLIC].shapes[0] for n in gm.graph.nodes
+              if SYMBOLIC in n.meta and n.meta[SYMBOLIC].shapes}
 
     def use(value: fx.Node, stage: int) -> None:
         if value.op == "get_attr":
@@ -86,7 +88,8 @@ def find_edges(gm: fx.GraphModule, stage_of: dict[fx.Node, int], n_stages: int) 
         if src != stage:
             if value.op != "placeholder":  # stage 0 holds the model's inputs without making them
                 outputs[src].setdefault(value.name)
-            edges.setdefault((value.name, stage), Edge(value.name, src, stage, info[value.name]))
+            edges.setdefault((value.name, stage), Edge(value.name, src, stage, info[value.name],
+                                                       shapes.get(value.name)))
 
     last = n_stages - 1
     graph_outputs: list[str] = []

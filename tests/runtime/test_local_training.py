@@ -134,7 +134,7 @@ def test_in_flight_activations_meet_the_schedule_bound(schedule, bound):
                        costs="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(x,))
     pipe.step(x, torch.randint(0, 3, (12,)))
-    peaks = [runner.peak_in_flight for runner in pipe.executor.runners]
+    peaks = [runner.peak_in_flight for runner in pipe.executor.runners.values()]
     assert peaks == [bound(n, s, p) for s in range(n)]
 
 

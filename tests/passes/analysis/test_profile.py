@@ -6,12 +6,12 @@ import time
 
 import numpy as np
 import torch
-from fxpipe.passes.analysis.profile import profile_units
-from fxpipe.passes.rewrite.stages import split_stages
 from torch import nn
 
 import fxpipe
 from fxpipe.models import GPT, VGG
+from fxpipe.passes.analysis.profile import profile_units
+from fxpipe.passes.rewrite.stages import split_stages
 
 
 def _per_unit(model, x):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from fxpipe.passes.analysis.shape import annotate_shapes
 
 from fxpipe.meta import SHAPE, ValueInfo
 from fxpipe.models import ResNet
+from fxpipe.passes.analysis.shape import annotate_shapes
 
 
 def test_every_node_gets_shape_dtype_and_bytes():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import sympy
 import torch
-from fxpipe.passes.analysis.shape import annotate_shapes, record_values
-from fxpipe.passes.analysis.symbolic import BATCH, SEQ, SYMBOLIC, annotate_symbolic
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -14,6 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.meta import SHAPE
 from fxpipe.models import GPT, ResNet
+from fxpipe.passes.analysis.shape import annotate_shapes, record_values
+from fxpipe.passes.analysis.symbolic import BATCH, SEQ, SYMBOLIC, annotate_symbolic
 from fxpipe.units import cut_units
 
 

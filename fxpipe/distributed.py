@@ -1,0 +1,109 @@
+"""Running under torchrun: which stage and pipeline group each rank is, checked before any
+communication, and gathering a pipeline's state dict back into one."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.plan import Plan
+
+__all__ = ["RankLayout", "gather_state_dict", "launched", "rank_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """Rank r runs stage r % N of pipeline group r // N (N stages, G groups, G * N ranks)."""
+
+    rank: int
+    world: int
+    stages: int
+    groups: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def group(self) -> int:
+        return self.rank // self.stages
+
+    def rank_of(self, stage: int, group: int | None = None) -> int:
+        return (self.group if group is None else group) * self.stages + stage
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        """The ranks of this rank's pipeline, stage by stage."""
+        return [self.rank_of(s) for s in range(self.stages)]
+
+    def data_parallel_ranks(self, stage: int) -> list[int]:
+        """The ranks that run `stage`, one per pipeline group."""
+        return [self.rank_of(stage, g) for g in range(self.groups)]
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a torch.distributed job (initialised or by torchrun)."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def rank_layout(plan: Plan, timeout: float = 300.0) -> RankLayout:
+    """This rank's place in the plan; joins the process group torchrun describes if the script
+    has not, and refuses a world size that does not fit the plan before communicating."""
+    if not dist.is_available():
+        raise FxpipeError("this torch build has no torch.distributed; run one process with "
+                          "Plan(devices=[...]) instead.")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if world != plan.stages * plan.groups:
+        raise PlanError(
+            f"the job has {world} ranks but Plan(stages={plan.stages}, groups={plan.groups}) "
+            f"needs {plan.stages * plan.groups}; launch with torchrun --nproc-per-node "
+            f"{plan.stages * plan.groups} or change the plan."
+        )
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and plan.devices is None else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return RankLayout(rank, world, plan.stages, plan.groups)
+
+
+def rank_device(plan: Plan, layout: RankLayout) -> str:
+    """The device of this rank's stage: the plan's, else this rank's GPU, else the CPU."""
+    if plan.devices is not None:
+        device = torch.device(plan.devices[layout.stage])
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", layout.rank))
+                              % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise PlanError(
+            f"rank {layout.rank} (stage {layout.stage}) is to run on {device}, but this node "
+            f"has {torch.cuda.device_count()} CUDA devices; give every rank a device, e.g. "
+            "launch fewer processes per node or pass Plan(devices=None)."
+        )
+    return str(device)
+
+
+def gather_state_dict(pipe: Any, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict, on rank `dst`, from every rank's share (None elsewhere).
+    Every rank of the job must call it. Loads into the plain model with load_state_dict."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return pipe.state_dict()
+    own = {k: v.detach().cpu() for k, v in pipe.state_dict().items()}
+    shares: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(own, shares, dst=dst)
+    if shares is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for share in shares:
+        merged.update(share)
+    order = getattr(pipe, "state_dict_keys", None) or list(merged)
+    return {k: merged[k] for k in order if k in merged}

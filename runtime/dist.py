@@ -1,0 +1,208 @@
+"""DistTransport: stages in separate processes, over torch.distributed point-to-point messages.
+
+Both ends know every message's layout ahead: the values of each (src, dst) edge in send/recv
+table order, each tensor's dtype from the shape pass and its shape as an expression of the
+micro-batch size (and sequence length) from the symbolic pass, evaluated per micro-batch, so
+an uneven last micro-batch or a new batch size needs no extra handshake. Sends are posted
+(isend) and completed at the end of a run; receives block. While waiting, a rank watches the
+job's store for another rank's failure and stops with that rank's error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import FxpipeError
+from fxpipe.ir import CommTable, Edge
+from fxpipe.runtime.transport import PipelineAborted
+
+__all__ = ["DistTransport", "ErrorBoard"]
+
+_ERROR_KEY = "fxpipe/error"
+
+
+class ErrorBoard:
+    """The job's shared note of the first failure: rank, stage and error text."""
+
+    def __init__(self) -> None:
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, AttributeError, ValueError):
+            self.store = None
+
+    def post(self, text: str) -> None:
+        if self.store is not None:
+            with contextlib.suppress(RuntimeError):  # a gone store: the job is ending anyway
+                self.store.set(_ERROR_KEY, text)
+
+    def read(self) -> str | None:
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([_ERROR_KEY]):
+                return self.store.get(_ERROR_KEY).decode()
+        except RuntimeError:
+            return None
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One value of a message: how to allocate, encode and decode it."""
+
+    value: str
+    dtype: torch.dtype
+    shape: Callable[[int, int], tuple[int, ...]]  # (batch, seq) -> shape
+    number: type | None  # int / float / bool values travel as 0-d tensors
+
+
+class DistTransport:
+    """Moves values between this rank's stage and the stages of other ranks."""
+
+    def __init__(self, comm: CommTable, ranks: Sequence[int], device: str, *,
+                 group: Any = None, timeout: float = 300.0, rank: int = 0) -> None:
+        self.ranks = list(ranks)  # rank of each stage in this pipeline
+        self.device = torch.device(device)
+        self.group = group
+        self.timeout = timeout
+        self.rank = rank
+        self.board = ErrorBoard()
+        self._forward = {pair: [_slot(e) for e in edges] for pair, edges in _by_pair(comm)}
+        self._backward = {pair: [s for s in slots if s.number is None and s.dtype.is_floating_point
+                                 and _carries_grad(comm, s.value)]
+                          for pair, slots in self._forward.items()}
+        self._dims: dict[Any, tuple[list[int], int | None]] = {}
+        self._pending: list[Any] = []
+        self._error: BaseException | None = None
+
+    def prepare(self, key: Any, sizes: Sequence[int], seq: int | None) -> None:
+        """The micro-batch sizes (and sequence length) of run `key`, known to every rank."""
+        self._dims[key] = (list(sizes), seq)
+
+    def send(self, src: int, dst: int, direction: str, mb: Any,
+             values: Mapping[str, Any]) -> None:
+        for index, tensor in enumerate(self._encode(src, dst, direction, mb, values)):
+            tag = _tag(direction, mb, index)
+            self._pending.append(dist.isend(tensor, self.ranks[dst], self.group, tag))
+
+    def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
+        slots = self._slots(src, dst, direction)
+        batch, seq = self._micro_batch(mb)
+        received, works = [], []
+        for index, slot in enumerate(slots):
+            buffer = torch.empty(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
+            received.append(buffer)
+            works.append(dist.irecv(buffer, self.ranks[src], self.group,
+                                    _tag(direction, mb, index)))
+        for work in works:
+            self._wait(work, f"{direction} micro-batch {mb[1]} from stage {src}")
+        return {slot.value: buffer.item() if slot.number else buffer
+                for slot, buffer in zip(slots, received)}
+
+    def abort(self, error: BaseException) -> None:
+        if self._error is None and not isinstance(error, PipelineAborted):
+            self.board.post(f"rank {self.rank}: {type(error).__name__}: {error}")
+        self._error = error
+
+    def reset(self) -> None:
+        self._error = None
+
+    def flush(self) -> None:
+        """Complete every posted send (their buffers may then be reused)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            self._wait(work, "a send")
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _slots(self, src: int, dst: int, direction: str) -> list[_Slot]:
+        if direction == "F":
+            return self._forward[src, dst]
+        return self._backward[dst, src]  # gradients go back along the activations' edge
+
+    def _encode(self, src, dst, direction, mb, values):
+        batch, seq = self._micro_batch(mb)
+        for slot in self._slots(src, dst, direction):
+            value = values.get(slot.value)
+            if slot.number is not None:
+                tensor = torch.tensor(value, dtype=slot.dtype)
+            elif value is None:  # a gradient that is zero: send zeros, the receiver expects it
+                tensor = torch.zeros(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
+            else:
+                tensor = value.detach().contiguous()
+            yield tensor
+
+    def _micro_batch(self, mb: Any) -> tuple[int, int]:
+        key, index = mb
+        sizes, seq = self._dims[key]
+        return sizes[index], seq if seq is not None else 0
+
+    def _wait(self, work: Any, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-5
+        while not work.is_completed():
+            if self._error is not None:
+                raise PipelineAborted(f"stopped waiting for {what}: {self._error}")
+            failure = self.board.read() if pause >= 1e-3 else None
+            if failure is not None:
+                raise FxpipeError(f"the pipeline stopped because {failure}")
+            if time.monotonic() > deadline:
+                raise FxpipeError(f"rank {self.rank} waited {self.timeout:.0f} s for {what}; "
+                                  "a peer rank is gone or stuck.")
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+        work.wait()
+
+
+def _by_pair(comm: CommTable):
+    pairs: dict[tuple[int, int], list[Edge]] = {}
+    for edge in comm.edges:
+        pairs.setdefault((edge.src, edge.dst), []).append(edge)
+    return pairs.items()
+
+
+def _carries_grad(comm: CommTable, value: str) -> bool:
+    edge = next(e for e in comm.edges if e.value == value)
+    return bool(edge.info.tensors and edge.info.tensors[0].requires_grad)
+
+
+def _slot(edge: Edge) -> _Slot:
+    info = edge.info
+    if info.type_name in ("int", "float", "bool", "SymInt", "SymFloat", "SymBool"):
+        number = {"int": int, "float": float, "bool": bool}.get(info.type_name.removeprefix("Sym")
+                                                                .lower(), int)
+        dtype = {int: torch.int64, float: torch.float64, bool: torch.bool}[number]
+        return _Slot(edge.value, dtype, lambda b, s: (), number)
+    if not info.is_tensor:
+        raise FxpipeError(
+            f"value {edge.value!r} ({info}) crosses from stage {edge.src} to stage {edge.dst}, "
+            "but only tensors and numbers can travel between processes; move the cut so the "
+            "stage that makes it also uses it (Plan(partitioner=[...]))."
+        )
+    tensor = info.tensors[0]
+    return _Slot(edge.value, tensor.dtype, _shape_function(edge), None)
+
+
+def _shape_function(edge: Edge) -> Callable[[int, int], tuple[int, ...]]:
+    """(batch, seq) -> the value's shape: its symbolic shape evaluated, or the example's."""
+    example = edge.info.tensors[0].shape
+    if edge.shape is None:
+        return lambda b, s: example
+    b, s = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", positive=True,
+                                                                          integer=True)
+    dims = [sympy.lambdify((b, s), dim, "math") for dim in edge.shape]
+    return lambda batch, seq: tuple(round(d(batch, seq)) for d in dims)
+
+
+def _tag(direction: str, mb: Any, index: int) -> int:
+    """Distinct tags per message slot keep gloo from matching the wrong buffers."""
+    _, micro_batch = mb
+    return ((micro_batch * 1024 + index) * 2 + (direction == "B")) % (2 ** 31 - 1)
