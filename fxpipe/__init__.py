@@ -3,6 +3,7 @@
 from fxpipe import models
 from fxpipe.compile import compile, units_of
 from fxpipe.cost import CostTable, Partition
+from fxpipe.distributed import gather_state_dict
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
@@ -16,6 +17,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "compile",
+    "gather_state_dict",
     "models",
     "units_of",
 ]

@@ -11,6 +11,7 @@ import torch
 
 from fxpipe.batching import input_dims
 from fxpipe.cost import CostTable, Link, Partition
+from fxpipe.distributed import launched, rank_device, rank_layout
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.costs import cost_table
@@ -21,11 +22,14 @@ from fxpipe.passes.analysis.profile import (
     unit_parameters,
 )
 from fxpipe.passes.analysis.shape import annotate_shapes
+from fxpipe.passes.analysis.symbolic import annotate_symbolic
 from fxpipe.passes.partition import even
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
+from fxpipe.runtime.dist import DistCoordinator, DistTransport
 from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.stage import StageRunner
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
@@ -55,12 +59,11 @@ def compile(
         raise FxpipeError(f"compile() takes an fxpipe.Plan, got {type(plan).__name__}; "
                           "e.g. fxpipe.Plan(stages=2).")
     args, kwargs = _example(example_inputs, example_kwargs)
+    if launched():
+        return _compile_distributed(model, plan, args, kwargs, _profile_cache(cache))
     devices = _devices(model, plan)
 
-    traced = trace(model, args, kwargs, plan, check=_shapes_on(args, kwargs))
-    units = cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
-    _check_stage_count(model, plan, units)
-    flat = traced.bind(args, kwargs)
+    traced, units, flat = _trace_and_cut(model, plan, args, kwargs)
     link = _link(plan, devices)
     threads = _threads_per_stage(devices)
     cost = _costs(traced.gm, units, flat, plan, devices, link, _profile_cache(cache), threads)
@@ -76,6 +79,98 @@ def compile(
         threads=threads,
     )
     return pipe
+
+
+def _trace_and_cut(model, plan, args, kwargs):
+    traced = trace(model, args, kwargs, plan, check=_shapes_on(args, kwargs))
+    units = cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
+    _check_stage_count(model, plan, units)
+    return traced, units, traced.bind(args, kwargs)
+
+
+def _compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipeline:
+    """Under torchrun: every rank traces the same graph; rank 0 measures the costs and chooses
+    the partition and every rank takes them from it; each rank then keeps only its stage on its
+    device, and talks to the others over torch.distributed."""
+    layout = rank_layout(plan)
+    device = rank_device(plan, layout)
+    traced, units, flat = _trace_and_cut(model, plan, args, kwargs)
+    _agree(layout, plan, units)
+    link = _link(plan, [device, device])
+    threads = torch.get_num_threads()
+    if layout.rank == 0:
+        cost = _costs(traced.gm, units, flat, plan, [device], link, cache, threads)
+        chosen = _partition(model, plan, units, cost)
+        shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner]
+    else:
+        shared = [None] * 4
+    torch.distributed.broadcast_object_list(shared, src=0)
+    cost, bounds, micro_batches, name = shared
+    partition = Partition.evaluate(cost, bounds, micro_batches, name, schedule=plan.schedule)
+    annotate_symbolic(traced.gm, flat)  # message shapes as functions of the micro-batch size
+    devices = [device] * plan.stages
+    graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
+    pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
+                            cost, link)
+    stage = pipe.stages[layout.stage]
+    stage.to(device)
+    pipe.state_dict_keys = list(model.state_dict())
+    pipe.restrict_to_stage(layout.stage, layout.rank)
+    pipeline = _pipeline_group(layout)
+    runner = StageRunner(stage, pipe.stage_hook(layout.stage), comm.stages[layout.stage],
+                         device, {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
+                                  for e in comm.edges})
+    transport = DistTransport(comm, layout.pipeline_ranks, device, group=pipeline,
+                              rank=layout.rank)
+    coordinator = DistCoordinator(layout.pipeline_ranks, micro_batches, device, pipeline,
+                                  _tied_groups(pipe, layout))
+    pipe.executor = PipelineExecutor(
+        {layout.stage: runner}, comm, transport, _output_names(traced.gm), plan.schedule,
+        micro_batches, traced.bind.unflatten, threads, coordinator,
+    )
+    return pipe
+
+
+def _agree(layout, plan: Plan, units: Sequence[Unit]) -> None:
+    """Every rank must compile the same plan for the same graph; say which ranks differ."""
+    fingerprint = repr((sorted(plan.to_dict().items(), key=str), [u.nodes for u in units]))
+    everyone: list[Any] = [None] * layout.world
+    torch.distributed.all_gather_object(everyone, fingerprint)
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    if differ:
+        raise PlanError(
+            f"ranks {differ} compiled a different plan or model than rank 0; every rank must "
+            "call fxpipe.compile with the same model class, example input shapes and Plan "
+            "(or Plan.load the same saved plan)."
+        )
+
+
+def _pipeline_group(layout):
+    """This rank's pipeline as a process group (the whole job when there is one pipeline)."""
+    if layout.groups == 1:
+        return None
+    mine = None
+    for group in range(layout.groups):  # every rank creates every group, in the same order
+        ranks = [layout.rank_of(s, group) for s in range(layout.stages)]
+        handle = torch.distributed.new_group(ranks)
+        if layout.rank in ranks:
+            mine = handle
+    return mine
+
+
+def _tied_groups(pipe: CompiledPipeline, layout) -> list[tuple[torch.nn.Parameter, Any]]:
+    """For each weight tied across stages, the process group of the ranks holding it; the
+    copies start equal (broadcast from the first holder) and stay equal (summed gradients)."""
+    tied = []
+    for _, param, stages in pipe.shared_parameter_objects():
+        for group in range(layout.groups):
+            ranks = [layout.rank_of(s, group) for s in stages]
+            handle = torch.distributed.new_group(ranks)
+            if layout.rank in ranks:
+                with torch.no_grad():
+                    torch.distributed.broadcast(param.data, ranks[0], handle)
+                tied.append((param, handle))
+    return tied
 
 
 def _threads_per_stage(devices: Sequence[str]) -> int:

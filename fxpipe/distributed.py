@@ -14,7 +14,7 @@ import torch.distributed as dist
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
 
-__all__ = ["RankLayout", "gather_state_dict", "launched", "rank_layout"]
+__all__ = ["RankLayout", "gather_state_dict", "launched", "rank_device", "rank_layout"]
 
 
 @dataclasses.dataclass(frozen=True)

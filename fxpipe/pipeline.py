@@ -187,9 +187,72 @@ class CompiledPipeline(torch.nn.Module):
 
     def shared_parameters(self) -> dict[str, list[int]]:
         """Parameters used by more than one stage (tied weights), by name -> stages."""
-        names = {id(p): n for n, p in self.named_parameters()}
-        users: dict[int, list[int]] = {}
+        return {name: stages for name, _, stages in self.shared_parameter_objects()}
+
+    def shared_parameter_objects(self) -> list[tuple[str, torch.nn.Parameter, list[int]]]:
+        """(name, Parameter, stages using it) for each weight tied across stages, by name."""
+        found: dict[int, tuple[str, torch.nn.Parameter, list[int]]] = {}
         for stage in self.stages:
-            for p in stage.module.parameters():
-                users.setdefault(id(p), []).append(stage.index)
-        return {names[i]: s for i, s in users.items() if len(s) > 1 and i in names}
+            for name, p in stage.module.named_parameters():
+                found.setdefault(id(p), (name, p, []))[2].append(stage.index)
+        return sorted((entry for entry in found.values() if len(entry[2]) > 1),
+                      key=lambda entry: entry[0])
+
+    def restrict_to_stage(self, stage: int, rank: int) -> None:
+        """Hold only `stage`'s parameters and buffers (one rank's share under torchrun):
+        parameters(), state_dict() and load_state_dict() see that share, under original names."""
+        names = {n for n, _ in self.stages[stage].module.named_parameters()}
+        names |= {n for n, _ in self.stages[stage].module.named_buffers()}
+        vars(self)["owned"] = frozenset(names)
+        vars(self)["rank"] = rank
+        self.devices = tuple(f"{d} (rank {rank})" if s == stage else "another rank"
+                             for s, d in enumerate(self.devices))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        if vars(self).get("owned") is None:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        # a tied weight may be held here under its second name only: filter, then de-duplicate
+        yield from _owned(super().named_parameters(prefix, recurse, False),
+                          self._owns, prefix, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
+        if vars(self).get("owned") is None:
+            yield from super().named_buffers(prefix, recurse, remove_duplicate)
+            return
+        yield from _owned(super().named_buffers(prefix, recurse, False), self._owns, prefix,
+                          remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        for key in [k for k in state if not self._owns(k, prefix)]:
+            del state[key]
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load the entries this pipeline holds (a full model's state dict is fine)."""
+        owned = vars(self).get("owned")
+        if owned is None:
+            return super().load_state_dict(state_dict, strict, assign)
+        mine = {k: v for k, v in state_dict.items() if k in owned}
+        result = super().load_state_dict(mine, strict=False, assign=assign)
+        missing = sorted(owned - set(state_dict))
+        if strict and missing:
+            raise RuntimeError(f"state dict lacks this rank's entries: {missing}")
+        return result
+
+    def _owns(self, name: str, prefix: str = "") -> bool:
+        owned = vars(self).get("owned")
+        return owned is None or name.removeprefix(prefix) in owned
+
+
+def _owned(named, owns, prefix: str, remove_duplicate: bool):
+    seen: set[int] = set()
+    for name, tensor in named:
+        if not owns(name, prefix) or (remove_duplicate and id(tensor) in seen):
+            continue
+        seen.add(id(tensor))
+        yield name, tensor

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
+import datetime
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +24,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Edge
 from fxpipe.runtime.transport import PipelineAborted
 
-__all__ = ["DistTransport", "ErrorBoard"]
+__all__ = ["DistCoordinator", "DistTransport", "ErrorBoard"]
 
 _ERROR_KEY = "fxpipe/error"
 
@@ -41,7 +41,7 @@ class ErrorBoard:
     def post(self, text: str) -> None:
         if self.store is not None:
             with contextlib.suppress(RuntimeError):  # a gone store: the job is ending anyway
-                self.store.set(_ERROR_KEY, text)
+                self.store.compare_set(_ERROR_KEY, "", text)  # the first failure wins
 
     def read(self) -> str | None:
         if self.store is None:
@@ -52,6 +52,42 @@ class ErrorBoard:
         except RuntimeError:
             return None
         return None
+
+
+class DistCoordinator:
+    """What the ranks of one pipeline share per step: the micro-batch sizes (from the first
+    stage's rank), the loss (from the last stage's), and the gradients of weights tied across
+    stages (all-reduced among the ranks that hold them, so the copies stay equal)."""
+
+    def __init__(self, ranks: Sequence[int], micro_batches: int, device: str, group: Any = None,
+                 tied: Sequence[tuple[torch.nn.Parameter, Any]] = ()) -> None:
+        self.first, self.last = ranks[0], ranks[-1]
+        self.micro_batches = micro_batches
+        self.group = group
+        self.tied = list(tied)
+        backend = dist.get_backend(group)
+        self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
+
+    def dims(self, sizes: list[int] | None, seq: int | None) -> tuple[list[int], int | None]:
+        data = torch.empty(self.micro_batches + 1, dtype=torch.int64, device=self.device)
+        if sizes is not None:
+            data.copy_(torch.tensor([*sizes, -1 if seq is None else seq]))
+        dist.broadcast(data, self.first, self.group)
+        values = data.tolist()
+        return values[:-1], None if values[-1] < 0 else values[-1]
+
+    def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        data = torch.empty((), dtype=torch.float64, device=self.device)
+        if loss is not None:
+            data.copy_(loss.detach())
+        dist.broadcast(data, self.last, self.group)
+        return data.cpu()
+
+    def after_backward(self) -> None:
+        for param, group in self.tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +145,9 @@ class DistTransport:
 
     def abort(self, error: BaseException) -> None:
         if self._error is None and not isinstance(error, PipelineAborted):
-            self.board.post(f"rank {self.rank}: {type(error).__name__}: {error}")
+            self.board.post(f"rank {self.rank} failed: {type(error).__name__}: {error}")
         self._error = error
+        self._pending.clear()  # a failed run's sends are never waited for
 
     def reset(self) -> None:
         self._error = None
@@ -146,20 +183,18 @@ class DistTransport:
         return sizes[index], seq if seq is not None else 0
 
     def _wait(self, work: Any, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        pause = 1e-5
-        while not work.is_completed():
-            if self._error is not None:
-                raise PipelineAborted(f"stopped waiting for {what}: {self._error}")
-            failure = self.board.read() if pause >= 1e-3 else None
+        """Block until `work` completes. A peer that failed has posted its error and closed its
+        connections, which ends the wait; report that rank's error rather than our own."""
+        if self._error is not None:
+            raise PipelineAborted(f"stopped before waiting for {what}: {self._error}")
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as error:  # gloo/NCCL report a lost peer or a timeout this way
+            failure = self.board.read()
             if failure is not None:
-                raise FxpipeError(f"the pipeline stopped because {failure}")
-            if time.monotonic() > deadline:
-                raise FxpipeError(f"rank {self.rank} waited {self.timeout:.0f} s for {what}; "
-                                  "a peer rank is gone or stuck.")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
-        work.wait()
+                raise PipelineAborted(f"the pipeline stopped because {failure}") from error
+            raise FxpipeError(f"rank {self.rank} gave up waiting for {what} after at most "
+                              f"{self.timeout:.0f} s: {error}") from error
 
 
 def _by_pair(comm: CommTable):

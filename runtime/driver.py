@@ -71,15 +71,16 @@ class Driver:
             futures = [(s, self.pool.submit(self._stage_loop, s, programs[s], run, key, start))
                        for s in self.runners]
             errors = [(s, f.exception()) for s, f in futures]
-        self.transport.flush()
         failures = [(s, e) for s, e in errors if e is not None]
-        if failures:
+        if not failures:
+            self.transport.flush()
+        else:
             for runner in self.runners.values():
                 runner.discard()
             self._state.clear()
             stage, error = next(((s, e) for s, e in failures
                                  if not isinstance(e, PipelineAborted)), failures[0])
-            if isinstance(error, FxpipeError):
+            if isinstance(error, FxpipeError):  # ours, or another rank's failure: as it is
                 raise error
             raise RuntimeError(f"stage {stage} failed: {type(error).__name__}: {error}"
                                ) from error
@@ -109,8 +110,7 @@ class Driver:
                     if last_grad_use.get(action.mb) == i:
                         state.input_grads.pop((key, action.mb), None)
         except BaseException as error:
-            self.transport.abort(error if not isinstance(error, PipelineAborted)
-                                 else error.__cause__ or error)
+            self.transport.abort(error)
             raise
 
     def _execute(self, s: int, a: Action, run: Run, key: Any, state: _StageState) -> None:

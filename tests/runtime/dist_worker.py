@@ -1,0 +1,131 @@
+"""One rank of a distributed test scenario, run by tests/runtime/test_distributed.py under torchrun:
+
+    python -m torch.distributed.run --standalone --nproc-per-node N dist_worker.py SCENARIO OUT
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.models import GPT
+
+STEPS = 2
+
+
+class SkipNet(nn.Module):
+    """The input is used again by the last layer: a skip edge over every middle stage."""
+
+    def __init__(self, width: int = 6, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.skip = nn.Linear(5, width)
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.out(h + self.skip(x))
+
+
+def tokens_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def skipnet_data():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(7, 5, generator=gen, dtype=torch.float64),
+             torch.randint(0, 3, (7,), generator=gen)) for _ in range(STEPS)]
+
+
+def gpt_data():
+    gen = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, 128, (4, 12), generator=gen),
+             torch.randint(0, 128, (4, 12), generator=gen)) for _ in range(STEPS)]
+
+
+def build(name):
+    torch.manual_seed(0)
+    if name == "skipnet":
+        return SkipNet().double(), skipnet_data(), F.cross_entropy
+    return GPT(layers=2).double(), gpt_data(), tokens_loss
+
+
+def reference(name):
+    """The same training in one process, no pipeline: what every scenario must reproduce."""
+    model, data, loss_fn = build(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def train(name, stages, schedule, micro_batches, out):
+    model, data, loss_fn = build(name)
+    plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
+                       loss_fn=loss_fn, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y).item())
+        optimizer.step()
+    shared = [p for _, p, _ in pipe.shared_parameter_objects()]
+    tied = {name: p.detach().clone() for name, p in pipe.named_parameters()
+            if any(p is q for q in shared)}
+    state = fxpipe.gather_state_dict(pipe)
+    every_rank_tied: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank_tied, tied)
+    if dist.get_rank() == 0:
+        torch.save({"state": state, "losses": losses, "tied": every_rank_tied,
+                    "own_keys": sorted(pipe.state_dict())}, out)
+
+
+def fail(out):
+    """Stage 1 raises during the step: every rank must stop with that error, none may hang."""
+    model, data, loss_fn = build("skipnet")
+    plan = fxpipe.Plan(stages=2, micro_batches=2, loss_fn=loss_fn, costs="none",
+                       partitioner=[3, 4])
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    if dist.get_rank() == 1:
+        def explode(module, inputs):
+            raise ValueError("injected failure on stage 1")
+        model.layers[3].register_forward_pre_hook(explode)
+    try:
+        pipe.step(*data[0])
+    except Exception as error:
+        print(f"rank {dist.get_rank()} stopped: {type(error).__name__}: {error}", flush=True)
+        sys.exit(3)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    scenario, out = sys.argv[1], sys.argv[2]
+    if scenario == "fail":
+        fail(out)
+    elif scenario == "mismatch":
+        fxpipe.compile(SkipNet(), fxpipe.Plan(stages=3, costs="none"),
+                       example_inputs=(torch.randn(4, 5),))
+    else:  # training scenarios NAME:STAGES:SCHEDULE:MICRO_BATCHES, several joined by '+'
+        for index, case in enumerate(scenario.split("+")):
+            name, stages, schedule, micro_batches = case.split(":")
+            train(name, int(stages), schedule, int(micro_batches), f"{out}.{index}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

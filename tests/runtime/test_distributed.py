@@ -1,0 +1,68 @@
+"""Multi-process pipelines under torchrun (gloo on localhost): training equals one process."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import dist_worker
+import pytest
+import torch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+WORKER = pathlib.Path(dist_worker.__file__)
+
+
+def torchrun(ranks: int, scenario: str, out: pathlib.Path, timeout: float = 180):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(ranks), str(WORKER), scenario, str(out)],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+
+
+def _check(result_path: pathlib.Path, name: str) -> None:
+    result = torch.load(result_path)
+    state, losses = dist_worker.reference(name)
+    assert list(result["state"]) == list(state)  # the whole model, in the model's order
+    for key, value in state.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-10, atol=1e-12,
+                                   msg=key)
+    assert result["losses"] == pytest.approx(losses, rel=1e-12)
+    copies = [t for share in result["tied"] for t in share.values()]
+    assert all(torch.equal(c, copies[0]) for c in copies)  # tied copies stay identical
+    model, _, _ = dist_worker.build(name)
+    model.load_state_dict(result["state"])  # the gathered state dict loads into the plain model
+
+
+@pytest.mark.parametrize("ranks, scenarios", [
+    (2, ["skipnet:2:gpipe:3", "skipnet:2:1f1b:3", "gpt:2:1f1b:2"]),
+    (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4"]),
+], ids=["2-ranks", "4-ranks"])
+def test_training_across_ranks_matches_one_process(ranks, scenarios, tmp_path):
+    out = tmp_path / "result"
+    result = torchrun(ranks, "+".join(scenarios), out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for index, scenario in enumerate(scenarios):
+        _check(pathlib.Path(f"{out}.{index}"), scenario.split(":")[0])
+
+
+def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
+    result = torchrun(2, "fail", tmp_path / "unused", timeout=120)
+    assert result.returncode != 0
+    lines = [line for line in result.stdout.splitlines() if "stopped:" in line]
+    assert any(line.startswith("rank 1 stopped: RuntimeError: stage 1 failed: ValueError: "
+                               "injected failure on stage 1") for line in lines), result.stdout
+    assert any(line.startswith("rank 0 stopped:") and "rank 1 failed: ValueError: injected "
+               "failure on stage 1" in line for line in lines), result.stdout
+
+
+def test_world_size_must_fit_the_plan(tmp_path):
+    result = torchrun(2, "mismatch", tmp_path / "unused", timeout=120)
+    assert result.returncode != 0
+    assert ("the job has 2 ranks but Plan(stages=3, groups=1) needs 3; launch with torchrun "
+            "--nproc-per-node 3") in result.stderr
