@@ -191,10 +191,12 @@ class CompiledPipeline(torch.nn.Module):
 
     def shared_parameter_objects(self) -> list[tuple[str, torch.nn.Parameter, list[int]]]:
         """(name, Parameter, stages using it) for each weight tied across stages, by name."""
+        canonical = {id(p): n for n, p in torch.nn.Module.named_parameters(self)}  # the model's
         found: dict[int, tuple[str, torch.nn.Parameter, list[int]]] = {}
         for stage in self.stages:
             for name, p in stage.module.named_parameters():
-                found.setdefault(id(p), (name, p, []))[2].append(stage.index)
+                entry = found.setdefault(id(p), (canonical.get(id(p), name), p, []))
+                entry[2].append(stage.index)
         return sorted((entry for entry in found.values() if len(entry[2]) > 1),
                       key=lambda entry: entry[0])
 
