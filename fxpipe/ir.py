@@ -143,10 +143,14 @@ class StageHook(torch.nn.Module):
         for callback in list(self._callbacks.values()):
             callback(self.index)
 
-    def forward(self, *inputs: Any) -> StageArgs:
+    def forward(self, *inputs: Any, weights: Mapping[str, torch.Tensor] | None = None
+                ) -> StageArgs:
+        """`weights` substitutes tensors for some of the stage's parameters (a weight version
+        chosen by an asynchronous schedule's consistency policy)."""
         if not torch.is_grad_enabled():
-            return StageArgs(inputs, {})
-        weights = {name: w for name, w in self._weights.items() if w.requires_grad}
+            return StageArgs(inputs, dict(weights or {}))
+        chosen = {**self._weights, **(weights or {})}
+        weights = {name: w for name, w in chosen.items() if w.requires_grad}
         slots = [i for i, x in enumerate(inputs)
                  if isinstance(x, torch.Tensor) and x.requires_grad]
         tensors = [inputs[i] for i in slots] + list(weights.values())

@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
-from fxpipe.inspect import chrome_trace, format_graph, format_stage_table
+from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
 from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.plan import Plan
 from fxpipe.simulate import Event, Timeline, simulate
@@ -100,6 +100,37 @@ class CompiledPipeline(torch.nn.Module):
         flat = self.traced.bind(tuple(inputs), kwargs)
         return self.executor.step(flat, target, self.plan.loss_fn)
 
+    def attach_optimizer(self, factory: Callable[[list[torch.nn.Parameter]], Any],
+                         predictor: Callable[..., torch.Tensor] | None = None) -> None:
+        """Give each stage its own optimizer, `factory(stage_parameters)`, stepped by
+        `step_many` (and inside the schedule under async-1f1b, with the plan's consistency
+        policy; `predictor(optimizer, param, last_grad) -> ΔW` overrides PipeOptim's rule)."""
+        if self.plan.schedule == "async-1f1b" and self.shared_parameters():
+            raise FxpipeError(
+                f"weights {sorted(self.shared_parameters())} are used by several stages, and "
+                "async-1f1b steps each stage on its own schedule; untie them or use a "
+                "synchronous schedule ('gpipe' or '1f1b')."
+            )
+        self.executor.attach_optimizer(factory, self.plan.consistency, predictor)
+
+    def step_many(self, batches: Sequence[tuple[Any, Any]]) -> list[torch.Tensor]:
+        """Train on `[(inputs, target), ...]` (inputs: a tensor or a tuple of forward()'s
+        arguments), stepping each stage's attached optimizer after every mini-batch; under
+        async-1f1b the mini-batches overlap with no flush between them. Returns their losses."""
+        if self.plan.loss_fn is None:
+            raise FxpipeError("pipe.step_many(...) computes losses inside the pipeline and "
+                              "needs Plan(loss_fn=...).")
+        flat = []
+        for inputs, target in batches:
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            flat.append((self.traced.bind(args, {}), target))
+        return self.executor.step_many(flat, self.plan.loss_fn)
+
+    def weight_copies(self) -> list[int]:
+        """Per stage held here, the most extra weight copies its consistency policy kept."""
+        return [runner.policy.peak_copies if runner.policy else 0
+                for runner in self.executor.runners.values()]
+
     def last_trace(self) -> list[Event]:
         """Every action of the last pipelined forward/backward or step, with start and end
         in seconds from its beginning."""
@@ -181,9 +212,26 @@ class CompiledPipeline(torch.nn.Module):
                  f"{len(self.units)} units in {self.plan.stages} stages, "
                  f"partition {partition.partitioner} ({sizes})")
         params = [sum(p.numel() for p in s.module.parameters()) for s in self.stages]
-        return format_stage_table(title, self.units, partition, self.comm, self.devices, params,
-                                  self.shared_parameters(), self.plan.costs == "measure",
-                                  self.link)
+        table = format_stage_table(title, self.units, partition, self.comm, self.devices, params,
+                                   self.shared_parameters(), self.plan.costs == "measure",
+                                   self.link)
+        if self.plan.schedule == "async-1f1b" and self.executor is not None:
+            table += "\n" + self._weight_copies_line()
+        return table
+
+    def _weight_copies_line(self) -> str:
+        runners = self.executor.runners
+        if not any(r.policy for r in runners.values()):
+            return (f"async-1f1b weights (consistency={self.plan.consistency!r}): no optimizer "
+                    "attached yet (pipe.attach_optimizer)")
+        parts = []
+        for index, runner in runners.items():
+            copies = runner.policy.peak_copies if runner.policy else 0
+            nbytes = copies * sum(p.numel() * p.element_size()
+                                  for p in runner.stage.module.parameters())
+            parts.append(f"stage {index}: {copies} ({format_bytes(nbytes)})")
+        return (f"async-1f1b weights (consistency={self.plan.consistency!r}), most extra "
+                f"copies held so far: {'; '.join(parts)}")
 
     def shared_parameters(self) -> dict[str, list[int]]:
         """Parameters used by more than one stage (tied weights), by name -> stages."""

@@ -21,11 +21,19 @@ from torch.utils import _pytree as pytree
 from fxpipe.batching import input_dims
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Stage, StageHook
+from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.driver import Driver, Run
 from fxpipe.runtime.microbatch import merge, split
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import LocalTransport, Transport
-from fxpipe.schedules import ActionKind, Schedule, add_communication, build, check_communication
+from fxpipe.schedules import (
+    Action,
+    ActionKind,
+    Schedule,
+    add_communication,
+    build,
+    check_communication,
+)
 from fxpipe.simulate import Event
 
 __all__ = ["Coordinator", "LocalCoordinator", "PipelineExecutor", "lowered_schedule"]
@@ -128,29 +136,86 @@ class PipelineExecutor:
         counts with its share of the mini-batch, so the result and the parameters' gradients
         are those of loss_fn on the whole mini-batch. The optimizer step is the caller's.
         """
-        call = self._call(flat_inputs)
-        if self.last:
-            if target is None:
-                raise FxpipeError("the last stage computes the loss and needs the target: "
-                                  "pass it to pipe.step(x, target) on every rank.")
-            targets = [chunk[0] for chunk in split([target], self.micro_batches)]
-            if [_rows(t) for t in targets] != call.sizes:
-                raise FxpipeError(f"the target has {_rows([target])} rows but the inputs "
-                                  f"{sum(call.sizes)}; give one target row per sample.")
-        total = sum(call.sizes)
+        if self.schedule.name == "async-1f1b":
+            raise FxpipeError(
+                "schedule='async-1f1b' overlaps mini-batches and steps each stage itself: "
+                "call pipe.attach_optimizer(factory) once, then losses = "
+                "pipe.step_many([(x1, y1), (x2, y2), ...])."
+            )
+        return self._train([(flat_inputs, target)], loss_fn, self.schedule)[0]
+
+    def step_many(self, batches: Sequence[tuple[Sequence[Any] | None, Any]],
+                  loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
+        """Train on several mini-batches, stepping every stage's attached optimizer after each:
+        asynchronously (no flush between them) under async-1f1b, else one flushed schedule per
+        mini-batch. Returns each mini-batch's mean loss."""
+        missing = [s for s, runner in self.runners.items() if runner.policy is None
+                   or runner.policy.optimizer is None]
+        if missing:
+            raise FxpipeError(f"stages {missing} have no optimizer: call "
+                              "pipe.attach_optimizer(lambda params: torch.optim.SGD(params, "
+                              "lr=0.1)) before pipe.step_many(...).")
+        if self.schedule.name == "async-1f1b":
+            schedule = lowered_schedule("async-1f1b", len(self.comm.stages),
+                                        self.micro_batches, self.comm, len(batches))
+            return self._train(batches, loss_fn, schedule)
+        losses = []
+        for batch in batches:
+            losses += self._train([batch], loss_fn, self.schedule)
+            for runner in self.runners.values():
+                runner.step()
+        return losses
+
+    def attach_optimizer(self, factory: Callable[[list[torch.nn.Parameter]], Any],
+                         consistency: str = "none", predictor: Any = None) -> None:
+        """Give every stage held here its own optimizer over its parameters (and, for
+        async-1f1b, its weight consistency policy)."""
+        for index, runner in self.runners.items():
+            weights = dict(runner.stage.module.named_parameters())
+            runner.policy = make_policy(consistency, weights, index, len(self.comm.stages),
+                                        predictor)
+            runner.policy.optimizer = factory(list(weights.values()))
+
+    def _train(self, batches, loss_fn, schedule: Schedule) -> list[torch.Tensor]:
+        """One run of `schedule` over `batches` (micro-batch m of mini-batch i is i * p + m)."""
+        p = self.micro_batches
+        calls = [self._call(flat) for flat, _ in batches]
+        call = _Call.joined(next(self._calls), calls)
+        targets = self._targets([t for _, t in batches], calls) if self.last else []
 
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
             value = loss_fn(self._output(outputs), targets[mb])
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
                 raise FxpipeError("Plan(loss_fn=...) must return a scalar tensor (the mean "
                                   f"loss of a micro-batch), got {type(value).__name__}.")
-            return value * (call.sizes[mb] / total)
+            return value * (call.sizes[mb] / sum(calls[mb // p].sizes))
 
-        run = self._run(None, Run(call.feeds, loss=loss), call)
+        def on_action(action: Action) -> None:
+            if action.kind is K.STEP:
+                self.runners[action.stage].step()
+
+        run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action), call,
+                        schedule=schedule)
         self.coordinator.after_backward()
-        mine = (torch.stack([run.losses[mb] for mb in range(len(call.sizes))]).sum()
-                if self.last else None)
-        return self.coordinator.loss(mine)
+        losses = []
+        for i in range(len(batches)):
+            mine = (torch.stack([run.losses[i * p + m] for m in range(p)]).sum()
+                    if self.last else None)
+            losses.append(self.coordinator.loss(mine))
+        return losses
+
+    def _targets(self, targets: Sequence[Any], calls: Sequence[_Call]) -> list[Any]:
+        pieces = []
+        for target, call in zip(targets, calls):
+            if target is None:
+                raise FxpipeError("the last stage computes the loss and needs the target: "
+                                  "pass it to pipe.step(x, target) on every rank.")
+            chunks = [chunk[0] for chunk in split([target], self.micro_batches)]
+            if [_rows(t) for t in chunks] != call.sizes:
+                raise FxpipeError(f"the target has {_rows([target])} rows but the inputs "
+                                  f"{sum(call.sizes)}; give one target row per sample.")
+            pieces += chunks
+        return pieces
 
     def last_trace(self) -> list[Event]:
         """Every action of the last forward/backward or step, timed (seconds from its start)."""
@@ -186,9 +251,10 @@ class PipelineExecutor:
         run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call)
         return self._merged_outputs(run, call.sizes) if self.last else None
 
-    def _run(self, kinds, run: Run, call: _Call, append: bool = False) -> Run:
+    def _run(self, kinds, run: Run, call: _Call, append: bool = False,
+             schedule: Schedule | None = None) -> Run:
         programs = [[a for a in stage if kinds is None or a.kind in kinds]
-                    for stage in self.schedule.actions]
+                    for stage in (schedule or self.schedule).actions]
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0
         self.transport.prepare(call.key, call.sizes, call.seq)
         self.driver.run(programs, run, call.key)
@@ -218,6 +284,14 @@ class _Call:
         self.seq: int | None = None
         self.merged: list[Any] = []
         self.wanted: list[int] = []  # positions of inputs whose gradient autograd asks for
+
+    @classmethod
+    def joined(cls, key: int, calls: Sequence[_Call]) -> _Call:
+        """Several mini-batches as one run: micro-batch m of mini-batch i is i * p + m."""
+        joined = cls(key, [], [], [size for call in calls for size in call.sizes])
+        joined.feeds = [feed for call in calls for feed in call.feeds]
+        joined.seq = calls[0].seq
+        return joined
 
 
 def _rows(chunk: Any) -> int:
@@ -305,12 +379,12 @@ def _input_grads(call: _Call, run: Run) -> list[torch.Tensor | None]:
     return grads
 
 
-def lowered_schedule(name: str, stages: int, micro_batches: int, comm: CommTable) -> Schedule:
-    """The schedule with its sends and receives for the stage edges, checked to not hang."""
-    if name == "async-1f1b":
-        raise FxpipeError("schedule='async-1f1b' is not available in the local runtime yet; "
-                          "use 'gpipe' or '1f1b'.")
+def lowered_schedule(name: str, stages: int, micro_batches: int, comm: CommTable,
+                     minibatches: int = 2) -> Schedule:
+    """The schedule with its sends and receives for the stage edges, checked to not hang
+    (async-1f1b streams `minibatches` mini-batches)."""
+    extra = {"minibatches": minibatches} if name == "async-1f1b" else {}
     edges = {(e.src, e.dst) for e in comm.edges}
-    schedule = add_communication(build(name, stages, micro_batches), edges)
+    schedule = add_communication(build(name, stages, micro_batches, **extra), edges)
     check_communication(schedule)
     return schedule

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fxpipe.ir import Stage, StageHook, StageIO
+from fxpipe.runtime.consistency import WeightPolicy
 
 __all__ = ["StageRunner"]
 
@@ -29,6 +31,7 @@ class StageRunner:
         self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
         self._in_flight: dict[Any, tuple[list[Any], tuple[Any, ...], list[torch.Tensor]]] = {}
         self.peak_in_flight = 0  # most micro-batches held at once since the last reset
+        self.policy: WeightPolicy | None = None  # asynchronous schedules: which weights to use
 
     @property
     def in_flight(self) -> int:
@@ -41,7 +44,12 @@ class StageRunner:
         such as a loss on a model output that passed through, backpropagates into this stage."""
         training = torch.is_grad_enabled()
         inputs = [self._leaf(values[name], name, training) for name in self.io.inputs]
-        outputs = self.stage(self.hook(*inputs))
+        policy = self.policy if training else None
+        weights = policy.forward_weights(mb) if policy else None
+        args = self.hook(*inputs, weights=weights)
+        context = policy.forward_context(mb, args.weights) if policy else contextlib.nullcontext()
+        with context:
+            outputs = self.stage(args)
         if training:
             self._in_flight[mb] = (inputs, outputs, [])
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
@@ -64,6 +72,8 @@ class StageRunner:
                 grad_tensors.append(grad)
         if tensors:
             torch.autograd.backward(tensors, grad_tensors)
+        if self.policy is not None:
+            self.policy.after_backward(mb)
         result = {}
         for name, leaf in zip(self.io.inputs, inputs):
             if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
@@ -73,6 +83,12 @@ class StageRunner:
                 grad = direct if grad is None else grad + direct
             result[name] = grad
         return result
+
+    def step(self) -> None:
+        """The stage's optimizer step, inside an asynchronous schedule."""
+        if self.policy is None:
+            raise RuntimeError("stage has no optimizer to step")
+        self.policy.step()
 
     def discard(self) -> None:
         """Drop every in-flight micro-batch (after a failed run)."""

@@ -72,17 +72,32 @@ def reference(name):
     return model.state_dict(), losses
 
 
-def train(name, stages, schedule, micro_batches, out):
+def async_pipeline(name, stages, policy, micro_batches):
+    """An async-1f1b pipeline with per-stage optimizers (the same in one process or several)."""
     model, data, loss_fn = build(name)
-    plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
-                       loss_fn=loss_fn, costs="none")
+    plan = fxpipe.Plan(stages=stages, schedule="async-1f1b", consistency=policy,
+                       micro_batches=micro_batches, loss_fn=loss_fn, costs="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        losses.append(pipe.step(x, y).item())
-        optimizer.step()
+    pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    return pipe, data
+
+
+def train(name, stages, schedule, micro_batches, out):
+    if schedule.startswith("async-"):
+        pipe, data = async_pipeline(name, stages, schedule.removeprefix("async-"),
+                                    micro_batches)
+        losses = [loss.item() for loss in pipe.step_many(data)]
+    else:
+        model, data, loss_fn = build(name)
+        plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
+                           loss_fn=loss_fn, costs="none")
+        pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x, y in data:
+            optimizer.zero_grad()
+            losses.append(pipe.step(x, y).item())
+            optimizer.step()
     shared = [p for _, p, _ in pipe.shared_parameter_objects()]
     tied = {name: p.detach().clone() for name, p in pipe.named_parameters()
             if any(p is q for q in shared)}

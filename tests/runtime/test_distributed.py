@@ -25,9 +25,16 @@ def torchrun(ranks: int, scenario: str, out: pathlib.Path, timeout: float = 180)
     )
 
 
-def _check(result_path: pathlib.Path, name: str) -> None:
+def _check(result_path: pathlib.Path, scenario: str) -> None:
     result = torch.load(result_path)
-    state, losses = dist_worker.reference(name)
+    name, stages, schedule, micro_batches = scenario.split(":")
+    if schedule.startswith("async-"):  # the same pipeline, every stage in this one process
+        pipe, data = dist_worker.async_pipeline(name, int(stages), schedule[6:],
+                                                int(micro_batches))
+        losses = [loss.item() for loss in pipe.step_many(data)]
+        state = pipe.state_dict()
+    else:
+        state, losses = dist_worker.reference(name)
     assert list(result["state"]) == list(state)  # the whole model, in the model's order
     for key, value in state.items():
         torch.testing.assert_close(result["state"][key], value, rtol=1e-10, atol=1e-12,
@@ -40,15 +47,16 @@ def _check(result_path: pathlib.Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("ranks, scenarios", [
-    (2, ["skipnet:2:gpipe:3", "skipnet:2:1f1b:3", "gpt:2:1f1b:2"]),
-    (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4"]),
+    (2, ["skipnet:2:gpipe:3", "skipnet:2:1f1b:3", "gpt:2:1f1b:2", "skipnet:2:async-none:2",
+         "skipnet:2:async-stash:2"]),
+    (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4", "skipnet:4:async-stash:1"]),
 ], ids=["2-ranks", "4-ranks"])
 def test_training_across_ranks_matches_one_process(ranks, scenarios, tmp_path):
     out = tmp_path / "result"
     result = torchrun(ranks, "+".join(scenarios), out)
     assert result.returncode == 0, result.stderr[-3000:]
     for index, scenario in enumerate(scenarios):
-        _check(pathlib.Path(f"{out}.{index}"), scenario.split(":")[0])
+        _check(pathlib.Path(f"{out}.{index}"), scenario)
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):

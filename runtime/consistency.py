@@ -1,0 +1,263 @@
+"""Weight consistency in asynchronous pipelines: the weights a micro-batch's forward and
+backward see when the stage's optimizer steps in between (ALGORITHMS §6-§7).
+
+    none     forward with the current weights; backward with whatever is current then
+    stash    backward with exactly the weights its forward used (PipeDream weight stashing)
+    2bw      forward and backward with the version before the latest step (PipeDream-2BW)
+    predict  forward with the weights predicted s steps ahead, s = N - stage - 1, from the
+             optimizer's own state; backward with the current weights (PipeOptim)
+
+Weights never change in place for a forward: a policy hands the stage substitute tensors, and
+`saved_tensors_hooks` decide which weight values the backward reads. Copies are kept per
+weight version and freed when their last micro-batch's backward is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from fxpipe.errors import FxpipeError
+
+__all__ = ["POLICIES", "Predictor", "WeightPolicy", "make_policy", "predicted_update"]
+
+# (optimizer, parameter, its last gradient or None) -> ΔW, the direction of the next update
+Predictor = Callable[[torch.optim.Optimizer, torch.nn.Parameter, torch.Tensor | None],
+                     torch.Tensor]
+
+
+class WeightPolicy:
+    """`none`: forward and backward read the stage's parameters as they are at that moment."""
+
+    name = "none"
+
+    def __init__(self, weights: Mapping[str, torch.nn.Parameter], stage: int, stages: int) -> None:
+        self.weights = dict(weights)
+        self.stage, self.stages = stage, stages
+        self.version = 0  # optimizer steps taken by this stage
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.forward_versions: dict[Any, int] = {}  # micro-batch -> version its forward used
+        self.backward_versions: dict[Any, int] = {}  # ... and its backward used
+        self.last_grads: dict[str, torch.Tensor] = {}  # gradients of the latest step
+        self.peak_copies = 0  # most weight copies held at once
+
+    def forward_weights(self, mb: Any) -> dict[str, torch.Tensor] | None:
+        """The weights the forward of `mb` runs with (None: the parameters themselves)."""
+        self.forward_versions[mb] = self.version
+        return None
+
+    @contextlib.contextmanager
+    def forward_context(self, mb: Any, hooked: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """Around the forward: decide what its backward will read for each weight. `hooked`
+        maps names to the tensors the stage actually runs with."""
+        with _reading_current(hooked, self.weights):
+            yield
+
+    def after_backward(self, mb: Any) -> None:
+        self.backward_versions[mb] = self._backward_version(mb)
+
+    def _backward_version(self, mb: Any) -> int:
+        return self.version
+
+    def step(self) -> None:
+        """The stage's optimizer step (the schedule's STEP action)."""
+        if self.optimizer is None:
+            raise FxpipeError("an asynchronous schedule steps each stage's optimizer itself: "
+                              "call pipe.attach_optimizer(lambda params: torch.optim.SGD(params, "
+                              "lr=0.1)) before training.")
+        self.before_step()
+        self.last_grads = {n: w.grad.detach().clone() for n, w in self.weights.items()
+                           if w.grad is not None}
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.version += 1
+
+    def before_step(self) -> None:
+        return None
+
+    def extra_copies(self) -> int:
+        """Weight copies held beyond the parameters themselves, right now."""
+        return 0
+
+
+class StashPolicy(WeightPolicy):
+    """`stash`: a copy of the weights per version still needed by an in-flight micro-batch."""
+
+    name = "stash"
+
+    def __init__(self, weights, stage, stages) -> None:
+        super().__init__(weights, stage, stages)
+        self._copies: dict[int, dict[str, torch.Tensor]] = {}
+        self._users: dict[int, set[Any]] = {}
+
+    def forward_weights(self, mb: Any) -> dict[str, torch.Tensor]:
+        version = self._version_for_forward()
+        self.forward_versions[mb] = version
+        if version not in self._copies:
+            self._copies[version] = self._snapshot()
+        self.peak_copies = max(self.peak_copies, len(self._copies))
+        self._users.setdefault(version, set()).add(mb)
+        return self._copies[version]
+
+    def forward_context(self, mb, hooked):
+        return contextlib.nullcontext()  # the backward reads the copy the forward used
+
+    def _version_for_forward(self) -> int:
+        return self.version
+
+    def _backward_version(self, mb: Any) -> int:
+        return self.forward_versions[mb]
+
+    def after_backward(self, mb: Any) -> None:
+        super().after_backward(mb)
+        version = self.forward_versions[mb]
+        for name, tensor in self._copies[version].items():  # this micro-batch's gradients
+            if tensor.grad is not None:
+                param = self.weights[name]
+                param.grad = tensor.grad if param.grad is None else param.grad + tensor.grad
+                tensor.grad = None
+        users = self._users[version]
+        users.discard(mb)
+        if not users:  # the last micro-batch of this version is done: free the copy
+            del self._copies[version], self._users[version]
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: w.detach().clone().requires_grad_(w.requires_grad)
+                for name, w in self.weights.items()}
+
+    def extra_copies(self) -> int:
+        return len(self._copies)
+
+
+class TwoBufferPolicy(StashPolicy):
+    """`2bw`: new micro-batches use the version before the latest step (kept as a shadow copy),
+    forward and backward alike, so at most two versions exist besides in-flight stragglers."""
+
+    name = "2bw"
+
+    def __init__(self, weights, stage, stages) -> None:
+        super().__init__(weights, stage, stages)
+        self._shadow: dict[str, torch.Tensor] | None = None
+
+    def before_step(self) -> None:
+        self._shadow = self._snapshot()  # the version this step is about to replace
+
+    def extra_copies(self) -> int:
+        return len(self._copies) + (self._shadow is not None and
+                                    all(c is not self._shadow for c in self._copies.values()))
+
+    def _version_for_forward(self) -> int:
+        version = max(self.version - 1, 0)
+        if version not in self._copies and self._shadow is not None and self.version > 0:
+            self._copies[version] = self._shadow
+        return version
+
+
+class PredictPolicy(WeightPolicy):
+    """`predict` (PipeOptim): forward with Ŵ = W − lr·s·ΔW, the weights expected after the s
+    steps that land before this micro-batch's backward; the backward reads the current W."""
+
+    name = "predict"
+
+    def __init__(self, weights, stage, stages, predictor: Predictor | None = None) -> None:
+        super().__init__(weights, stage, stages)
+        self.predictor = predictor
+        self.steps_ahead = stages - stage - 1
+
+    def forward_weights(self, mb: Any) -> dict[str, torch.Tensor] | None:
+        self.forward_versions[mb] = self.version
+        if self.steps_ahead == 0 or self.optimizer is None or self.version == 0:
+            return None  # the last stage, or nothing to predict from yet
+        self.peak_copies = 1  # Ŵ exists while the forward runs; the backward reads W
+        predicted = {}
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                name = self._name_of(param)
+                if name is None:
+                    continue
+                with torch.no_grad():
+                    predictor = self.predictor or predicted_update
+                    update = predictor(self.optimizer, param, self.last_grads.get(name))
+                    ahead = param - group["lr"] * self.steps_ahead * update
+                # differentiable in W (gradients land on the parameter), valued Ŵ
+                predicted[name] = param + (ahead - param).detach()
+        return predicted
+
+    def _name_of(self, param: torch.nn.Parameter) -> str | None:
+        return next((n for n, w in self.weights.items() if w is param), None)
+
+
+def predicted_update(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter,
+                     last_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """ΔW of PipeOptim's Table I from the optimizer's own state, as PyTorch computes it.
+
+    SGD: the momentum buffer (the last gradient without momentum), plus weight decay·W.
+    Adam: m̂ / (√v̂ + eps) (coupled weight decay is already in its moments).
+    AdamW: m̂ / (√v̂ + eps) + weight decay·W (decoupled). Others: the last gradient, warned once.
+    """
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    state = optimizer.state.get(param, {})
+    if isinstance(optimizer, torch.optim.AdamW | torch.optim.Adam) and "exp_avg" in state:
+        beta1, beta2 = group["betas"]
+        steps = float(state["step"])
+        m_hat = state["exp_avg"] / (1 - beta1 ** steps)
+        v_hat = state["exp_avg_sq"] / (1 - beta2 ** steps)
+        update = m_hat / (v_hat.sqrt() + group["eps"])
+        if isinstance(optimizer, torch.optim.AdamW) and group["weight_decay"]:
+            update = update + group["weight_decay"] * param
+        return update
+    if isinstance(optimizer, torch.optim.SGD):
+        buffer = state.get("momentum_buffer")
+        if buffer is not None:  # already holds weight decay and dampening, as SGD applies it
+            return buffer
+        update = last_grad if last_grad is not None else torch.zeros_like(param)
+        return update + group["weight_decay"] * param if group["weight_decay"] else update
+    _warn_fallback(type(optimizer).__name__)
+    return last_grad if last_grad is not None else torch.zeros_like(param)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_fallback(name: str) -> None:
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"consistency='predict' has no rule for {name}; it predicts with the last "
+                      "gradient (ΔW = g). Pass attach_optimizer(..., predictor=fn) for a better "
+                      "one.", stacklevel=3)
+
+
+@contextlib.contextmanager
+def _reading_current(hooked: Mapping[str, torch.Tensor],
+                     params: Mapping[str, torch.nn.Parameter]) -> Iterator[None]:
+    """Saved weights are read back at backward time from the parameters as they are then
+    (the weights may have been stepped meanwhile; autograd's version check is not wanted)."""
+    originals = {id(t): params[name] for name, t in hooked.items() if name in params}
+
+    def pack(tensor: torch.Tensor) -> Any:
+        param = originals.get(id(tensor))
+        return ("weight", param) if param is not None else tensor
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, tuple) and packed[0] == "weight":
+            return packed[1]
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+POLICIES = {"none": WeightPolicy, "stash": StashPolicy, "2bw": TwoBufferPolicy,
+            "predict": PredictPolicy}
+
+
+def make_policy(name: str, weights: Mapping[str, torch.nn.Parameter], stage: int, stages: int,
+                predictor: Predictor | None = None) -> WeightPolicy:
+    if name == "predict":
+        return PredictPolicy(weights, stage, stages, predictor)
+    return POLICIES[name](weights, stage, stages)
+

@@ -1,0 +1,214 @@
+"""Asynchronous 1F1B: weight consistency policies and PipeOptim's weight prediction."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxpipe
+from fxpipe.runtime.consistency import PredictPolicy, predicted_update
+from fxpipe.schedules import ActionKind
+
+
+def _optimizer_after_steps(kind, steps, grad, **options):
+    """A one-parameter optimizer stepped `steps` times with a constant gradient."""
+    param = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    optimizer = kind([param], **options)
+    for _ in range(steps):
+        param.grad = grad.clone()
+        optimizer.step()
+    return param, optimizer
+
+
+@given(s=st.integers(1, 5), lr=st.floats(0.001, 0.5), warm=st.integers(1, 4))
+def test_plain_sgd_prediction_equals_the_weights_s_steps_later(s, lr, warm):
+    grad = torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
+    param, optimizer = _optimizer_after_steps(torch.optim.SGD, warm, grad, lr=lr)
+    predicted = param.detach() - lr * s * predicted_update(optimizer, param, grad)
+    for _ in range(s):
+        param.grad = grad.clone()
+        optimizer.step()
+    torch.testing.assert_close(predicted, param.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_momentum_prediction_uses_the_momentum_buffer():
+    grad = torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
+    param, optimizer = _optimizer_after_steps(torch.optim.SGD, 3, grad, lr=0.1, momentum=0.9,
+                                              dampening=0.1, weight_decay=0.01)
+    buffer = optimizer.state[param]["momentum_buffer"]
+    assert torch.equal(predicted_update(optimizer, param, grad), buffer)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_adam_prediction_follows_the_bias_corrected_moments(kind):
+    grad = torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
+    param, optimizer = _optimizer_after_steps(kind, 4, grad, lr=0.01, weight_decay=0.1)
+    state = optimizer.state[param]
+    beta1, beta2 = optimizer.param_groups[0]["betas"]
+    m_hat = state["exp_avg"] / (1 - beta1 ** 4)
+    v_hat = state["exp_avg_sq"] / (1 - beta2 ** 4)
+    expected = m_hat / (v_hat.sqrt() + optimizer.param_groups[0]["eps"])
+    if kind is torch.optim.AdamW:
+        expected = expected + 0.1 * param.detach()
+    torch.testing.assert_close(predicted_update(optimizer, param, grad), expected)
+
+
+def test_unknown_optimizer_falls_back_to_the_last_gradient_with_one_warning():
+    grad = torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
+    param, optimizer = _optimizer_after_steps(torch.optim.Adagrad, 1, grad, lr=0.1)
+    with pytest.warns(UserWarning, match="no rule for Adagrad"):
+        update = predicted_update(optimizer, param, grad)
+    assert torch.equal(update, grad)
+
+
+def _net(stages):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(stages)],
+                         nn.Linear(6, 3)).double()
+
+
+def _data(count, rows=6):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(rows, 6, generator=gen, dtype=torch.float64),
+             torch.randint(0, 3, (rows,), generator=gen)) for _ in range(count)]
+
+
+def _async_pipe(policy, stages=3, micro_batches=2, lr=0.1):
+    model = _net(stages)
+    plan = fxpipe.Plan(stages=stages, schedule="async-1f1b", consistency=policy,
+                       micro_batches=micro_batches, loss_fn=F.cross_entropy, costs="none",
+                       partitioner=[1] * (stages - 1) + [2], tracer="fx",
+                       leaf_modules=[nn.Sequential])
+    pipe = fxpipe.compile(model, plan, example_inputs=(_data(1)[0][0],))
+    pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9))
+    return pipe, model
+
+
+@pytest.mark.parametrize("policy", ["none", "stash", "2bw", "predict"])
+def test_every_policy_runs_the_async_schedule_completely(policy):
+    pipe, _ = _async_pipe(policy)
+    losses = pipe.step_many(_data(5))
+    assert len(losses) == 5 and all(torch.isfinite(loss) for loss in losses)
+    for stage in range(3):
+        events = [e.action for e in pipe.last_trace() if e.stage == stage]
+        forwards = [a.mb for a in events if a.kind is ActionKind.F]
+        backwards = [a.mb for a in events if a.kind is ActionKind.B]
+        assert sorted(forwards) == sorted(backwards) == list(range(10))
+        assert sum(a.kind is ActionKind.STEP for a in events) == 5
+    assert pipe.executor.in_flight() == [0, 0, 0]
+
+
+def test_stash_gives_each_backward_the_version_its_forward_used():
+    pipe, _ = _async_pipe("stash")
+    assert "no optimizer attached yet" not in repr(pipe)
+    pipe.step_many(_data(6))
+    copies = pipe.weight_copies()
+    assert copies[0] >= copies[-1] >= 1  # earlier stages hold more versions in flight
+    assert f"stage 0: {copies[0]} (" in repr(pipe)
+    for runner in pipe.executor.runners.values():
+        policy = runner.policy
+        assert policy.forward_versions == policy.backward_versions
+    stale = pipe.executor.runners[0].policy
+    assert max(stale.forward_versions.values()) < 6  # forwards did see several versions
+    assert len(set(stale.forward_versions.values())) > 1
+
+
+def test_without_stashing_the_first_stage_backward_sees_newer_weights():
+    pipe, _ = _async_pipe("none")
+    pipe.step_many(_data(6))
+    first = pipe.executor.runners[0].policy
+    newer = [mb for mb in first.forward_versions
+             if first.backward_versions[mb] > first.forward_versions[mb]]
+    assert newer  # weights were stepped between a forward and its backward
+    last = pipe.executor.runners[2].policy  # the last stage runs F and B back to back
+    assert last.forward_versions == last.backward_versions
+
+
+def test_prediction_leaves_the_weights_exactly_as_they_were():
+    pipe, model = _async_pipe("predict")
+    pipe.step_many(_data(3))
+    runner = pipe.executor.runners[0]
+    assert isinstance(runner.policy, PredictPolicy) and runner.policy.steps_ahead == 2
+    before = [p.detach().clone() for p in model.parameters()]
+    predicted = runner.policy.forward_weights(("probe", 0))
+    assert predicted is not None
+    assert any(not torch.equal(predicted[n], w) for n, w in runner.policy.weights.items())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@settings(max_examples=6)
+@given(policy=st.sampled_from(["none", "stash", "predict"]), micro_batches=st.integers(1, 3))
+def test_one_stage_async_is_plain_sgd(policy, micro_batches):
+    """With a single stage nothing is stale: these policies train exactly like plain SGD."""
+    model = _net(1)
+    reference = copy.deepcopy(model)
+    plan = fxpipe.Plan(stages=1, schedule="async-1f1b", consistency=policy,
+                       micro_batches=micro_batches, loss_fn=F.cross_entropy, costs="none")
+    data = _data(4)
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    pipe.step_many(data)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_2bw_applies_gradients_one_version_late():
+    """PipeDream-2BW's update rule, W(t+1) = W(t) - lr * grad f(W(t-1)), even with one stage."""
+    model = _net(1)
+    reference = copy.deepcopy(model)
+    data = _data(4)
+    plan = fxpipe.Plan(stages=1, schedule="async-1f1b", consistency="2bw",
+                       loss_fn=F.cross_entropy, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
+    pipe.step_many(data)
+    previous = copy.deepcopy(reference)
+    for x, y in data:
+        grads = torch.autograd.grad(F.cross_entropy(previous(x), y),
+                                    list(previous.parameters()))
+        previous.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            for p, g in zip(reference.parameters(), grads):
+                p -= 0.1 * g
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_sync_step_many_equals_step_then_optimizer():
+    model = _net(2)
+    reference = copy.deepcopy(model)
+    data = _data(3)
+    plan = fxpipe.Plan(stages=2, schedule="1f1b", micro_batches=2, loss_fn=F.cross_entropy,
+                       costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    pipe.attach_optimizer(lambda params: torch.optim.Adam(params, lr=0.01))
+    pipe.step_many(data)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    for x, y in data:
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_async_needs_an_optimizer_and_step_many():
+    pipe = fxpipe.compile(_net(2), fxpipe.Plan(stages=2, schedule="async-1f1b",
+                                                loss_fn=F.cross_entropy, costs="none"),
+                          example_inputs=(_data(1)[0][0],))
+    with pytest.raises(fxpipe.FxpipeError, match=r"have no optimizer: call "
+                                                  r"pipe.attach_optimizer"):
+        pipe.step_many(_data(2))
+    with pytest.raises(fxpipe.FxpipeError, match=r"overlaps mini-batches and steps each stage"):
+        pipe.step(*_data(1)[0])
