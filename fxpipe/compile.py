@@ -29,6 +29,7 @@ from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
 from fxpipe.runtime.dist import DistCoordinator, DistTransport
 from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.hooks import GradientSync
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
@@ -117,13 +118,22 @@ def _compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipe
     pipe.state_dict_keys = list(model.state_dict())
     pipe.restrict_to_stage(layout.stage, layout.rank)
     pipeline = _pipeline_group(layout)
-    runner = StageRunner(stage, pipe.stage_hook(layout.stage), comm.stages[layout.stage],
-                         device, {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
-                                  for e in comm.edges})
+    hook = pipe.stage_hook(layout.stage)
+    runner = StageRunner(stage, hook, comm.stages[layout.stage], device,
+                         {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
+                          for e in comm.edges})
     transport = DistTransport(comm, layout.pipeline_ranks, device, group=pipeline,
                               rank=layout.rank)
+    data_parallel = _data_parallel_group(layout, stage)
+    sync = None
+    if data_parallel is not None:
+        sync = GradientSync(layout.stage, list(stage.parameters()), data_parallel,
+                            plan.dp_sync, pipeline)
+        hook.register(lambda s: sync.on_stage_backward(s, hook.finishing))
     coordinator = DistCoordinator(layout.pipeline_ranks, micro_batches, device, pipeline,
-                                  _tied_groups(pipe, layout))
+                                  _tied_groups(pipe, layout), sync=sync,
+                                  data_parallel=data_parallel, group_index=layout.group,
+                                  groups=layout.groups)
     pipe.executor = PipelineExecutor(
         {layout.stage: runner}, comm, transport, _output_names(traced.gm), plan.schedule,
         micro_batches, traced.bind.unflatten, threads, coordinator,
@@ -155,6 +165,24 @@ def _pipeline_group(layout):
         handle = torch.distributed.new_group(ranks)
         if layout.rank in ranks:
             mine = handle
+    return mine
+
+
+def _data_parallel_group(layout, stage) -> Any:
+    """The ranks running this rank's stage in every pipeline group, as a process group; the
+    stage's parameters and buffers start as group 0's (as DistributedDataParallel does)."""
+    if layout.groups == 1:
+        return None
+    mine = None
+    for s in range(layout.stages):  # every rank creates every group, in the same order
+        ranks = layout.data_parallel_ranks(s)
+        handle = torch.distributed.new_group(ranks)
+        if s == layout.stage:
+            mine = handle
+    source = layout.data_parallel_ranks(layout.stage)[0]
+    with torch.no_grad():
+        for tensor in [*stage.parameters(), *stage.buffers()]:
+            torch.distributed.broadcast(tensor.data, source, mine)
     return mine
 
 

@@ -132,6 +132,7 @@ class StageHook(torch.nn.Module):
         self.index = index
         self._weights = dict(weights)  # a plain dict: the stage module owns the parameters
         self._callbacks: OrderedDict[int, Callable[[int], None]] = OrderedDict()  # weakref-able
+        self.finishing = False  # set by the runtime: the mini-batch's last backward is running
 
     def register(self, callback: Callable[[int], None]) -> RemovableHandle:
         """Call `callback(stage)` after each backward of this stage; returns a removable handle."""

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Edge
+from fxpipe.runtime.hooks import GradientSync
+from fxpipe.runtime.microbatch import batch_size, split
 from fxpipe.runtime.transport import PipelineAborted
 
 __all__ = ["DistCoordinator", "DistTransport", "ErrorBoard"]
@@ -60,34 +62,63 @@ class DistCoordinator:
     stages (all-reduced among the ranks that hold them, so the copies stay equal)."""
 
     def __init__(self, ranks: Sequence[int], micro_batches: int, device: str, group: Any = None,
-                 tied: Sequence[tuple[torch.nn.Parameter, Any]] = ()) -> None:
+                 tied: Sequence[tuple[torch.nn.Parameter, Any]] = (), *,
+                 sync: GradientSync | None = None, data_parallel: Any = None,
+                 group_index: int = 0, groups: int = 1) -> None:
         self.first, self.last = ranks[0], ranks[-1]
         self.micro_batches = micro_batches
         self.group = group
         self.tied = list(tied)
+        self.sync, self.data_parallel = sync, data_parallel
+        self.group_index, self.groups = group_index, groups
         backend = dist.get_backend(group)
         self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
 
-    def dims(self, sizes: list[int] | None, seq: int | None) -> tuple[list[int], int | None]:
-        data = torch.empty(self.micro_batches + 1, dtype=torch.int64, device=self.device)
+    def shard(self, batch: Any) -> Any:
+        """Pipeline group g takes the g-th of G near-equal row slices of the global batch."""
+        if self.groups == 1 or batch is None:
+            return batch
+        total = _batch_rows(batch)
+        if total < self.groups:
+            raise FxpipeError(f"a mini-batch of {total} samples cannot feed {self.groups} "
+                              "pipeline groups; use a larger batch or fewer groups.")
+        return split(batch, self.groups)[self.group_index] if isinstance(batch, list) \
+            else split([batch], self.groups)[self.group_index][0]
+
+    def dims(self, sizes, seq, total):
+        data = torch.empty(self.micro_batches + 2, dtype=torch.int64, device=self.device)
         if sizes is not None:
-            data.copy_(torch.tensor([*sizes, -1 if seq is None else seq]))
+            data.copy_(torch.tensor([*sizes, -1 if seq is None else seq, total]))
         dist.broadcast(data, self.first, self.group)
         values = data.tolist()
-        return values[:-1], None if values[-1] < 0 else values[-1]
+        return values[:-2], None if values[-2] < 0 else values[-2], values[-1]
 
     def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         data = torch.empty((), dtype=torch.float64, device=self.device)
         if loss is not None:
             data.copy_(loss.detach())
+            if self.data_parallel is not None:  # the groups' weighted shares add up
+                dist.all_reduce(data, group=self.data_parallel)
         dist.broadcast(data, self.last, self.group)
         return data.cpu()
 
+    def drain_events(self):
+        if self.sync is None:
+            return []
+        events, self.sync.events = self.sync.events, []
+        return events
+
     def after_backward(self) -> None:
+        if self.sync is not None:
+            self.sync.finish()
         for param, group in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
+
+
+def _batch_rows(batch: Any) -> int:
+    return batch_size(batch if isinstance(batch, list) else [batch])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ class Run:
     input_grads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     events: list[Event] = dataclasses.field(default_factory=list)
     on_action: Callable[[Action], None] | None = None  # STEP / ALLREDUCE handler
+    started: float = 0.0  # wall-clock time (time.time()) the run began: events are relative
 
 
 class Driver:
@@ -63,6 +64,7 @@ class Driver:
         """Execute `programs[s]` on every stage s held here; `key` keeps this run's in-flight
         micro-batches apart from another run's (a forward now, its backward later)."""
         self.transport.reset()
+        run.started = time.time()
         start = time.perf_counter()
         if self.pool is None:
             (s,) = self.runners
@@ -98,6 +100,8 @@ class Driver:
         # after these actions, a micro-batch's values / input gradients are no longer needed
         last_value_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.F, K.SEND_F)}
         last_grad_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.B, K.SEND_B)}
+        backwards = [a for a in program if a.kind is K.B]
+        state.last_backward = backwards[-1] if backwards else None
         try:
             with context:
                 for i, action in enumerate(program):
@@ -135,7 +139,7 @@ class Driver:
             grads = state.grads.pop(mb, {})
             if run.output_grads is not None and s == self.last_stage:
                 _accumulate(grads, run.output_grads[a.mb])
-            state.input_grads[mb] = runner.backward(mb, grads)
+            state.input_grads[mb] = runner.backward(mb, grads, last=a == state.last_backward)
             if s == 0:
                 run.input_grads[a.mb] = state.input_grads[mb]
         elif a.kind is K.SEND_B:
@@ -178,6 +182,7 @@ class _StageState:
         self.values: dict[Any, dict[str, Any]] = defaultdict(dict)
         self.grads: dict[Any, dict[str, Any]] = defaultdict(dict)
         self.input_grads: dict[Any, dict[str, Any]] = {}
+        self.last_backward: Action | None = None
 
 
 def _accumulate(into: dict[str, Any], grads: Mapping[str, Any]) -> None:

@@ -46,8 +46,13 @@ _BACKWARD = (K.RECV_B, K.B, K.SEND_B)
 class Coordinator(Protocol):
     """What the ranks of one pipeline agree on per step (trivial in one process)."""
 
-    def dims(self, sizes: list[int] | None, seq: int | None) -> tuple[list[int], int | None]:
-        """The micro-batch sizes and sequence length, from the rank that holds the inputs."""
+    def shard(self, batch: Any) -> Any:
+        """This pipeline group's share of a global mini-batch (inputs or target)."""
+
+    def dims(self, sizes: list[int] | None, seq: int | None, total: int | None
+             ) -> tuple[list[int], int | None, int]:
+        """The micro-batch sizes, sequence length and global mini-batch size, from the rank
+        that holds the inputs."""
 
     def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The step's loss, from the rank that computed it, on every rank."""
@@ -55,18 +60,27 @@ class Coordinator(Protocol):
     def after_backward(self) -> None:
         """Gradient work once the backward of a mini-batch is complete (tied weights)."""
 
+    def drain_events(self) -> list[Event]:
+        """Timed work it did (all-reduces), in wall-clock seconds, since the last call."""
+
 
 class LocalCoordinator:
     """Every stage in this process: nothing to share."""
 
-    def dims(self, sizes, seq):
-        return sizes, seq
+    def shard(self, batch):
+        return batch
+
+    def dims(self, sizes, seq, total):
+        return sizes, seq, total
 
     def loss(self, loss):
         return loss
 
     def after_backward(self) -> None:
         return None
+
+    def drain_events(self) -> list[Event]:
+        return []
 
 
 class PipelineExecutor:
@@ -97,6 +111,7 @@ class PipelineExecutor:
         self.everything_here = len(runners) == len(comm.stages)
         self._calls = itertools.count()
         self._trace: list[Event] = []
+        self.trace_origin = 0.0
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -181,14 +196,15 @@ class PipelineExecutor:
         p = self.micro_batches
         calls = [self._call(flat) for flat, _ in batches]
         call = _Call.joined(next(self._calls), calls)
-        targets = self._targets([t for _, t in batches], calls) if self.last else []
+        targets = (self._targets([self.coordinator.shard(t) for _, t in batches], calls)
+                   if self.last else [])
 
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
             value = loss_fn(self._output(outputs), targets[mb])
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
                 raise FxpipeError("Plan(loss_fn=...) must return a scalar tensor (the mean "
                                   f"loss of a micro-batch), got {type(value).__name__}.")
-            return value * (call.sizes[mb] / sum(calls[mb // p].sizes))
+            return value * (call.sizes[mb] / calls[mb // p].total)
 
         def on_action(action: Action) -> None:
             if action.kind is K.STEP:
@@ -197,6 +213,8 @@ class PipelineExecutor:
         run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action), call,
                         schedule=schedule)
         self.coordinator.after_backward()
+        self._trace += [Event(e.stage, e.action, e.start - run.started, e.end - run.started)
+                        for e in self.coordinator.drain_events()]
         losses = []
         for i in range(len(batches)):
             mine = (torch.stack([run.losses[i * p + m] for m in range(p)]).sum()
@@ -232,13 +250,16 @@ class PipelineExecutor:
             if flat_inputs is None:
                 raise FxpipeError("the first stage reads the inputs: pass them to "
                                   "pipe.step(x, target) on every rank.")
+            total = _rows(list(flat_inputs))
+            flat_inputs = self.coordinator.shard(list(flat_inputs))
             chunks = split(flat_inputs, self.micro_batches)
             sizes, seq = [_rows(c) for c in chunks], _seq_len(flat_inputs)
         else:
-            chunks, sizes, seq = [[] for _ in range(self.micro_batches)], None, None
-        sizes, seq = self.coordinator.dims(sizes, seq)
+            chunks = [[] for _ in range(self.micro_batches)]
+            sizes, seq, total = None, None, None
+        sizes, seq, total = self.coordinator.dims(sizes, seq, total)
         call = _Call(next(self._calls), chunks, self.comm.graph_inputs, sizes)
-        call.seq = seq
+        call.seq, call.total = seq, total
         return call
 
     def _forward_only_distributed(self, flat_inputs):
@@ -258,6 +279,7 @@ class PipelineExecutor:
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0
         self.transport.prepare(call.key, call.sizes, call.seq)
         self.driver.run(programs, run, call.key)
+        self.trace_origin = run.started - offset  # wall-clock time of the trace's zero
         events = [Event(e.stage, e.action, e.start + offset, e.end + offset) for e in run.events]
         self._trace = (self._trace + events) if append else events
         return run
@@ -282,6 +304,7 @@ class _Call:
         self.feeds = [dict(zip(names, chunk)) for chunk in chunks]
         self.sizes = sizes if sizes is not None else [_rows(chunk) for chunk in chunks]
         self.seq: int | None = None
+        self.total = sum(self.sizes)  # samples in the global mini-batch (all pipeline groups)
         self.merged: list[Any] = []
         self.wanted: list[int] = []  # positions of inputs whose gradient autograd asks for
 

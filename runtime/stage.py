@@ -59,11 +59,15 @@ class StageRunner:
         """Make `tensor` (the micro-batch's loss, on the last stage) a root of its backward."""
         self._in_flight[mb][2].append(tensor)
 
-    def backward(self, mb: Any, grads: Mapping[str, torch.Tensor | None]) -> dict[str, Any]:
+    def backward(self, mb: Any, grads: Mapping[str, torch.Tensor | None],
+                 last: bool = False) -> dict[str, Any]:
         """Backpropagate the gradients of the stage's outputs (and of any roots added);
         accumulate parameter gradients; return the gradients of the stage's inputs by name.
-        A gradient given for an input name (an input that is also a model output) is added."""
+        A gradient given for an input name (an input that is also a model output) is added.
+        `last`: this is the stage's last backward of the mini-batch (its hook callbacks read
+        `hook.finishing`, e.g. to start the gradient all-reduce)."""
         inputs, outputs, roots = self._in_flight.pop(mb)
+        self.hook.finishing = last
         tensors, grad_tensors = list(roots), [None] * len(roots)
         for name, output in zip(self.io.outputs, outputs):
             grad = grads.get(name)

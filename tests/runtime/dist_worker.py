@@ -109,6 +109,46 @@ def train(name, stages, schedule, micro_batches, out):
                     "own_keys": sorted(pipe.state_dict())}, out)
 
 
+def hybrid(mode, out):
+    """2 pipeline groups x 2 stages: each group trains on its half of the global batch and
+    GroPipe's all-reduce (delayed, or naive) averages the stages' gradients across groups."""
+    model, data, loss_fn = build("skipnet")
+    data = [(torch.cat([x, x + 1]), torch.cat([y, y.flip(0)])) for x, y in data]  # 14 samples
+    plan = fxpipe.Plan(stages=2, groups=2, micro_batches=2, loss_fn=loss_fn, costs="none",
+                       dp_sync=mode)
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y).item())
+        optimizer.step()
+    events = [(str(e.action), e.action.kind.name, pipe.executor.trace_origin + e.start,
+               pipe.executor.trace_origin + e.end) for e in pipe.last_trace()]
+    share = {"rank": dist.get_rank(), "state": {k: v.clone() for k, v in
+                                                 pipe.state_dict().items()},
+             "events": events, "losses": losses}
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, share)
+    if dist.get_rank() == 0:
+        torch.save(shares, out)
+
+
+def hybrid_reference():
+    """One process, the whole global batch, no pipeline."""
+    model, data, loss_fn = build("skipnet")
+    data = [(torch.cat([x, x + 1]), torch.cat([y, y.flip(0)])) for x, y in data]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
 def fail(out):
     """Stage 1 raises during the step: every rank must stop with that error, none may hang."""
     model, data, loss_fn = build("skipnet")
@@ -131,6 +171,8 @@ def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     if scenario == "fail":
         fail(out)
+    elif scenario.startswith("hybrid:"):
+        hybrid(scenario.removeprefix("hybrid:"), out)
     elif scenario == "mismatch":
         fxpipe.compile(SkipNet(), fxpipe.Plan(stages=3, costs="none"),
                        example_inputs=(torch.randn(4, 5),))

@@ -74,3 +74,26 @@ def test_world_size_must_fit_the_plan(tmp_path):
     assert result.returncode != 0
     assert ("the job has 2 ranks but Plan(stages=3, groups=1) needs 3; launch with torchrun "
             "--nproc-per-node 3") in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["delayed", "naive"])
+def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, tmp_path):
+    """2 groups x 2 stages (4 ranks): every group ends with the same parameters, equal to one
+    process training on the whole global batch; GroPipe's delayed all-reduce starts on the
+    last stage before the first stage has finished its backward, the naive one after."""
+    out = tmp_path / "hybrid.pt"
+    result = torchrun(4, f"hybrid:{mode}", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shares = torch.load(out)
+    state, losses = dist_worker.hybrid_reference()
+    for share in shares:
+        assert share["losses"] == pytest.approx(losses, rel=1e-12)
+        for key, value in share["state"].items():
+            torch.testing.assert_close(value, state[key], rtol=1e-10, atol=1e-12, msg=key)
+    first_stage, last_stage = shares[0], shares[1]  # ranks 0 and 1: group 0's pipeline
+    reduce_start = max(e[2] for e in last_stage["events"] if e[1] == "ALLREDUCE")
+    backward_end = max(e[3] for e in first_stage["events"] if e[1] == "B")
+    if mode == "delayed":
+        assert reduce_start < backward_end
+    else:
+        assert reduce_start > backward_end

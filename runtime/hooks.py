@@ -1,0 +1,96 @@
+"""Stage-backward hooks: GroPipe's delayed asynchronous gradient all-reduce across pipeline groups.
+
+G pipeline replicas each run the same stages on their own shard of the mini-batch; stage s of
+every replica forms a data-parallel group. With `delayed` (GroPipe) the stage's hook launches
+`all_reduce(async_op=True)` of its gradient buckets the moment the stage finishes the backward
+of its last micro-batch, so a later stage's reduction overlaps the backward still running on
+earlier stages; the stage waits for its own handles only before the optimizer step. With `naive`
+every rank waits until its whole pipeline has finished the backward, then reduces everything.
+
+Buckets: gradients are packed into flat buffers of at most `bucket_bytes` (25 MiB by default,
+DDP's default `bucket_cap_mb`): large enough that per-call latency is amortised, small enough
+that a big stage's first buckets travel while the rest are packed. Each group's loss is weighted
+by its share of the global mini-batch, so the all-reduce sums.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from fxpipe.schedules import Action, ActionKind
+from fxpipe.simulate import Event
+
+__all__ = ["GradientSync"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+
+
+class GradientSync:
+    """All-reduces one stage's gradients over its data-parallel group, as its hook fires."""
+
+    def __init__(self, stage: int, params: Sequence[torch.nn.Parameter], group: Any,
+                 mode: str = "delayed", pipeline: Any = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.stage = stage
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.pipeline, self.mode = group, pipeline, mode
+        self.buckets = _buckets(self.params, bucket_bytes)
+        self._pending: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
+        self.events: list[Event] = []  # wall-clock spans of each all-reduce, for the trace
+
+    def on_stage_backward(self, stage: int, last: bool) -> None:
+        """The hook callback: after the last micro-batch's backward, start reducing (delayed).
+        The hook fires once the gradients are computed; the launch waits for the end of this
+        backward call, when autograd has accumulated them into .grad."""
+        if last and self.mode == "delayed":
+            torch.autograd.Variable._execution_engine.queue_callback(self._launch)
+
+    def finish(self) -> None:
+        """Before the optimizer step: make this stage's gradients the group's average."""
+        if self.mode == "naive":
+            dist.barrier(self.pipeline)  # the whole pipeline's backward is done
+            self._launch()
+        for handle, flat, bucket in self._pending:
+            handle.wait()
+            for param, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                param.grad.copy_(reduced)
+        if self._pending:
+            start = self._launched_at
+            self.events.append(Event(self.stage, Action(self.stage, ActionKind.ALLREDUCE),
+                                     start, time.time()))
+        self._pending = []
+
+    def _launch(self) -> None:
+        self._launched_at = time.time()
+        for bucket in self.buckets:
+            for param in bucket:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            flat = _flatten_dense_tensors([p.grad for p in bucket])
+            handle = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._pending.append((handle, flat, bucket))
+
+
+def _buckets(params: Sequence[torch.nn.Parameter], limit: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters, in reverse order (the order backward finishes them), grouped
+    into buckets of at most `limit` bytes and one dtype/device each."""
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for param in reversed(list(params)):
+        nbytes = param.numel() * param.element_size()
+        last = buckets[-1] if buckets else None
+        fits = (last is not None and size + nbytes <= limit
+                and last[0].dtype == param.dtype and last[0].device == param.device)
+        if fits:
+            last.append(param)
+            size += nbytes
+        else:
+            buckets.append([param])
+            size = nbytes
+    return buckets
