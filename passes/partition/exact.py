@@ -1,12 +1,4 @@
-"""`exact`: the true optimum of the cost model for small K·N, and `brute_force` to check it.
-
-`exact` searches over pairs of caps (v1, v2) on ρF and ρB. ρF(λ) is always a stage's forward
-sum or a link's forward cost, so it is one of O(K²) candidate values (likewise ρB). For a cap
-pair, a DP over (stage, end unit) finds the least link-cost sum of a partition within the caps;
-the optimum is the pair minimising Σ(f + b) + links + (p − 1)(v1 + v2). Pairs are visited by
-increasing v1 + v2 and pruned with a lower bound, a MASP feasibility frontier and an upper bound
-from simple partitions, so only a thin band of pairs is ever run through the DP.
-"""
+"""`exact`: the true optimum of the cost model for small K·N, and `brute_force` to check it."""
 
 from __future__ import annotations
 
@@ -41,6 +33,13 @@ def exact(cost: CostTable, stages: int, p: int = 1, objective: str = "time",
 
     Exactly N is the default because a Plan asks for N stages; `at_most=True` is the problem
     `imd` and `csimd` solve, so compare those with it. Meant for K up to a few hundred units.
+
+    How: ρF(λ) is always a stage's forward sum or a link's forward cost, one of O(K²) candidate
+    values (likewise ρB). For a cap pair (v1, v2), a DP over (stage, end unit) finds the least
+    link-cost sum of a partition within the caps; the optimum is the pair minimising
+    Σ(f + b) + links + (p − 1)(v1 + v2) (for "rho": v1 + v2 among feasible pairs). Pairs are
+    visited by increasing v1 + v2 and pruned by a lower bound, a MASP feasibility frontier and
+    an upper bound from simple partitions, so only a thin band of pairs reaches the DP.
     """
     check_planner_args(cost, stages, p)
     if objective not in ("time", "rho"):

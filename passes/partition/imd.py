@@ -1,8 +1,4 @@
-"""`imd`: CSIMD's improved multi-dimensional dichotomy and its MASP packing check (ALGORITHMS §3).
-
-Both minimise ρF + ρB over partitions into at most N stages. MASP runs for many cap pairs at
-once (one numpy lane per pair), which is what makes η + 1 weight vectors per bisection step cheap.
-"""
+"""`imd`: CSIMD's improved multi-dimensional dichotomy and its MASP packing (ALGORITHMS §3)."""
 
 from __future__ import annotations
 
@@ -23,6 +19,9 @@ _SLACK = 1e-12
 @dataclasses.dataclass(frozen=True, eq=False)
 class Packing:
     """What MASP reads for one cost table at one p: prefix sums, link costs, range-min tables.
+
+    `pack` runs MASP for many cap pairs at once, one numpy lane per pair: that is what makes
+    η + 1 weight vectors per bisection step cheap, and `exact` reuses it for its frontier.
 
     Index e counts units: a stage ending at e holds units [start, e) and its outgoing link is
     the cut after unit e - 1. `link_f[e]`, `link_b[e]` are that cut's forward/backward costs,

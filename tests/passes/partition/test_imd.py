@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from fxpipe.passes.partition import balanced, brute_force, imd, masp
+from fxpipe.passes.partition import balanced, brute_force, exact, imd, masp
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import assert_valid, instances, tables
@@ -75,6 +75,21 @@ def test_imd_is_within_property_3_of_the_optimum_over_at_most_n_stages(instance,
     best = brute_force(cost, stages, p, objective="rho", at_most=True)
     opt = best.rho_f + best.rho_b
     assert part.rho_f + part.rho_b <= opt * eta / (eta - 1) + eps + 1e-9 * max(1.0, opt)
+
+
+@given(st.integers(5, 40), st.sampled_from([4, 5]), st.integers(0, 2**32 - 1))
+def test_imd_on_ex1_instances_is_within_property_3_of_exact(units, stages, seed):
+    # CSIMD's EX1 distribution at sizes brute force cannot reach; `exact` is itself checked
+    # against brute force in test_exact.py
+    rng = np.random.default_rng(seed)
+    cost = CostTable.from_arrays(*(rng.uniform(50, 100, units) for _ in range(4)))
+    opt = exact(cost, stages, objective="rho", at_most=True)
+    opt = opt.rho_f + opt.rho_b
+    f, b, cf, cb = cost.at(1)
+    eps = 1e-4 * (f.sum() + b.sum() + cf[:-1].sum() + cb[:-1].sum())
+    for eta in (10, 1000):
+        part = imd(cost, stages, eta=eta)
+        assert opt * (1 - 1e-12) <= part.rho_f + part.rho_b <= opt * eta / (eta - 1) + eps
 
 
 def test_imd_uses_fewer_stages_when_a_cut_only_adds_communication():

@@ -1,4 +1,4 @@
-"""The closed form of ALGORITHMS §1 every planner is scored with: by hand and vectorised."""
+"""How planners score a partition: the closed form of ALGORITHMS §1, by hand and vectorised."""
 
 from __future__ import annotations
 
