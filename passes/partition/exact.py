@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.passes.partition.even import even_bounds
-from fxpipe.passes.partition.imd import Packing
+from fxpipe.passes.partition.imd import Packing, window_min
 from fxpipe.passes.partition.validate import check_planner_args
 
 from fxpipe.cost import CostTable, Partition
@@ -221,7 +221,7 @@ def _links_dp(pack: Packing, v1: np.ndarray, v2: np.ndarray, stages: int, at_mos
     history: list = [lo]
     finals = np.full(len(v1), np.inf)
     for _ in range(stages):
-        table = _row_window_min(best)
+        table = window_min(best)
         reach = np.minimum(table[level, pairs, right], table[level, pairs, left])
         new = np.where(fits, reach + cut, np.inf)
         if keep:
@@ -229,18 +229,6 @@ def _links_dp(pack: Packing, v1: np.ndarray, v2: np.ndarray, stages: int, at_mos
         best = new
         finals = np.minimum(finals, best[:, -1]) if at_most else best[:, -1]
     return finals, history
-
-
-def _row_window_min(values: np.ndarray) -> np.ndarray:
-    """table[k, i, e] = min(values[i, max(0, e - 2**k + 1) : e + 1])."""
-    levels = max(1, values.shape[1].bit_length())
-    table = np.empty((levels, *values.shape))
-    table[0] = values
-    for k in range(1, levels):
-        half = 1 << (k - 1)
-        table[k] = table[k - 1]
-        np.minimum(table[k, :, half:], table[k - 1, :, :-half], out=table[k, :, half:])
-    return table
 
 
 def brute_force(cost: CostTable, stages: int, p: int = 1, objective: str | Callable = "time",

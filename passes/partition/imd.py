@@ -9,7 +9,7 @@ from fxpipe.passes.partition.validate import check_planner_args
 
 from fxpipe.cost import CostTable, Partition
 
-__all__ = ["Packing", "imd", "masp"]
+__all__ = ["Packing", "imd", "masp", "window_min"]
 
 # Caps are tested with an absolute slack of this fraction of the total volume, so a cap that is
 # itself a difference of prefix sums admits the stage it came from despite float rounding.
@@ -44,7 +44,7 @@ class Packing:
         sum_f = np.concatenate([[0.0], np.cumsum(f)])
         sum_b = np.concatenate([[0.0], np.cumsum(b)])
         volume = sum_f[-1] + sum_b[-1] + link_f.max() + link_b.max()
-        return cls(sum_f, sum_b, link_f, link_b, _window_min(link_f), _window_min(link_b),
+        return cls(sum_f, sum_b, link_f, link_b, window_min(link_f), window_min(link_b),
                    _SLACK * max(volume, 1e-300))
 
     @property
@@ -104,15 +104,16 @@ class Packing:
         return rho_f, rho_b, (lf + lb).sum(1)
 
 
-def _window_min(values: np.ndarray) -> np.ndarray:
-    """table[k, e] = min(values[max(0, e - 2**k + 1) : e + 1])."""
-    levels = max(1, len(values).bit_length())
-    table = np.empty((levels, len(values)))
+def window_min(values: np.ndarray) -> np.ndarray:
+    """table[k, ..., e] = min(values[..., max(0, e - 2**k + 1) : e + 1]), a sparse table over
+    the last axis: any window's minimum is the min of two overlapping entries."""
+    levels = max(1, values.shape[-1].bit_length())
+    table = np.empty((levels, *values.shape))
     table[0] = values
     for k in range(1, levels):
         half = 1 << (k - 1)
         table[k] = table[k - 1]
-        np.minimum(table[k, half:], table[k - 1, :-half], out=table[k, half:])
+        np.minimum(table[k, ..., half:], table[k - 1, ..., :-half], out=table[k, ..., half:])
     return table
 
 
