@@ -130,7 +130,9 @@ def masp(cost: CostTable, v1: float, v2: float, p: int = 1) -> tuple[int, ...] |
     or None when no partition fits. `len()` of the result is the stage count τ.
 
     Greedy, ending each stage at the *furthest* feasible unit, which is optimal: a later start
-    only loosens the sum tests and the link test depends on the end alone.
+    only loosens the sum tests and the link test depends on the end alone. Caps are tested with
+    an absolute slack of 1e-12 × (Σf + Σb + largest links), so float rounding never rejects a
+    cap that equals a stage's own sum.
     """
     if cost.units == 0:
         raise ValueError("the cost table has no units; build it from at least one unit's costs")
