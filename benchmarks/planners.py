@@ -7,7 +7,8 @@
 (a) EX1 of the CSIMD paper: f, b, cf, cb ~ U[50, 100], K = 5..100, N = 4, 5, 100 instances each;
     IMD's ρF + ρB against the exact optimum over <= N stages, for η = 10, 100, 1000: the largest
     ratio and PATO (share of instances at the optimum, within a relative 1e-9).
-(b) Speed: IMD (η = 1000) against the classic O(N·K²) min-max DP, K = 100..50,000, N = 50, 1000.
+(b) Speed: IMD (η = 1000) against the classic O(N·K²) min-max DP, K = 100..50,000, N = 50, 1000,
+    and IMD's ρF + ρB over a lower bound on the optimum, at the default and at a tight ε.
 (c) All planners on EX1-style instances: predicted T relative to the exact optimum, at a fixed
     p and, with costs that change nonlinearly with the micro-batch size, with p chosen too.
 """
@@ -129,21 +130,32 @@ def dp_minmax(t: np.ndarray, stages: int) -> float:
     return float(best[-1])
 
 
+def rho_lower_bound(cost: CostTable, stages: int) -> float:
+    """max(max f, Σf/N) + max(max b, Σb/N) <= ρF + ρB of any partition into <= N stages."""
+    f, b, _, _ = cost.at(1)
+    return max(f.max(), f.sum() / stages) + max(b.max(), b.sum() / stages)
+
+
 def part_b(sizes: dict[int, list[int]], repeats: int, budget: float, seed: int) -> None:
     print(f"\n(b) speed: IMD (η = 1000) vs the O(N·K²) min-max DP; median of {repeats} "
           f"instances, f, b, cf, cb ~ U[50, 100]; the DP is skipped where it would take "
-          f"more than {budget:.0f} s (predicted from its N·K² scaling)")
+          f"more than {budget:.0f} s (predicted from its N·K² scaling). IMD ρ/LB: the worst "
+          f"IMD ρF+ρB over a lower bound on the optimum, with the default ε = 1e-4·D_max and "
+          f"with a tight ε (D_max grows with N·OPT, so the default loosens as N grows)")
     dp_last = None  # (N, K, seconds) of the last DP run: predicts the next as N·K²
     for stages, units_list in sizes.items():
         rows, imd_points, dp_points = [], [], []
         for k in units_list:
             rng = np.random.default_rng([seed, k, stages])
             costs = [ex1_table(rng, k) for _ in range(repeats)]
-            imd_times = []
+            imd_times, quality, tight = [], [], []
             for cost in costs:
                 start = time.perf_counter()
-                imd(cost, stages, eta=1000)
+                found = imd(cost, stages, eta=1000)
                 imd_times.append(time.perf_counter() - start)
+                low = rho_lower_bound(cost, stages)
+                quality.append(rho(found) / low)
+                tight.append(rho(imd(cost, stages, eta=1000, eps=1e-6 * low)) / low)
             t_imd = statistics.median(imd_times)
             imd_points.append((k, t_imd))
             predicted = (None if dp_last is None
@@ -161,9 +173,10 @@ def part_b(sizes: dict[int, list[int]], repeats: int, budget: float, seed: int) 
                 dp_last = (stages, k, t_dp)
                 dp_points.append((k, t_dp))
                 dp_cell, ratio = f"{t_dp:.4f}", f"{t_dp / t_imd:.1f}"
-            rows.append([k, f"{t_imd:.4f}", dp_cell, ratio])
+            rows.append([k, f"{t_imd:.4f}", dp_cell, ratio, f"{max(quality):.4f}",
+                         f"{max(tight):.4f}"])
         print(f"\nN = {stages}")
-        print(table(["K", "IMD s", "DP s", "DP / IMD"], rows))
+        print(table(["K", "IMD s", "DP s", "DP / IMD", "IMD ρ/LB", "ρ/LB, ε=1e-6·LB"], rows))
         for name, points in (("IMD", imd_points), ("DP", dp_points)):
             if len(points) >= 2:
                 ks, ts = np.log([p[0] for p in points]), np.log([p[1] for p in points])
