@@ -1,0 +1,99 @@
+"""`csimd`: CSIMD's cross-search, alternating IMD (partition) and ODPA (micro-batch count) (§4)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from fxpipe.passes.partition.imd import imd
+from fxpipe.passes.partition.odpa import divisors, odpa
+from fxpipe.passes.partition.validate import check_planner_args
+
+from fxpipe.cost import CostTable, Partition, step_times
+
+__all__ = ["CrossSearch", "Visit", "cross_search", "csimd"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Visit:
+    """One (λ, p) the search evaluated, and whether it became the current solution."""
+
+    bounds: tuple[int, ...]
+    micro_batches: int
+    time: float
+    accepted: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossSearch:
+    """The result of a cross-search: the partition (scored at the chosen p) and its trace."""
+
+    partition: Partition
+    visits: tuple[Visit, ...]
+
+    @property
+    def micro_batches(self) -> int:
+        return self.partition.micro_batches
+
+    @property
+    def time(self) -> float:
+        return self.partition.predicted_time
+
+
+def cross_search(
+    cost: CostTable,
+    stages: int,
+    batch: int | None = None,
+    p0: int = 1,
+    candidates: Sequence[int] | None = None,
+    eta: int = 1000,
+) -> CrossSearch:
+    """Alternate λ ← IMD(p) and p ← ODPA(λ) while T(λ, p) strictly decreases.
+
+    Starts from (IMD(p0), p0). A new p is kept when it lowers T for the current λ, a new λ when
+    it lowers T at the current p; the search stops at the first step that does not. T strictly
+    decreases, so it ends, and the result is never worse than the start. Candidates default to
+    the divisors of `batch` (default: the table's batch).
+    """
+    check_planner_args(cost, stages, p0)
+    if candidates is None:
+        batch = cost.batch if batch is None else batch
+        if batch is None:
+            raise ValueError("csimd chooses p among the divisors of the mini-batch size: pass "
+                             "batch=..., candidates=[...], or a CostTable with batch set")
+        candidates = divisors(batch)
+
+    def time_of(bounds: tuple[int, ...], p: int) -> float:
+        return float(step_times(cost, bounds, [p])[0])
+
+    p = p0
+    bounds = imd(cost, stages, p, eta).bounds
+    best = time_of(bounds, p)
+    visits = [Visit(bounds, p, best, True)]
+    while True:
+        p_new, times = odpa(cost, bounds, candidates)
+        t_new = float(times.min())
+        visits.append(Visit(bounds, p_new, t_new, t_new < best))
+        if not t_new < best:
+            break
+        p, best = p_new, t_new
+        bounds_new = imd(cost, stages, p, eta).bounds
+        t_new = time_of(bounds_new, p)
+        visits.append(Visit(bounds_new, p, t_new, t_new < best))
+        if not t_new < best:
+            break
+        bounds, best = bounds_new, t_new
+    return CrossSearch(Partition.evaluate(cost, bounds, p, "csimd"), tuple(visits))
+
+
+def csimd(
+    cost: CostTable,
+    stages: int,
+    batch: int | None = None,
+    p0: int = 1,
+    candidates: Sequence[int] | None = None,
+    eta: int = 1000,
+) -> Partition:
+    """Joint partition and micro-batch count by cross-search; the Partition's micro_batches is
+    the chosen p. See `cross_search` for the trace of (λ, p, T) it visited."""
+    return cross_search(cost, stages, batch, p0, candidates, eta).partition

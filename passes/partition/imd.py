@@ -1,0 +1,212 @@
+"""`imd`: CSIMD's improved multi-dimensional dichotomy and its MASP packing (ALGORITHMS §3)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from fxpipe.passes.partition.validate import check_planner_args
+
+from fxpipe.cost import CostTable, Partition
+
+__all__ = ["Packing", "imd", "masp", "window_min"]
+
+# Caps are tested with an absolute slack of this fraction of the total volume, so a cap that is
+# itself a difference of prefix sums admits the stage it came from despite float rounding.
+_SLACK = 1e-12
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packing:
+    """What MASP reads for one cost table at one p: prefix sums, link costs, range-min tables.
+
+    `pack` runs MASP for many cap pairs at once, one numpy lane per pair: that is what makes
+    η + 1 weight vectors per bisection step cheap, and `exact` reuses it for its frontier.
+
+    Index e counts units: a stage ending at e holds units [start, e) and its outgoing link is
+    the cut after unit e - 1. `link_f[e]`, `link_b[e]` are that cut's forward/backward costs,
+    0 at e = K (no link after the last stage) and at e = 0 (a sentinel that stops searches).
+    """
+
+    sum_f: np.ndarray  # (K+1,) prefix sums of f
+    sum_b: np.ndarray  # (K+1,) prefix sums of b
+    link_f: np.ndarray  # (K+1,)
+    link_b: np.ndarray  # (K+1,)
+    min_f: np.ndarray  # (levels, K+1): min of link_f over the window [e - 2**k + 1, e]
+    min_b: np.ndarray  # (levels, K+1)
+    tol: float  # absolute slack of every cap test
+
+    @classmethod
+    def of(cls, cost: CostTable, p: int = 1) -> Packing:
+        f, b, cf, cb = cost.at(p)
+        link_f, link_b = np.zeros(cost.units + 1), np.zeros(cost.units + 1)
+        link_f[1:-1], link_b[1:-1] = cf[:-1], cb[:-1]
+        sum_f = np.concatenate([[0.0], np.cumsum(f)])
+        sum_b = np.concatenate([[0.0], np.cumsum(b)])
+        volume = sum_f[-1] + sum_b[-1] + link_f.max() + link_b.max()
+        return cls(sum_f, sum_b, link_f, link_b, window_min(link_f), window_min(link_b),
+                   _SLACK * max(volume, 1e-300))
+
+    @property
+    def units(self) -> int:
+        return len(self.sum_f) - 1
+
+    def pack(self, v1: np.ndarray, v2: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """MASP for every cap pair (v1[l], v2[l]) at once.
+
+        Returns `counts` (L,), the fewest stages under the caps or 0 when that is more than
+        `limit` or some start has no feasible end, and `ends` (L, limit), each row the stage
+        ends padded with K. Every stage ends at the furthest unit e such that its f and b sums
+        fit the caps and (if e < K) so do the link costs of the cut after it: two binary searches
+        in the prefix sums, then a range-min search back past any link that is too expensive.
+        """
+        cap1 = np.asarray(v1, dtype=np.float64) + self.tol
+        cap2 = np.asarray(v2, dtype=np.float64) + self.tol
+        units = self.units
+        counts = np.zeros(len(cap1), dtype=np.int64)
+        ends = np.full((len(cap1), limit), units, dtype=np.int64)
+        start = np.zeros(len(cap1), dtype=np.int64)
+        live = np.arange(len(cap1))
+        for stage in range(limit):
+            if live.size == 0:
+                break
+            first, c1, c2 = start[live], cap1[live], cap2[live]
+            end = np.minimum(
+                np.searchsorted(self.sum_f, self.sum_f[first] + c1, side="right"),
+                np.searchsorted(self.sum_b, self.sum_b[first] + c2, side="right"),
+            ) - 1
+            end = self._back_to_cheap_link(end, c1, c2)
+            moved = end > first
+            ends[live[moved], stage] = end[moved]
+            counts[live[moved & (end == units)]] = stage + 1
+            start[live] = end
+            live = live[moved & (end < units)]
+        return counts, ends
+
+    def _back_to_cheap_link(self, end: np.ndarray, c1: np.ndarray, c2: np.ndarray) -> np.ndarray:
+        """The largest e' <= end whose link fits both caps (e' = 0 when none does)."""
+        end = end.copy()
+        bad = np.flatnonzero((self.link_f[end] > c1) | (self.link_b[end] > c2))
+        while bad.size:
+            e, a, b = end[bad], c1[bad], c2[bad]
+            e = _last_at_most(self.min_f, e, a)
+            e = _last_at_most(self.min_b, e, b)
+            end[bad] = e
+            bad = bad[(self.link_f[e] > a) | (self.link_b[e] > b)]
+        return end
+
+    def scores(self, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ρF, ρB and the link-cost sum Σ(CF + CB) of each row of padded stage ends."""
+        starts = np.concatenate([np.zeros((len(ends), 1), np.int64), ends[:, :-1]], axis=1)
+        lf, lb = self.link_f[ends], self.link_b[ends]
+        rho_f = np.maximum((self.sum_f[ends] - self.sum_f[starts]).max(1), lf.max(1))
+        rho_b = np.maximum((self.sum_b[ends] - self.sum_b[starts]).max(1), lb.max(1))
+        return rho_f, rho_b, (lf + lb).sum(1)
+
+
+def window_min(values: np.ndarray) -> np.ndarray:
+    """table[k, ..., e] = min(values[..., max(0, e - 2**k + 1) : e + 1]), a sparse table over
+    the last axis: any window's minimum is the min of two overlapping entries."""
+    levels = max(1, values.shape[-1].bit_length())
+    table = np.empty((levels, *values.shape))
+    table[0] = values
+    for k in range(1, levels):
+        half = 1 << (k - 1)
+        table[k] = table[k - 1]
+        np.minimum(table[k, ..., half:], table[k - 1, ..., :-half], out=table[k, ..., half:])
+    return table
+
+
+def _last_at_most(table: np.ndarray, e: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """The largest e' <= e with values[e'] <= cap, by binary lifting (values[0] = 0 stops it)."""
+    for k in range(len(table) - 1, -1, -1):
+        e = np.where(table[k, e] > cap, e - (1 << k), e)
+    return e
+
+
+def masp(cost: CostTable, v1: float, v2: float, p: int = 1) -> tuple[int, ...] | None:
+    """MASP (CSIMD Alg. 3 with ALGORITHMS §3's fixes): the stage ends of the partition with the
+    fewest stages whose stage sums and outgoing links fit the caps (Σf, cf <= v1; Σb, cb <= v2),
+    or None when no partition fits. `len()` of the result is the stage count τ.
+
+    Greedy, ending each stage at the *furthest* feasible unit, which is optimal: a later start
+    only loosens the sum tests and the link test depends on the end alone. Caps are tested with
+    an absolute slack of 1e-12 × (Σf + Σb + largest links), so float rounding never rejects a
+    cap that equals a stage's own sum.
+    """
+    if cost.units == 0:
+        raise ValueError("the cost table has no units; build it from at least one unit's costs")
+    pack = Packing.of(cost, p)
+    counts, ends = pack.pack(np.array([v1]), np.array([v2]), cost.units)
+    return tuple(int(e) for e in ends[0, : counts[0]]) if counts[0] else None
+
+
+def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | None = None
+        ) -> Partition:
+    """Minimise ρF + ρB over partitions into at most `stages` stages (CSIMD Alg. 2).
+
+    Bisection on the volume D: D is feasible when some weight vector (j/η, 1 - j/η), j = 0..η,
+    splits it into caps MASP can meet with <= N stages. Property 3: the result is within
+    OPT·η/(η-1) + ε of the optimum. The returned Partition may have fewer than N stages when
+    extra stages only add communication; of all feasible packings met on the way it keeps the
+    one with the smallest ρF + ρB (ties: the smaller link-cost sum). Default ε = 1e-4·D_max.
+    """
+    check_planner_args(cost, stages, p)
+    if isinstance(eta, bool) or int(eta) != eta or eta < 2:
+        raise ValueError(f"eta={eta!r} must be an integer >= 2 (the paper uses 10, 100, 1000)")
+    pack = Packing.of(cost, p)
+    f, b = np.diff(pack.sum_f), np.diff(pack.sum_b)
+    volume = pack.sum_f[-1] + pack.sum_b[-1]
+    d_max = volume + pack.link_f.sum() + pack.link_b.sum()  # ALGORITHMS §3's D_max
+    if eps is not None and not eps > 0:
+        raise ValueError(f"eps={eps} must be > 0 (the bisection stops when D_max - D_min < eps)")
+    eps = 1e-4 * d_max if eps is None else float(eps)
+    weights = np.arange(eta + 1) / eta
+    lanes = _Lanes(pack, weights, stages, float(f.max()), float(b.max()))
+
+    d_lo = max(float(f.max()), float(b.max()))
+    # With η + 1 weights, one stage holding everything fits some weight once D >= volume·η/(η-1).
+    d_hi = max(d_max, volume * eta / (eta - 1))
+    best = lanes.best(d_hi) or (np.inf, np.inf, (cost.units,))
+    while d_hi - d_lo >= eps:
+        d_mid = 0.5 * (d_lo + d_hi)
+        if not d_lo < d_mid < d_hi:
+            break
+        found = lanes.best(d_mid)
+        if found is None:
+            d_lo = d_mid
+        else:
+            d_hi = d_mid
+            best = min(best, found, key=lambda x: x[:2])
+    return Partition.evaluate(cost, best[2], p, "imd")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lanes:
+    """The weight vectors of one IMD run and the cheap tests that rule lanes out unpacked."""
+
+    pack: Packing
+    weights: np.ndarray
+    stages: int
+    max_f: float
+    max_b: float
+
+    def best(self, volume: float) -> tuple[float, float, tuple[int, ...]] | None:
+        """(ρF + ρB, link sum, ends) of the best packing over all weights at `volume`, or None."""
+        v1, v2 = self.weights * volume, (1.0 - self.weights) * volume
+        slack, n = 2 * self.pack.tol, self.stages
+        # A lane whose cap is below the largest unit, or below an N-th of the total, cannot fit.
+        keep = ((v1 + slack >= self.max_f) & (v2 + slack >= self.max_b)
+                & (n * (v1 + slack) >= self.pack.sum_f[-1])
+                & (n * (v2 + slack) >= self.pack.sum_b[-1]))
+        if not keep.any():
+            return None
+        counts, ends = self.pack.pack(v1[keep], v2[keep], n)
+        fits = counts > 0
+        if not fits.any():
+            return None
+        counts, ends = counts[fits], ends[fits]
+        rho_f, rho_b, links = self.pack.scores(ends)
+        i = np.lexsort((links, rho_f + rho_b))[0]
+        bounds = tuple(int(e) for e in ends[i, : counts[i]])
+        return float(rho_f[i] + rho_b[i]), float(links[i]), bounds

@@ -1,0 +1,21 @@
+"""`params`: equal parameter counts per stage (DeepSpeed's partition_method="parameters")."""
+
+from __future__ import annotations
+
+from fxpipe.passes.partition.balanced import minmax_bounds
+from fxpipe.passes.partition.validate import check_planner_args
+
+from fxpipe.cost import CostTable, Partition
+
+__all__ = ["params"]
+
+
+def params(cost: CostTable, stages: int, p: int = 1) -> Partition:
+    """Minimise the largest per-stage parameter count (exactly N stages); times are ignored."""
+    check_planner_args(cost, stages, p)
+    if not cost.params.any():
+        raise ValueError(
+            "the cost table holds no parameter counts (all zero), so 'params' has nothing to "
+            "balance; build it with CostTable.from_arrays(..., params=...) or use 'even'"
+        )
+    return Partition.evaluate(cost, minmax_bounds(cost.params, stages), p, "params")
