@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
+from fxpipe.cost import CostTable, Partition, step_times
 from fxpipe.passes.partition import (
     ampa,
     balanced,
@@ -31,8 +33,6 @@ from fxpipe.passes.partition import (
     imd,
     params,
 )
-
-from fxpipe.cost import CostTable, Partition, step_times
 
 RELATIVE = 1e-9  # "at the optimum" means within this relative gap
 

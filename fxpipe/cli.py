@@ -69,12 +69,14 @@ def _comparison(pipe) -> str:
     rows = []
     for name, part in compare_partitioners(pipe).items():
         slowest = max(s.f + s.b for s in part.stages)
-        rows.append([name, "+".join(map(str, part.sizes)), f"{part.predicted_time * 1e3:.2f}",
+        rows.append([name, "+".join(map(str, part.sizes)), part.micro_batches,
+                     f"{part.predicted_time * 1e3:.2f}",
                      f"{part.bubble:.0%}", f"{slowest * 1e3:.2f}",
                      format_bytes(max(s.memory for s in part.stages))])
-    header = ["partitioner", "units per stage", "predicted ms", "bubble",
+    header = ["partitioner", "units per stage", "p", "predicted ms", "bubble",
               "slowest stage ms", "max memory"]
-    return "partitioners compared (same cost table):\n" + format_table(header, rows)
+    return ("partitioners compared (same cost table; p: micro-batches, csimd chooses its own):\n"
+            + format_table(header, rows))
 
 
 def _partitioner(text: str) -> str | list[int]:

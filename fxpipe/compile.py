@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fxpipe.batching import input_dims
@@ -23,10 +25,11 @@ from fxpipe.passes.analysis.profile import (
 )
 from fxpipe.passes.analysis.shape import annotate_shapes
 from fxpipe.passes.analysis.symbolic import annotate_symbolic
-from fxpipe.passes.partition import even
+from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
+from fxpipe.report import step_time
 from fxpipe.runtime.dist import DistCoordinator, DistTransport
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.hooks import GradientSync
@@ -34,9 +37,14 @@ from fxpipe.runtime.stage import StageRunner
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
-__all__ = ["available_partitioners", "compare_partitioners", "compile", "units_of"]
+__all__ = [
+    "Replan", "available_partitioners", "compare_partitioners", "compile", "replan", "units_of",
+]
 
-_PARTITIONERS = {"even": even}
+_PARTITIONERS = {
+    "even": even, "params": params, "balanced": balanced, "ampa": ampa, "imd": imd,
+    "csimd": lambda cost, stages, p=1: csimd(cost, stages, cost.batch, p0=p), "exact": exact,
+}
 
 
 def compile(
@@ -220,6 +228,77 @@ def _output_names(gm: torch.fx.GraphModule) -> Any:
     return torch.fx.map_arg(output.args[0], lambda n: n.name)
 
 
+@dataclasses.dataclass(frozen=True)
+class Replan:
+    """What the last run's measured stage times say about the partition."""
+
+    current: Partition  # the partition that ran, scored with the corrected costs
+    proposed: Partition  # the best partition found with the corrected costs
+    dispersion: float  # GroPipe's performance dispersion of the measured stage times
+    threshold: float
+
+    @property
+    def changed(self) -> bool:
+        return self.proposed.bounds != self.current.bounds
+
+    @property
+    def plan_sizes(self) -> list[int]:
+        """Units per stage to compile with: Plan(partitioner=replan.plan_sizes, ...)."""
+        return list(self.proposed.sizes)
+
+    def __str__(self) -> str:
+        head = (f"measured stage imbalance (performance dispersion) {self.dispersion:.1%}, "
+                f"threshold {self.threshold:.0%}")
+        old = (f"current  {list(self.current.sizes)}: predicted "
+               f"{self.current.predicted_time * 1e3:.2f} ms with the measured costs")
+        if not self.changed:
+            return f"{head}\n{old}\nkeep the current partition"
+        new = (f"proposed {list(self.proposed.sizes)}: predicted "
+               f"{self.proposed.predicted_time * 1e3:.2f} ms "
+               f"({self.proposed.partitioner}); compile with Plan(partitioner="
+               f"{self.plan_sizes})")
+        return f"{head}\n{old}\n{new}"
+
+
+def replan(pipe: CompiledPipeline, threshold: float = 0.05,
+           partitioner: str | None = None) -> Replan:
+    """Feed the last run's measured per-stage times back into the cost table and, when the
+    measured stages are imbalanced beyond `threshold` (GroPipe's dispersion test), propose the
+    partition the plan's partitioner (or `partitioner`; 'balanced' for even/explicit plans)
+    finds with the corrected costs. Never proposes one with a worse predicted step time."""
+    events = pipe.last_trace()
+    if not events:
+        raise FxpipeError("replan() reads the last run's timeline: call pipe.step(x, target) "
+                          "(or pipe(x) and backward) first.")
+    measured = step_time(events, pipe.plan.stages).stages
+    p = pipe.partition.micro_batches
+    scale = np.ones(pipe.cost.units)
+    for stage, timing in zip(pipe.partition.stages, measured):
+        predicted = p * (stage.f + stage.b)
+        start, end = stage.units
+        if predicted > 0 and timing.compute > 0:
+            scale[start:end] = timing.compute / predicted
+    cost = dataclasses.replace(pipe.cost, f=pipe.cost.f * scale, b=pipe.cost.b * scale)
+    busy = np.array([t.compute for t in measured])
+    dispersion = float(np.abs(busy - busy.mean()).sum() / (len(busy) * busy.mean()))
+    schedule = pipe.plan.schedule
+    current = Partition.evaluate(cost, pipe.partition.bounds, p, pipe.partition.partitioner,
+                                 schedule=schedule)
+    name = partitioner or (pipe.plan.partitioner if isinstance(pipe.plan.partitioner, str)
+                           and pipe.plan.partitioner != "even" else "balanced")
+    if name not in _PARTITIONERS:
+        name = "even"
+    proposed = current
+    if dispersion > threshold:
+        found = _PARTITIONERS[name](cost, pipe.plan.stages, p)
+        found = Partition.evaluate(cost, found.bounds, p, name, schedule=schedule)
+        if found.predicted_time < current.predicted_time:
+            proposed = found
+    result = Replan(current, proposed, dispersion, threshold)
+    print(result)
+    return result
+
+
 def available_partitioners() -> tuple[str, ...]:
     """The partitioner names this version of fxpipe can run."""
     return tuple(_PARTITIONERS)
@@ -233,7 +312,8 @@ def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
         if plan.costs == "none" and name in TIMED_PARTITIONERS:
             continue
         chosen = partitioner(pipe.cost, plan.stages, pipe.partition.micro_batches)
-        results[name] = Partition.evaluate(pipe.cost, chosen.bounds, chosen.micro_batches,
+        bounds, _ = _exactly(chosen.bounds, plan.stages, pipe.cost, chosen.micro_batches)
+        results[name] = Partition.evaluate(pipe.cost, bounds, chosen.micro_batches,
                                            name, schedule=plan.schedule)
     return results
 
@@ -370,6 +450,28 @@ def _partition(
             f"Plan(partitioner={plan.partitioner!r}) is not available in this version of "
             f"fxpipe; available: {', '.join(_PARTITIONERS)} or a list of units per stage."
         )
+    if plan.micro_batches == "auto" and plan.partitioner != "csimd":
+        p = _PARTITIONERS["csimd"](cost, plan.stages).micro_batches  # CSIMD's choice of p
     chosen = _PARTITIONERS[plan.partitioner](cost, plan.stages, p)
-    return Partition.evaluate(cost, chosen.bounds, chosen.micro_batches, chosen.partitioner,
-                              schedule=plan.schedule)
+    bounds, name = _exactly(chosen.bounds, plan.stages, cost, chosen.micro_batches)
+    return Partition.evaluate(cost, bounds, chosen.micro_batches,
+                              name or chosen.partitioner, schedule=plan.schedule)
+
+
+def _exactly(bounds: Sequence[int], stages: int, cost: CostTable, p: int):
+    """IMD and cross-search may use fewer stages than asked when more would only add links;
+    the plan has a device or rank per stage, so split the slowest stages until there are
+    `stages` (each split at the unit that best halves its time)."""
+    bounds = list(bounds)
+    if len(bounds) >= stages:
+        return tuple(bounds), None
+    f, b, _, _ = cost.at(p)
+    time = f + b
+    while len(bounds) < stages:
+        starts = [0, *bounds[:-1]]
+        splittable = [(time[a:z].sum(), a, z) for a, z in zip(starts, bounds) if z - a > 1]
+        _, start, end = max(splittable)
+        halves = np.cumsum(time[start:end])
+        cut = start + 1 + int(np.argmin(np.abs(halves[:-1] - halves[-1] / 2)))
+        bounds = sorted([*bounds, cut])
+    return tuple(bounds), None

@@ -17,6 +17,8 @@ from fxpipe.errors import FxpipeError
 from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
 from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.plan import Plan
+from fxpipe.plot import save_timeline
+from fxpipe.report import format_report, step_time
 from fxpipe.simulate import Event, Timeline, simulate
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
@@ -137,10 +139,38 @@ class CompiledPipeline(torch.nn.Module):
         return self.executor.last_trace() if self.executor is not None else []
 
     def predicted_timeline(self) -> Timeline:
-        """The event simulator's timeline of one step under this plan's schedule."""
+        """The event simulator's timeline of the last run's schedule (or the plan's)."""
         stages = self.partition.stages
-        return simulate(self.executor.schedule, [s.f for s in stages], [s.b for s in stages],
+        schedule = self.executor.last_schedule or self.executor.schedule
+        return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages])
+
+    def report(self, file: Any = None) -> str:
+        """Predicted against measured for the last run: per stage and in total, bubble,
+        communication and idle shares, and the stage that bounds the pipeline. Printed (to
+        `file`, default stdout) and returned."""
+        measured = self.last_trace()
+        if not measured:
+            raise FxpipeError("nothing has run yet: call pipe.step(x, target) (or pipe(x) and "
+                              "backward) before pipe.report().")
+        stages = self.plan.stages
+        text = format_report(step_time(measured, stages),
+                             step_time(self.predicted_timeline().events, stages),
+                             (self.executor.last_schedule or self.executor.schedule).name)
+        print(text, file=file)
+        return text
+
+    def save_timeline(self, path: str | os.PathLike) -> None:
+        """Draw the last run's measured timeline above the predicted one (PNG, SVG, PDF...;
+        needs matplotlib: pip install 'fxpipe[plot]')."""
+        measured = self.last_trace()
+        if not measured:
+            raise FxpipeError("nothing has run yet: call pipe.step(x, target) (or pipe(x) and "
+                              "backward) before save_timeline().")
+        save_timeline(path, {"measured": measured, "predicted": self.predicted_timeline().events},
+                      self.plan.stages, f"{self.model_name}: {self.plan.stages} stages, "
+                      f"{self.partition.micro_batches} micro-batches, partition "
+                      f"{self.partition.partitioner} {list(self.partition.sizes)}")
 
     def save_trace(self, path: str | os.PathLike) -> None:
         """Write the last run's measured timeline and the predicted one as Chrome/Perfetto

@@ -52,7 +52,7 @@ class Plan:
     """
 
     stages: int
-    partitioner: str | Sequence[int] = "even"
+    partitioner: str | Sequence[int] | None = None  # balanced; ampa with groups; even sans costs
     schedule: str = "gpipe"
     micro_batches: int | str = 1
     devices: Sequence[str] | None = None
@@ -118,6 +118,10 @@ class Plan:
             )
 
     def _check_partitioner(self) -> None:
+        if self.partitioner is None:  # the default: balance measured times (AMPA, as GroPipe
+            default = ("even" if self.costs == "none"  # does, across pipeline groups)
+                       else "ampa" if self.groups > 1 else "balanced")
+            object.__setattr__(self, "partitioner", default)
         if isinstance(self.partitioner, str):
             _choice("partitioner", self.partitioner, PARTITIONERS)
             return

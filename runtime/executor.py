@@ -112,6 +112,7 @@ class PipelineExecutor:
         self._calls = itertools.count()
         self._trace: list[Event] = []
         self.trace_origin = 0.0
+        self.last_schedule: Schedule | None = None  # what the last run executed
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -274,8 +275,9 @@ class PipelineExecutor:
 
     def _run(self, kinds, run: Run, call: _Call, append: bool = False,
              schedule: Schedule | None = None) -> Run:
+        self.last_schedule = schedule or self.schedule
         programs = [[a for a in stage if kinds is None or a.kind in kinds]
-                    for stage in (schedule or self.schedule).actions]
+                    for stage in self.last_schedule.actions]
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0
         self.transport.prepare(call.key, call.sizes, call.seq)
         self.driver.run(programs, run, call.key)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-from fxpipe.passes.partition.even import even_bounds
-from fxpipe.passes.partition.validate import check_planner_args
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.passes.partition.even import even_bounds
+from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["ampa", "dispersion"]
 

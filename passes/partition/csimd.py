@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from fxpipe.cost import CostTable, Partition, step_times
 from fxpipe.passes.partition.imd import imd
 from fxpipe.passes.partition.odpa import divisors, odpa
 from fxpipe.passes.partition.validate import check_planner_args
-
-from fxpipe.cost import CostTable, Partition, step_times
 
 __all__ = ["CrossSearch", "Visit", "cross_search", "csimd"]
 

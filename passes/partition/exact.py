@@ -6,12 +6,12 @@ import itertools
 from collections.abc import Callable
 
 import numpy as np
+
+from fxpipe.cost import CostTable, Partition
 from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.imd import Packing, window_min
 from fxpipe.passes.partition.validate import check_planner_args
-
-from fxpipe.cost import CostTable, Partition
 
 __all__ = ["OBJECTIVES", "brute_force", "exact"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from fxpipe.passes.partition.validate import check_planner_args
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["Packing", "imd", "masp", "window_min"]
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from fxpipe.cost import CostTable, Partition
 from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.passes.partition.validate import check_planner_args
-
-from fxpipe.cost import CostTable, Partition
 
 __all__ = ["params"]
 

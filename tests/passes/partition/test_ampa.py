@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fxpipe.passes.partition import ampa, even
-from fxpipe.passes.partition.ampa import dispersion
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import instances
 
 from fxpipe.cost import CostTable
+from fxpipe.passes.partition import ampa, even
+from fxpipe.passes.partition.ampa import dispersion
 
 
 def _max_stage(part):

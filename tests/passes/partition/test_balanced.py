@@ -6,10 +6,11 @@ import itertools
 
 import numpy as np
 import pytest
-from fxpipe.passes.partition import balanced, brute_force, minmax_bounds
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import close, costs, instances
+
+from fxpipe.passes.partition import balanced, brute_force, minmax_bounds
 
 
 def _brute_minmax(weights: list[float], stages: int) -> float:

@@ -7,12 +7,12 @@ It is a coordinate descent, so on general tables it can stop short of the joint 
 from __future__ import annotations
 
 import pytest
-from fxpipe.passes.partition import brute_force, cross_search, csimd, divisors, imd
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import BATCH, assert_valid, close, p_tables
 
 from fxpipe.cost import CostTable, step_times
+from fxpipe.passes.partition import brute_force, cross_search, csimd, divisors, imd
 
 
 @given(p_tables(), st.integers(1, 4), st.sampled_from([*divisors(BATCH), 3]), st.data())

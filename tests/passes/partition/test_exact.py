@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from fxpipe.passes.partition import balanced, brute_force, exact
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import assert_valid, close, instances, p_tables
 
 from fxpipe.cost import CostTable
+from fxpipe.passes.partition import balanced, brute_force, exact
 
 
 @given(instances(max_units=8, max_stages=4), st.sampled_from(["time", "rho"]), st.booleans())

@@ -6,13 +6,13 @@ import itertools
 
 import numpy as np
 import pytest
-from fxpipe.passes.partition import balanced, brute_force, exact, imd, masp
-from fxpipe.passes.partition.imd import Packing
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import assert_valid, instances, tables
 
 from fxpipe.cost import CostTable
+from fxpipe.passes.partition import balanced, brute_force, exact, imd, masp
+from fxpipe.passes.partition.imd import Packing
 
 
 def _fewest_stages_within(cost: CostTable, v1: float, v2: float) -> int | None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fxpipe.passes.partition import divisors, odpa
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import BATCH, close, p_tables
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.passes.partition import divisors, odpa
 
 
 @given(p_tables(), st.data())

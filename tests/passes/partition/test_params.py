@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from fxpipe.passes.partition import brute_force, params
 from hypothesis import given
 from partition_tables import instances
 
 from fxpipe.cost import CostTable
+from fxpipe.passes.partition import brute_force, params
 
 
 @given(instances())

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from fxpipe.passes.partition import brute_force, exact, imd
-
 from fxpipe.cost import CostTable
+from fxpipe.passes.partition import brute_force, exact, imd
 
 
 def test_exact_rho_does_not_turn_infeasible_pairs_into_nan():

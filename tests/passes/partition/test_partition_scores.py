@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fxpipe.passes.partition import even
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import close, p_tables, tables
 
 from fxpipe.cost import CostTable, Partition, step_times
+from fxpipe.passes.partition import even
 
 
 def test_partition_evaluate_matches_a_hand_worked_example():

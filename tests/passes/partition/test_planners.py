@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
 from hypothesis import given
 from partition_tables import assert_valid, instances
 
 from fxpipe.cost import CostTable
+from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
 
 # name -> (planner(cost, stages, p), may it use fewer than N stages?)
 PLANNERS = {

@@ -1,0 +1,109 @@
+"""Plan versus reality: where a measured step's time went, next to the predicted step."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+
+from fxpipe.inspect import format_table
+from fxpipe.schedules import ActionKind
+from fxpipe.simulate import Event
+
+__all__ = ["StageTime", "StepTime", "format_report", "step_time"]
+
+_COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
+_COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
+_REDUCE = {ActionKind.ALLREDUCE, ActionKind.STEP}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTime:
+    """One stage's share of a step, in seconds."""
+
+    stage: int
+    forward: float  # mean forward time per micro-batch
+    backward: float  # mean backward time per micro-batch
+    compute: float  # all its F, B, W
+    communication: float  # time spent in sends and waiting in receives
+    reduction: float  # all-reduces and optimizer steps
+    idle: float  # the rest of the step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A whole step: its length and each stage's breakdown."""
+
+    makespan: float
+    stages: tuple[StageTime, ...]
+
+    @property
+    def bubble(self) -> float:
+        """Share of stage time not spent computing (the simulator's definition)."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(s.compute for s in self.stages) / (len(self.stages) * self.makespan)
+
+    def share(self, field: str) -> float:
+        total = len(self.stages) * self.makespan
+        return sum(getattr(s, field) for s in self.stages) / total if total > 0 else 0.0
+
+    @property
+    def bounding_stage(self) -> int:
+        """The stage with the most compute: the one the pipeline waits for."""
+        return max(self.stages, key=lambda s: s.compute).stage
+
+
+def step_time(events: Sequence[Event], stages: int) -> StepTime:
+    """Break a timeline (measured or simulated) down per stage."""
+    if not events:
+        return StepTime(0.0, tuple(StageTime(s, 0, 0, 0, 0, 0, 0) for s in range(stages)))
+    start = min(e.start for e in events)
+    makespan = max(e.end for e in events) - start
+    rows = []
+    for s in range(stages):
+        mine = [e for e in events if e.stage == s]
+        forward = [e.duration for e in mine if e.action.kind is ActionKind.F]
+        backward = [e.duration for e in mine if e.action.kind is ActionKind.B]
+        compute = sum(e.duration for e in mine if e.action.kind in _COMPUTE)
+        comm = sum(e.duration for e in mine if e.action.kind in _COMM)
+        reduction = sum(e.duration for e in mine if e.action.kind in _REDUCE)
+        rows.append(StageTime(
+            s, statistics.fmean(forward) if forward else 0.0,
+            statistics.fmean(backward) if backward else 0.0, compute, comm, reduction,
+            max(makespan - compute - comm - reduction, 0.0),
+        ))
+    return StepTime(makespan, tuple(rows))
+
+
+def format_report(measured: StepTime, predicted: StepTime, schedule: str) -> str:
+    """Predicted against measured, per stage and in total, and what bounds the pipeline."""
+    ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
+    rows = []
+    for m, p in zip(measured.stages, predicted.stages):
+        rows.append([m.stage, f"{_ms(m.forward)} / {_ms(p.forward)}",
+                     f"{_ms(m.backward)} / {_ms(p.backward)}",
+                     f"{_ms(m.compute)} / {_ms(p.compute)}", _share(m.compute, measured),
+                     _share(m.communication, measured), _share(m.reduction, measured),
+                     _share(m.idle, measured)])
+    header = ["stage", "fwd ms meas/pred", "bwd ms meas/pred", "compute ms meas/pred",
+              "compute", "comm", "all-reduce+step", "idle"]
+    bound = measured.bounding_stage
+    return "\n".join([
+        f"step ({schedule}): measured {_ms(measured.makespan)} ms, predicted "
+        f"{_ms(predicted.makespan)} ms (measured / predicted = {ratio:.2f})",
+        format_table(header, rows),
+        f"bubble: measured {measured.bubble:.0%}, predicted {predicted.bubble:.0%}; "
+        f"communication {measured.share('communication'):.0%} and idle "
+        f"{measured.share('idle'):.0%} of all stage time",
+        f"bounding stage: {bound} (computes {_ms(measured.stages[bound].compute)} ms of the "
+        f"{_ms(measured.makespan)} ms step)",
+    ])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _share(part: float, step: StepTime) -> str:
+    return f"{part / step.makespan:.0%}" if step.makespan > 0 else "-"
