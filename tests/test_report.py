@@ -1,0 +1,93 @@
+"""Plan versus reality: the report, the trace JSON, the timeline picture, re-planning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.models import MLP, VGG
+from fxpipe.report import step_time
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = VGG()
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    plan = fxpipe.Plan(stages=3, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe.step(x, y)
+    return pipe
+
+
+def test_report_compares_measured_and_predicted(trained, capsys):
+    text = trained.report()
+    assert capsys.readouterr().out.strip() == text.strip()
+    assert text.startswith("step (1f1b): measured ")
+    assert "bounding stage:" in text and "bubble: measured" in text
+    measured = step_time(trained.last_trace(), 3)
+    assert measured.makespan > 0
+    for stage in measured.stages:
+        parts = stage.compute + stage.communication + stage.reduction + stage.idle
+        assert parts == pytest.approx(measured.makespan, rel=1e-6)  # a stage does one thing
+        assert stage.compute > 0
+
+
+def test_step_time_of_a_simulated_timeline_matches_the_simulator(trained):
+    timeline = trained.predicted_timeline()
+    breakdown = step_time(timeline.events, 3)
+    assert breakdown.makespan == pytest.approx(timeline.makespan)
+    assert breakdown.bubble == pytest.approx(timeline.bubble)
+
+
+def test_trace_json_holds_measured_and_predicted_tracks(trained, tmp_path):
+    path = tmp_path / "trace.json"
+    trained.save_trace(path)
+    trace = json.loads(path.read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"measured", "predicted"}
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    kinds = {e["cat"] for e in slices}
+    assert {"F", "B", "SEND_F", "RECV_F"} <= kinds
+    assert sum(e["pid"] == 0 and e["cat"] == "F" for e in slices) == 3 * 4
+
+
+def test_timeline_picture_is_written(trained, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    trained.save_timeline(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replan_never_proposes_a_worse_partition(trained):
+    result = fxpipe.replan(trained, threshold=0.0)
+    assert result.proposed.predicted_time <= result.current.predicted_time
+    assert sum(result.plan_sizes) == len(trained.units)
+
+
+def test_replan_moves_work_away_from_a_stage_measured_slower():
+    model = MLP((32, 64, 64, 64, 64, 64, 64, 10))
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    plan = fxpipe.Plan(stages=2, partitioner="even", micro_batches=4, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe.step(x, y)
+    # pretend stage 0 ran ten times slower than measured at compile time
+    slow = [type(e)(e.stage, e.action, e.start, e.start + e.duration * (10 if e.stage == 0
+                                                                          else 1))
+            for e in pipe.last_trace()]
+    pipe.executor._trace = slow
+    result = fxpipe.replan(pipe)
+    assert result.changed and result.dispersion > 0.05
+    assert result.proposed.sizes[0] < result.current.sizes[0]
+
+
+def test_report_before_any_run():
+    pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, costs="none"),
+                          example_inputs=(torch.randn(2, 32),))
+    with pytest.raises(fxpipe.FxpipeError, match=r"nothing has run yet"):
+        pipe.report()
+    with pytest.raises(fxpipe.FxpipeError, match=r"nothing has run yet"):
+        pipe.save_trace("unused.json")
