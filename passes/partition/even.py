@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["even", "even_bounds"]
 
@@ -20,4 +21,5 @@ def even_bounds(units: int, stages: int) -> tuple[int, ...]:
 
 def even(cost: CostTable, stages: int, p: int = 1) -> Partition:
     """Equal unit counts per stage, ignoring costs: the baseline every planner is compared to."""
+    check_planner_args(cost, stages, p)
     return Partition.evaluate(cost, even_bounds(cost.units, stages), p, "even")
