@@ -557,12 +557,12 @@ class _Builder:
     """The emit phase's state: the new graph, and where each old value lives in it."""
 
     def __init__(self, gm: fx.GraphModule, plan: _Plan, values: Mapping[fx.Node, ValueInfo],
-                 devices: Sequence[str]) -> None:
+                 devices: Sequence[str], home: torch.device) -> None:
         self.gm, self.plan, self.values, self.devices = gm, plan, values, list(devices)
         self.graph = fx.Graph()
         self.graph.set_codegen(gm.graph._codegen)  # how inputs/outputs are (un)flattened
         self.aten = any(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
-        self.home = next(iter(gm.parameters()), torch.empty(0)).device
+        self.home = home
         self.chain = _chains(plan, list(gm.graph.nodes))
         self.env: dict[fx.Node, fx.Node] = {}
         self.pieces: dict[fx.Node, list[fx.Node]] = {}
@@ -601,32 +601,32 @@ class _Builder:
             self.gathered.setdefault(chain, []).append(value.name)
         return self.cache[key]
 
-    def read(self, value: fx.Node, how: _Read, tag: ShardTag) -> fx.Node:
+    def read(self, value: fx.Node, how: _Read, tag: ShardTag, consumer: fx.Node) -> fx.Node:
         """Shard `tag.shard`'s view of an old value, on the shard's device."""
         if how.how == "piece":
             return self.pieces[value][tag.shard]
         part = self.full(value)
         if how.how == "scatter":
-            part = self.scatter(part, how.dim, how.bounds, value)[tag.shard]
+            part = self.scatter(part, how.dim, how.bounds, value, consumer)[tag.shard]
         if not self.values[value].is_tensor:
             return part
         return self.move(part, torch.device(tag.device), tag)
 
-    def scatter(self, whole: fx.Node, dim: int, bounds: tuple[int, ...], origin: fx.Node
-                ) -> list[fx.Node]:
-        """`whole` split into slices (views, so gradients flow back into it)."""
+    def scatter(self, whole: fx.Node, dim: int, bounds: tuple[int, ...], origin: fx.Node,
+                consumer: fx.Node) -> list[fx.Node]:
+        """`whole` split into slices (views, so gradients flow back into it) for `consumer`."""
         key = ("scatter", whole, dim, bounds)
         if key not in self.cache:
             sizes = [b - a for a, b in zip(bounds, bounds[1:])]
             target = aten.split_with_sizes.default if self.aten else torch.split
             split = self.graph.call_function(target, (whole, sizes, dim))
             split.name = self._name(f"{whole.name}_split")
-            split.meta = _meta(origin, None)
+            split.meta = _meta(consumer, None)
             parts = []
             for i, size in enumerate(sizes):
                 part = self.graph.call_function(operator.getitem, (split, i))
                 part.name = self._name(f"{whole.name}_part{i}")
-                part.meta = _meta(origin, _piece_info(whole.meta.get(SHAPE), dim, size))
+                part.meta = _meta(consumer, _piece_info(whole.meta.get(SHAPE), dim, size))
                 parts.append(part)
             self.cache[key] = parts
             if origin.op != "get_attr":
@@ -672,7 +672,8 @@ class _Builder:
         sharding = self.plan.sharding[node]
         tag = ShardTag(self.chain[node], shard, self.devices[shard])
         reads = self.plan.reads[node]
-        args = {v: self.read(v, reads.get(v, _Read("whole")), tag) for v in node.all_input_nodes}
+        args = {v: self.read(v, reads.get(v, _Read("whole")), tag, node)
+                for v in node.all_input_nodes}
         if node in self.plan.layers:
             piece = self.layer_shard(node, self.plan.layers[node], sharding, tag, args)
         elif node.op == "call_module" and isinstance(_fetch(self.gm, node.target), _BN_MODULES):
@@ -682,17 +683,18 @@ class _Builder:
             if _op(node, self.gm) == ("batch_norm", 0):
                 for value, how in reads.items():
                     if how.how == "scatter" and _is_buffer(self.gm, value):
-                        self.write_back(self.scatter(self.full(value), 0, how.bounds, value)
-                                        [shard], args[value], piece, tag)
+                        home = self.scatter(self.full(value), 0, how.bounds, value, node)
+                        self.write_back(home[shard], args[value], piece, tag)
         piece.name = self._name(f"{node.name}_s{shard}")
         piece.meta = _meta(node, _piece_info(self.values[node], sharding.dim,
                                              sharding.sizes[shard]))
         piece.meta[SHARD] = tag
         return piece
 
-    def param(self, whole: fx.Node, bounds: tuple[int, ...], tag: ShardTag) -> fx.Node:
+    def param(self, whole: fx.Node, bounds: tuple[int, ...], tag: ShardTag, consumer: fx.Node
+              ) -> fx.Node:
         """Slice `tag.shard` of a parameter or buffer (dim 0), on the shard's device."""
-        return self.move(self.scatter(whole, 0, bounds, whole)[tag.shard],
+        return self.move(self.scatter(whole, 0, bounds, whole, consumer)[tag.shard],
                          torch.device(tag.device), tag)
 
     def layer_shard(self, node: fx.Node, layer: _Layer, sharding: _Sharding, tag: ShardTag,
@@ -722,8 +724,8 @@ class _Builder:
             kwargs = {k: v for k, v in bound.items() if k not in ("input", "weight", "bias")}
         if layer.spatial:
             kwargs["groups"] = max(1, sharding.sizes[tag.shard] * layer.groups // layer.channels)
-        w = self.param(weight, sharding.bounds, tag)
-        b = None if bias is None else self.param(bias, sharding.bounds, tag)
+        w = self.param(weight, sharding.bounds, tag, node)
+        b = None if bias is None else self.param(bias, sharding.bounds, tag, node)
         return self.graph.call_function(target, (x, w, b), kwargs)
 
     def batch_norm_shard(self, node: fx.Node, sharding: _Sharding, tag: ShardTag,
@@ -742,7 +744,7 @@ class _Builder:
         def piece(name: str) -> fx.Node | None:
             if getattr(bn, name) is None:
                 return None
-            return self.param(self.attr(f"{node.target}.{name}"), sharding.bounds, tag)
+            return self.param(self.attr(f"{node.target}.{name}"), sharding.bounds, tag, node)
 
         mean, var = piece("running_mean"), piece("running_var")
         out = self.graph.call_function(
@@ -751,8 +753,8 @@ class _Builder:
              "momentum": momentum, "eps": bn.eps})
         for name, moved in (("running_mean", mean), ("running_var", var)):
             if moved is not None:
-                home = self.scatter(self.attr(f"{node.target}.{name}"), 0, sharding.bounds,
-                                    node)[tag.shard]
+                buffer = self.attr(f"{node.target}.{name}")
+                home = self.scatter(buffer, 0, sharding.bounds, buffer, node)[tag.shard]
                 self.write_back(home, moved, out, tag)
         return out
 
@@ -862,6 +864,7 @@ def split_merge(
     threshold: float | None = None,
     costs: Mapping[str, float] | None = None,
     example_inputs: Sequence[Any] | None = None,
+    home: str | None = None,
 ) -> SplitMergeResult:
     """Split Conv/Linear layers of `gm` into channel shards on `devices`; merge what follows.
 
@@ -870,6 +873,8 @@ def split_merge(
     `costs` (name -> time, e.g. the units of one stage) exceeds it. A layer with C output
     channels (G > 1 groups: G groups) gets n_l = min(C or G, len(devices)) shards. Shapes come
     from a run on `example_inputs` (the graph's flat inputs) or from the shape pass's metadata.
+    `home` is the device the unsplit values and the parameters live on when the graph runs
+    (default: where gm's parameters are now); shard inputs move from it, gathers move to it.
     `gm` is not modified; the result's graph module shares its modules and parameters.
     """
     devices = tuple(str(torch.device(d)) for d in devices)
@@ -878,7 +883,9 @@ def split_merge(
     values = _values(gm, example_inputs)
     chosen = _choose(_candidates(gm, values), layers, threshold, costs, len(devices))
     plan = _propagate(gm, chosen, values, len(devices))
-    builder = _Builder(gm, plan, values, devices)
+    where = torch.device(home) if home is not None else \
+        next(iter(gm.parameters()), torch.empty(0)).device
+    builder = _Builder(gm, plan, values, devices, where)
     builder.run()
     builder.graph.lint()
     new = _graph_module(gm, builder.graph)
