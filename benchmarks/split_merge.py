@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from fxpipe.meta import SHAPE
 from fxpipe.models import VGG, bundled
 from fxpipe.passes.analysis.shape import annotate_shapes
-from fxpipe.passes.rewrite.split_merge import outline_shards, overlap_cost, split_merge
+from fxpipe.passes.rewrite.split_merge import GATHER, outline_shards, overlap_cost, split_merge
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -92,8 +93,8 @@ def main() -> None:
 
     # T_C: one transfer of a micro-batch's largest gathered activation (a cat on this machine)
     widest = max((node for node in gm.graph.nodes if node.op == "call_module"),
-                 key=lambda node: node.meta["fxpipe.shape"].nbytes)
-    shape = widest.meta["fxpipe.shape"].tensors[0].shape
+                 key=lambda node: node.meta[SHAPE].nbytes)
+    shape = widest.meta[SHAPE].tensors[0].shape
 
     print(f"VGG, batch {args.batch}, {torch.get_num_threads()} intra-op thread(s), "
           f"{args.repeats} timed steps per variant (after {args.warmup} warm-up), medians")
@@ -117,6 +118,18 @@ def main() -> None:
         print(f"{name:<12} {median[name]:9.2f} {median[name] / median['unsplit']:9.3f} "
               f"{median[name] - median['unsplit']:+9.2f} {cost.t_o:10.2f} {cost.speedup:8.2f}")
     print()
+    # how much of the extra time is the gathers themselves (cat of the pieces, per forward)
+    widest_n = results[args.max_devices]
+    gather_ms = 0.0
+    for node in widest_n.gm.graph.nodes:
+        if GATHER in node.meta:
+            sizes = [p.meta[SHAPE].tensors[0].shape for p in node.args[0]]
+            pieces = [torch.randn(size) for size in sizes]
+            gather_ms += _median_ms(lambda p=pieces, d=node.args[1]: torch.cat(p, d), 20)
+    print(f"the {len(widest_n.gathers)} gathers of n={args.max_devices} take {gather_ms:.2f} ms "
+          "per forward in total; the rest of the extra time is the split layers themselves, "
+          "run as n narrower kernels on the same cores (each shard re-reads the whole input, "
+          "and backward adds the n input gradients).")
     print(f"T_F = {t_fwd:.2f} ms and T_B = {t_bwd:.2f} ms measured unsplit on the whole batch; "
           "eqs. 11-13 use T_F/n², T_B/n² (one of n sub-modules on one of n micro-batches) and "
           "T_C = one gather of the widest activation at micro-batch size.")
