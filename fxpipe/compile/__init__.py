@@ -1,0 +1,11 @@
+"""Compiling a model into a pipeline: the one package where the IR, the passes and the runtime
+meet (front: checks, tracing, costs; partitioning; local and distributed assembly; re-planning)."""
+
+from fxpipe.compile.front import units_of
+from fxpipe.compile.local import compile
+from fxpipe.compile.partitioning import available_partitioners, compare_partitioners
+from fxpipe.compile.replan import Replan, replan
+
+__all__ = [
+    "Replan", "available_partitioners", "compare_partitioners", "compile", "replan", "units_of",
+]

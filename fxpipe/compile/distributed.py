@@ -1,0 +1,137 @@
+"""Compiling under torchrun: one stage per rank, agreed on by every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.compile.front import measure_costs, output_names, stage_link, trace_and_cut
+from fxpipe.compile.partitioning import choose_partition
+from fxpipe.cost import Partition
+from fxpipe.distributed import rank_device, rank_layout
+from fxpipe.errors import PlanError
+from fxpipe.passes.analysis.symbolic import annotate_symbolic
+from fxpipe.passes.rewrite.stages import split_stages
+from fxpipe.pipeline import CompiledPipeline
+from fxpipe.plan import Plan
+from fxpipe.runtime.dist import DistCoordinator, DistTransport
+from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.hooks import GradientSync
+from fxpipe.runtime.stage import StageRunner
+from fxpipe.units import Unit
+
+__all__ = ["compile_distributed"]
+
+
+def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipeline:
+    """Under torchrun: every rank traces the same graph; rank 0 measures the costs and chooses
+    the partition and every rank takes them from it; each rank then keeps only its stage on its
+    device, and talks to the others over torch.distributed."""
+    layout = rank_layout(plan)
+    device = rank_device(plan, layout)
+    traced, units, flat = trace_and_cut(model, plan, args, kwargs)
+    _agree(layout, plan, units)
+    link = stage_link(plan, [device, device])
+    threads = torch.get_num_threads()
+    if layout.rank == 0:
+        cost = measure_costs(traced.gm, units, flat, plan, [device], link, cache, threads)
+        chosen = choose_partition(model, plan, units, cost)
+        shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner]
+    else:
+        shared = [None] * 4
+    torch.distributed.broadcast_object_list(shared, src=0)
+    cost, bounds, micro_batches, name = shared
+    partition = Partition.evaluate(cost, bounds, micro_batches, name, schedule=plan.schedule)
+    annotate_symbolic(traced.gm, flat)  # message shapes as functions of the micro-batch size
+    devices = [device] * plan.stages
+    graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
+    pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
+                            cost, link)
+    stage = pipe.stages[layout.stage]
+    stage.to(device)
+    pipe.state_dict_keys = list(model.state_dict())
+    pipe.restrict_to_stage(layout.stage, layout.rank)
+    pipeline = _pipeline_group(layout)
+    hook = pipe.stage_hook(layout.stage)
+    runner = StageRunner(stage, hook, comm.stages[layout.stage], device,
+                         {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
+                          for e in comm.edges})
+    transport = DistTransport(comm, layout.pipeline_ranks, device, group=pipeline,
+                              rank=layout.rank)
+    data_parallel = _data_parallel_group(layout, stage)
+    sync = None
+    if data_parallel is not None:
+        sync = GradientSync(layout.stage, list(stage.parameters()), data_parallel,
+                            plan.dp_sync, pipeline)
+        hook.register(lambda s: sync.on_stage_backward(s, hook.finishing))
+    coordinator = DistCoordinator(layout.pipeline_ranks, micro_batches, device, pipeline,
+                                  _tied_groups(pipe, layout), sync=sync,
+                                  data_parallel=data_parallel, group_index=layout.group,
+                                  groups=layout.groups)
+    pipe.executor = PipelineExecutor(
+        {layout.stage: runner}, comm, transport, output_names(traced.gm), plan.schedule,
+        micro_batches, traced.bind.unflatten, threads, coordinator,
+    )
+    return pipe
+
+
+def _agree(layout, plan: Plan, units: Sequence[Unit]) -> None:
+    """Every rank must compile the same plan for the same graph; say which ranks differ."""
+    fingerprint = repr((sorted(plan.to_dict().items(), key=str), [u.nodes for u in units]))
+    everyone: list[Any] = [None] * layout.world
+    torch.distributed.all_gather_object(everyone, fingerprint)
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    if differ:
+        raise PlanError(
+            f"ranks {differ} compiled a different plan or model than rank 0; every rank must "
+            "call fxpipe.compile with the same model class, example input shapes and Plan "
+            "(or Plan.load the same saved plan)."
+        )
+
+
+def _pipeline_group(layout):
+    """This rank's pipeline as a process group (the whole job when there is one pipeline)."""
+    if layout.groups == 1:
+        return None
+    mine = None
+    for group in range(layout.groups):  # every rank creates every group, in the same order
+        ranks = [layout.rank_of(s, group) for s in range(layout.stages)]
+        handle = torch.distributed.new_group(ranks)
+        if layout.rank in ranks:
+            mine = handle
+    return mine
+
+
+def _data_parallel_group(layout, stage) -> Any:
+    """The ranks running this rank's stage in every pipeline group, as a process group; the
+    stage's parameters and buffers start as group 0's (as DistributedDataParallel does)."""
+    if layout.groups == 1:
+        return None
+    mine = None
+    for s in range(layout.stages):  # every rank creates every group, in the same order
+        ranks = layout.data_parallel_ranks(s)
+        handle = torch.distributed.new_group(ranks)
+        if s == layout.stage:
+            mine = handle
+    source = layout.data_parallel_ranks(layout.stage)[0]
+    with torch.no_grad():
+        for tensor in [*stage.parameters(), *stage.buffers()]:
+            torch.distributed.broadcast(tensor.data, source, mine)
+    return mine
+
+
+def _tied_groups(pipe: CompiledPipeline, layout) -> list[tuple[torch.nn.Parameter, Any]]:
+    """For each weight tied across stages, the process group of the ranks holding it; the
+    copies start equal (broadcast from the first holder) and stay equal (summed gradients)."""
+    tied = []
+    for _, param, stages in pipe.shared_parameter_objects():
+        for group in range(layout.groups):
+            ranks = [layout.rank_of(s, group) for s in stages]
+            handle = torch.distributed.new_group(ranks)
+            if layout.rank in ranks:
+                with torch.no_grad():
+                    torch.distributed.broadcast(param.data, ranks[0], handle)
+                tied.append((param, handle))
+    return tied

@@ -1,0 +1,173 @@
+"""The front half of compiling: the user's inputs checked, the model traced and cut into
+units, and its units timed into a CostTable."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.batching import input_dims
+from fxpipe.cost import CostTable, Link
+from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.passes.analysis.comm import default_link
+from fxpipe.passes.analysis.costs import cost_table
+from fxpipe.passes.analysis.profile import (
+    ProfileCache,
+    default_cache_dir,
+    profile_units,
+    unit_parameters,
+)
+from fxpipe.passes.analysis.shape import annotate_shapes
+from fxpipe.passes.rewrite.stages import split_stages
+from fxpipe.plan import Plan
+from fxpipe.trace import trace
+from fxpipe.units import Unit, cut_units
+
+__all__ = [
+    "check_stage_count", "example_args", "measure_costs", "output_names", "profile_cache",
+    "stage_devices", "stage_link", "threads_per_stage", "trace_and_cut", "units_of",
+]
+
+
+def example_args(example_inputs: Any, example_kwargs: Mapping[str, Any] | None):
+    if example_inputs is None and not example_kwargs:
+        raise FxpipeError(
+            "compile() needs one example batch to record shapes: "
+            "fxpipe.compile(model, plan, example_inputs=(x,))."
+        )
+    if example_inputs is None:
+        args: tuple = ()
+    elif isinstance(example_inputs, tuple):
+        args = example_inputs
+    elif isinstance(example_inputs, list):
+        args = tuple(example_inputs)
+    else:
+        args = (example_inputs,)
+    return args, dict(example_kwargs or {})
+
+
+def stage_devices(model: torch.nn.Module, plan: Plan) -> list[str]:
+    """One device per stage: the plan's, or the device the model's parameters are on."""
+    if plan.devices is None:
+        first = next(iter(model.parameters()), None)
+        device = str(first.device) if first is not None else "cpu"
+        return [device] * plan.stages
+    for name in plan.devices:
+        device = torch.device(name)
+        if device.type == "cuda":
+            count = torch.cuda.device_count()
+            index = device.index or 0
+            if index >= count:
+                raise PlanError(
+                    f"Plan(devices=...) names {name!r}, but this machine has {count} CUDA "
+                    f"device{'s' if count != 1 else ''}; use devices={['cpu'] * plan.stages} "
+                    "to run every stage on the CPU."
+                )
+        elif device.type not in ("cpu", "meta") and not _backend_available(device.type):
+            raise PlanError(f"Plan(devices=...) names {name!r}, but no {device.type} device "
+                            "is available here.")
+    return list(plan.devices)
+
+
+def _backend_available(kind: str) -> bool:
+    backend = getattr(torch, kind, None) or getattr(torch.backends, kind, None)
+    return bool(backend is not None and getattr(backend, "is_available", lambda: False)())
+
+
+def trace_and_cut(model, plan, args, kwargs):
+    traced = trace(model, args, kwargs, plan, check=shapes_on(args, kwargs))
+    units = cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
+    check_stage_count(model, plan, units)
+    return traced, units, traced.bind(args, kwargs)
+
+
+def shapes_on(args: tuple, kwargs: Mapping[str, Any]):
+    """The check a candidate graph must pass: it runs on the example and gets its shapes."""
+    return lambda traced: annotate_shapes(traced.gm, traced.bind(args, kwargs))
+
+
+def check_stage_count(model: torch.nn.Module, plan: Plan, units: Sequence[Unit]) -> None:
+    if plan.stages <= len(units):
+        return
+    names = ", ".join(u.name for u in units[:8]) + (", ..." if len(units) > 8 else "")
+    finer = (" or cut finer with a larger Plan(unit_depth=...) or none"
+             if plan.unit_depth is not None else "")
+    raise PlanError(
+        f"Plan(stages={plan.stages}) asks for more stages than {type(model).__name__} has "
+        f"units: it cuts into {len(units)} units ({names}); use stages <= {len(units)}{finer}."
+    )
+
+
+def units_of(
+    model: torch.nn.Module, example_inputs: Any, plan: Plan | None = None
+) -> list[Unit]:
+    """The units `compile` would cut `model` into (tracing options from `plan`, if given)."""
+    plan = plan or Plan(stages=1)
+    args, kwargs = example_args(example_inputs, None)
+    traced = trace(model, args, kwargs, plan, check=shapes_on(args, kwargs))
+    return cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
+
+
+def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
+           cache: ProfileCache | None, threads: int) -> CostTable:
+    """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only."""
+    unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
+                                          [devices[0]] * len(units))
+    names = [u.name for u in units]
+    if plan.costs == "none":
+        params, param_bytes = unit_parameters(unit_graph, len(units))
+        zeros = [0.0] * len(units)
+        return CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, tuple(names),
+                         param_bytes)
+    batch = input_dims(flat).batch
+    profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
+                            devices[0], cache=cache, threads=threads)
+    return cost_table(profile, link, batch, names)
+
+
+def profile_sizes(batch: int, plan: Plan) -> list[int]:
+    """Micro-batch sizes to time: the plan's, or powers of two up to the batch for 'auto'."""
+    if plan.micro_batches == "auto":
+        return sorted({batch} | {2 ** k for k in range(batch.bit_length()) if 2 ** k <= batch})
+    if plan.micro_batches > batch:
+        raise PlanError(
+            f"Plan(micro_batches={plan.micro_batches}) splits a batch of {batch} samples into "
+            f"more micro-batches than samples; use micro_batches <= {batch}."
+        )
+    return [-(-batch // plan.micro_batches)]  # the largest micro-batch, ceil(B / p)
+
+
+def stage_link(plan: Plan, devices: Sequence[str]) -> Link:
+    if plan.link is not None:
+        return Link(plan.link[0], plan.link[1], "plan")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return default_link(devices[0], devices[-1], distributed)
+
+
+def profile_cache(cache: bool | str | os.PathLike) -> ProfileCache | None:
+    if cache is False:
+        return None
+    return ProfileCache(default_cache_dir() if cache is True else pathlib.Path(cache))
+
+
+def threads_per_stage(devices: Sequence[str]) -> int:
+    """Intra-op threads for each stage's worker: stages on the CPU share its threads evenly
+    (more would oversubscribe the cores and slow every stage down)."""
+    on_cpu = sum(torch.device(d).type == "cpu" for d in devices)
+    return max(1, torch.get_num_threads() // max(on_cpu, 1))
+
+
+def output_names(gm: torch.fx.GraphModule) -> Any:
+    """The model's flat output as a structure of value names; refuses outputs no stage makes."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in output.all_input_nodes:
+        if node.op == "get_attr":
+            raise FxpipeError(
+                f"the model returns its attribute {node.target!r} as it is; fxpipe runs only "
+                "computed outputs through the pipeline: return a tensor computed from it."
+            )
+    return torch.fx.map_arg(output.args[0], lambda n: n.name)

@@ -1,0 +1,74 @@
+"""compile(): trace -> shapes -> units -> costs -> partition -> rewrite -> runtime; the one
+place (with its sibling modules) where the IR, the passes and the runtime meet."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fxpipe.compile.distributed import compile_distributed
+from fxpipe.compile.front import (
+    example_args,
+    measure_costs,
+    output_names,
+    profile_cache,
+    stage_devices,
+    stage_link,
+    threads_per_stage,
+    trace_and_cut,
+)
+from fxpipe.compile.partitioning import choose_partition
+from fxpipe.distributed import launched
+from fxpipe.errors import FxpipeError
+from fxpipe.passes.rewrite.stages import split_stages
+from fxpipe.pipeline import CompiledPipeline
+from fxpipe.plan import Plan
+from fxpipe.runtime.executor import PipelineExecutor
+
+__all__ = ["compile"]
+
+
+def compile(
+    model: torch.nn.Module,
+    plan: Plan,
+    example_inputs: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    cache: bool | str | os.PathLike = True,
+) -> CompiledPipeline:
+    """Compile `model` into the pipeline `plan` describes.
+
+    `example_inputs` is one example mini-batch (a tensor or a tuple of forward()'s positional
+    arguments); it fixes the shapes, and the units are timed on slices of it. The model's
+    parameters stay the same objects: the compiled module and the model train the same weights.
+    `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path; False: off).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FxpipeError(f"compile() takes an nn.Module, got {type(model).__name__}.")
+    if not isinstance(plan, Plan):
+        raise FxpipeError(f"compile() takes an fxpipe.Plan, got {type(plan).__name__}; "
+                          "e.g. fxpipe.Plan(stages=2).")
+    args, kwargs = example_args(example_inputs, example_kwargs)
+    if launched():
+        return compile_distributed(model, plan, args, kwargs, profile_cache(cache))
+    devices = stage_devices(model, plan)
+
+    traced, units, flat = trace_and_cut(model, plan, args, kwargs)
+    link = stage_link(plan, devices)
+    threads = threads_per_stage(devices)
+    cost = measure_costs(traced.gm, units, flat, plan, devices, link, profile_cache(cache), threads)
+    partition = choose_partition(model, plan, units, cost)
+    graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
+    pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
+                            cost, link)
+    for stage, device in zip(pipe.stages, devices):
+        stage.to(device)
+    pipe.executor = PipelineExecutor.local(
+        pipe.stages, [pipe.stage_hook(s) for s in range(plan.stages)], comm, devices,
+        output_names(traced.gm), plan.schedule, partition.micro_batches, traced.bind.unflatten,
+        threads=threads,
+    )
+    return pipe

@@ -1,0 +1,90 @@
+"""Choosing the partition: every planner by name, and the plan's choice among them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from fxpipe.cost import CostTable, Partition
+from fxpipe.errors import PlanError
+from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
+from fxpipe.pipeline import CompiledPipeline
+from fxpipe.plan import TIMED_PARTITIONERS, Plan
+from fxpipe.units import Unit
+
+__all__ = [
+    "PARTITIONERS", "available_partitioners", "choose_partition", "compare_partitioners",
+    "exactly_n_stages",
+]
+
+
+PARTITIONERS = {
+    "even": even, "params": params, "balanced": balanced, "ampa": ampa, "imd": imd,
+    "csimd": lambda cost, stages, p=1: csimd(cost, stages, cost.batch, p0=p), "exact": exact,
+}
+
+
+def available_partitioners() -> tuple[str, ...]:
+    """The partitioner names this version of fxpipe can run."""
+    return tuple(PARTITIONERS)
+
+
+def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
+    """Every available partitioner's partition of `pipe`'s cost table, under its plan."""
+    plan = pipe.plan
+    results = {}
+    for name, partitioner in PARTITIONERS.items():
+        if plan.costs == "none" and name in TIMED_PARTITIONERS:
+            continue
+        chosen = partitioner(pipe.cost, plan.stages, pipe.partition.micro_batches)
+        bounds, _ = exactly_n_stages(chosen.bounds, plan.stages, pipe.cost, chosen.micro_batches)
+        results[name] = Partition.evaluate(pipe.cost, bounds, chosen.micro_batches,
+                                           name, schedule=plan.schedule)
+    return results
+
+
+def choose_partition(
+    model: torch.nn.Module, plan: Plan, units: Sequence[Unit], cost: CostTable
+) -> Partition:
+    p = plan.micro_batches if isinstance(plan.micro_batches, int) else 1
+    if plan.sizes is not None:
+        if sum(plan.sizes) != len(units):
+            raise PlanError(
+                f"Plan(partitioner={list(plan.sizes)}) covers {sum(plan.sizes)} units, but "
+                f"{type(model).__name__} has {len(units)} units; make the sizes add up to "
+                f"{len(units)} (print(fxpipe.units_of(model, x)) lists them)."
+            )
+        bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
+        return Partition.evaluate(cost, bounds, p, "given", schedule=plan.schedule)
+    if plan.partitioner not in PARTITIONERS:
+        raise PlanError(
+            f"Plan(partitioner={plan.partitioner!r}) is not available in this version of "
+            f"fxpipe; available: {', '.join(PARTITIONERS)} or a list of units per stage."
+        )
+    if plan.micro_batches == "auto" and plan.partitioner != "csimd":
+        p = PARTITIONERS["csimd"](cost, plan.stages).micro_batches  # CSIMD's choice of p
+    chosen = PARTITIONERS[plan.partitioner](cost, plan.stages, p)
+    bounds, name = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
+    return Partition.evaluate(cost, bounds, chosen.micro_batches,
+                              name or chosen.partitioner, schedule=plan.schedule)
+
+
+def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int):
+    """IMD and cross-search may use fewer stages than asked when more would only add links;
+    the plan has a device or rank per stage, so split the slowest stages until there are
+    `stages` (each split at the unit that best halves its time)."""
+    bounds = list(bounds)
+    if len(bounds) >= stages:
+        return tuple(bounds), None
+    f, b, _, _ = cost.at(p)
+    time = f + b
+    while len(bounds) < stages:
+        starts = [0, *bounds[:-1]]
+        splittable = [(time[a:z].sum(), a, z) for a, z in zip(starts, bounds) if z - a > 1]
+        _, start, end = max(splittable)
+        halves = np.cumsum(time[start:end])
+        cut = start + 1 + int(np.argmin(np.abs(halves[:-1] - halves[-1] / 2)))
+        bounds = sorted([*bounds, cut])
+    return tuple(bounds), None
