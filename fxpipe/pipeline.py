@@ -60,7 +60,7 @@ class CompiledPipeline(torch.nn.Module):
         vars(self).update(
             plan=plan, traced=traced, units=tuple(units), partition=partition, graph=graph,
             comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
-            link=link, executor=None,
+            link=link, executor=None, intra_layer=[],
         )
 
     @property
@@ -247,6 +247,8 @@ class CompiledPipeline(torch.nn.Module):
                                    self.link)
         if self.plan.schedule == "async-1f1b" and self.executor is not None:
             table += "\n" + self._weight_copies_line()
+        for split in self.intra_layer:
+            table += "\n" + split.format()
         return table
 
     def _weight_copies_line(self) -> str:

@@ -29,6 +29,10 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     """Under torchrun: every rank traces the same graph; rank 0 measures the costs and chooses
     the partition and every rank takes them from it; each rank then keeps only its stage on its
     device, and talks to the others over torch.distributed."""
+    if plan.intra_layer is not None:
+        raise PlanError("Plan(intra_layer=...) splits layers over the devices of one process; "
+                        "under torchrun each rank runs one stage on one device. Drop "
+                        "intra_layer, or run in one process with Plan(devices=[...]).")
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)

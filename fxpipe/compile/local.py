@@ -20,6 +20,7 @@ from fxpipe.compile.front import (
     threads_per_stage,
     trace_and_cut,
 )
+from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
@@ -61,14 +62,20 @@ def compile(
     threads = threads_per_stage(devices)
     cost = measure_costs(traced.gm, units, flat, plan, devices, link, profile_cache(cache), threads)
     partition = choose_partition(model, plan, units, cost)
-    graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
+    gm, splits = traced.gm, []
+    if plan.intra_layer is not None:
+        gm, splits = split_heavy_layers(gm, units, partition, cost, plan.intra_layer, devices,
+                                        flat, link)
+    graph, comm = split_stages(gm, units, partition.bounds, devices)
     pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
                             cost, link)
+    pipe.intra_layer = splits
+    hooks = [pipe.stage_hook(s) for s in range(plan.stages)]
+    outline_split_stages(pipe.stages, hooks, splits)
     for stage, device in zip(pipe.stages, devices):
         stage.to(device)
     pipe.executor = PipelineExecutor.local(
-        pipe.stages, [pipe.stage_hook(s) for s in range(plan.stages)], comm, devices,
-        output_names(traced.gm), plan.schedule, partition.micro_batches, traced.bind.unflatten,
-        threads=threads,
+        pipe.stages, hooks, comm, devices, output_names(gm), plan.schedule,
+        partition.micro_batches, traced.bind.unflatten, threads=threads,
     )
     return pipe
