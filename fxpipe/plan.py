@@ -65,7 +65,7 @@ class Plan:
     concrete_args: Mapping[str, Any] | None = None
     unit_depth: int | None = None
     costs: str = "measure"  # measure: profile every unit; none: structure only (no times)
-    link: tuple[float, float] | None = None  # (latency s, bandwidth bytes/s) between stages
+    link: tuple[float, float] | str | None = None  # (latency s, bandwidth B/s), or "measure"
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
 
     def __post_init__(self) -> None:
@@ -157,6 +157,11 @@ class Plan:
         })
 
     def _check_link(self) -> None:
+        if self.link == "measure":  # a copy between local devices, a ping-pong between ranks
+            return
+        if isinstance(self.link, str):
+            raise PlanError(f"Plan(link={self.link!r}) is not known; give 'measure' or "
+                            "(latency in seconds, bandwidth in bytes per second).")
         link = tuple(self.link)
         object.__setattr__(self, "link", link)
         ok = len(link) == 2 and all(isinstance(v, (int, float)) for v in link)

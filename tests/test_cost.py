@@ -55,3 +55,23 @@ def test_memory_estimate_counts_weights_state_and_in_flight_activations():
     one_f_one_b = Partition.evaluate(cost, [1, 2], p=4, schedule="1f1b")
     assert [s.memory for s in gpipe.stages] == [40 * 4 + 4 * 100, 80 * 4 + 4 * 1000]
     assert [s.memory for s in one_f_one_b.stages] == [40 * 4 + 2 * 100, 80 * 4 + 1 * 1000]
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    from fxpipe.passes.analysis.comm import fit_link
+
+    sizes = [1e3, 1e5, 1e6, 4e6]
+    link = fit_link(sizes, [20e-6 + s / 3e9 for s in sizes], "synthetic")
+    assert link.latency == pytest.approx(20e-6, rel=1e-6)
+    assert link.bandwidth == pytest.approx(3e9, rel=1e-6)
+
+
+def test_measured_link_between_cpu_stages_is_free():
+    import torch
+
+    import fxpipe
+    from fxpipe.models import MLP
+
+    pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, link="measure", costs="none"),
+                          example_inputs=(torch.randn(2, 32),))
+    assert pipe.link.time(1e6) == 0.0 and "measured" in pipe.link.source

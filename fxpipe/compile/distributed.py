@@ -12,6 +12,7 @@ from fxpipe.compile.partitioning import choose_partition
 from fxpipe.cost import Partition
 from fxpipe.distributed import rank_device, rank_layout
 from fxpipe.errors import PlanError
+from fxpipe.passes.analysis.comm import measure_rank_link
 from fxpipe.passes.analysis.symbolic import annotate_symbolic
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
@@ -37,16 +38,20 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     device = rank_device(plan, layout)
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     _agree(layout, plan, units)
-    link = stage_link(plan, [device, device])
+    if plan.link == "measure" and plan.stages > 1:  # ping-pong between the first two stages
+        link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), device=device)
+    else:
+        link = stage_link(plan, [device, device])
     threads = torch.get_num_threads()
     if layout.rank == 0:
         cost = measure_costs(traced.gm, units, flat, plan, [device], link, cache, threads)
         chosen = choose_partition(model, plan, units, cost)
-        shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner]
+        shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner,
+                             link]
     else:
-        shared = [None] * 4
+        shared = [None] * 5
     torch.distributed.broadcast_object_list(shared, src=0)
-    cost, bounds, micro_batches, name = shared
+    cost, bounds, micro_batches, name, link = shared
     partition = Partition.evaluate(cost, bounds, micro_batches, name, schedule=plan.schedule)
     annotate_symbolic(traced.gm, flat)  # message shapes as functions of the micro-batch size
     devices = [device] * plan.stages

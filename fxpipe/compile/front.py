@@ -13,7 +13,7 @@ import torch
 from fxpipe.batching import input_dims
 from fxpipe.cost import CostTable, Link
 from fxpipe.errors import FxpipeError, PlanError
-from fxpipe.passes.analysis.comm import default_link
+from fxpipe.passes.analysis.comm import default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
     ProfileCache,
@@ -142,6 +142,9 @@ def profile_sizes(batch: int, plan: Plan) -> list[int]:
 
 
 def stage_link(plan: Plan, devices: Sequence[str]) -> Link:
+    """The link between stages: the plan's figures, measured, or the default for the devices."""
+    if plan.link == "measure":
+        return measure_local_link(devices[0], devices[-1])
     if plan.link is not None:
         return Link(plan.link[0], plan.link[1], "plan")
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -1,14 +1,21 @@
-"""Communication model: the default link between two stages' devices, by device pair kind."""
+"""Communication model: the link between two stages' devices, by default per device pair kind,
+or measured (copies between local devices, a ping-pong between ranks)."""
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from fxpipe.cost import Link
 
-__all__ = ["default_link"]
+__all__ = ["default_link", "fit_link", "measure_local_link", "measure_rank_link"]
 
 
 # Defaults by device pair kind. They are rough figures for the common case, to be replaced by a
@@ -31,3 +38,66 @@ def default_link(src: str, dst: str, distributed: bool = False) -> Link:
     kind = "same" if not distributed and a == b else "-".join(sorted((a.type, b.type)))
     latency, bandwidth = _DEFAULTS.get((scope, kind), _DEFAULTS[(scope, "cpu-cpu")])
     return Link(latency, bandwidth, "default")
+
+
+_PROBE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float], source: str) -> Link:
+    """latency + bytes / bandwidth fitted to one-way transfer times, least squares on relative
+    error (so the small messages that set the latency count as much as the big ones)."""
+    seconds = np.asarray(seconds, float)
+    slope, intercept = np.polyfit(np.asarray(sizes, float), seconds, 1, w=1.0 / seconds)
+    bandwidth = 1.0 / slope if slope > 0 else math.inf
+    return Link(max(float(intercept), 0.0), float(bandwidth), source)
+
+
+def measure_local_link(src: str, dst: str, repeats: int = 10) -> Link:
+    """Time copies from device `src` to `dst` in this process (median per size)."""
+    a, b = torch.device(src), torch.device(dst)
+    if a == b or {a.type, b.type} == {"cpu"}:
+        return Link(0.0, math.inf, "measured: same memory, no copy")
+    seconds = []
+    for size in _PROBE_BYTES:
+        tensor = torch.empty(size // 4, dtype=torch.float32, device=a)
+        times = []
+        for _ in range(repeats):
+            _synchronize(a, b)
+            start = time.perf_counter()
+            tensor.to(b)
+            _synchronize(a, b)
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
+    return fit_link(_PROBE_BYTES, seconds, f"measured {src} -> {dst}")
+
+
+def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str = "cpu",
+                      repeats: int = 10) -> Link | None:
+    """Ping-pong between ranks `peer_a` and `peer_b` over torch.distributed (every rank of the
+    group calls this; only the two peers exchange). Returns the fitted link on the two peers,
+    None elsewhere. One-way time = half the round trip, median of `repeats` per size."""
+    rank = dist.get_rank()
+    if rank not in (peer_a, peer_b):
+        return None
+    other = peer_b if rank == peer_a else peer_a
+    seconds = []
+    for size in _PROBE_BYTES:
+        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        times = []
+        for _ in range(repeats + 1):  # the first exchange warms the connection up
+            start = time.perf_counter()
+            if rank == peer_a:
+                dist.send(tensor, other, group)
+                dist.recv(tensor, other, group)
+            else:
+                dist.recv(tensor, other, group)
+                dist.send(tensor, other, group)
+            times.append((time.perf_counter() - start) / 2)
+        seconds.append(statistics.median(times[1:]))
+    return fit_link(_PROBE_BYTES, seconds, f"measured ping-pong rank {peer_a} <-> {peer_b}")
+
+
+def _synchronize(*devices: torch.device) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
