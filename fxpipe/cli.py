@@ -10,7 +10,16 @@ from collections.abc import Sequence
 
 import torch
 
+from fxpipe.bench import (
+    bench,
+    bench_under_torchrun,
+    format_rows,
+    rows_to_json,
+    write_csv,
+    write_png,
+)
 from fxpipe.compile import available_partitioners, compare_partitioners, compile
+from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_table
 from fxpipe.models import MODELS, bundled
@@ -43,6 +52,10 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"  step {step}: loss {loss.item():.4f}")
 
 
+def dist_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def _plan(args: argparse.Namespace) -> None:
     model, inputs = _load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
@@ -63,6 +76,75 @@ def _plan(args: argparse.Namespace) -> None:
                     predicted_step_seconds=pipe.partition.predicted_time,
                     units=[u.name for u in pipe.units])
         print(f"\nplan written to {args.json}")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    micro_batches = args.micro_batches if args.micro_batches == "auto" \
+        else int(args.micro_batches)
+    partitioners = args.partitioners.split(",")
+    schedules = args.schedules.split(",")
+    title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
+             f"{args.micro_batches}")
+    if args.nproc:
+        forwarded = _without_option(sys.argv[2:], "--nproc")
+        forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
+        rows = bench_under_torchrun(args.nproc, forwarded)
+        title += f", {args.nproc} processes under torchrun"
+    else:
+        if launched():
+            torch.set_num_threads(1)
+
+        def build():
+            torch.manual_seed(0)
+            model, inputs = _load_model(args.model, args.batch, args.input_shape,
+                                        args.input_dtype, args.input_high)
+            target, loss_fn = _target_and_loss(args.model, inputs, args.batch)
+            return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
+
+        rows = bench(build, args.stages, micro_batches, partitioners, schedules,
+                     args.repeats, progress=not launched() or dist_rank() == 0)
+        if launched():
+            if args.rows_json and dist_rank() == 0:
+                rows_to_json(args.rows_json, rows)
+            return
+    print(title)
+    print(format_rows(rows))
+    best = min(rows, key=lambda r: r.measured_ms)
+    evens = [r for r in rows if r.partitioner == "even" and r.schedule == best.schedule]
+    if evens and best.partitioner != "even":
+        speedup = evens[0].measured_ms / best.measured_ms
+        print(f"best: {best.partitioner}/{best.schedule}, {speedup:.2f}x faster than "
+              f"even/{best.schedule} (medians of {args.repeats} steps)")
+    if args.csv:
+        write_csv(args.csv, rows)
+        print(f"rows written to {args.csv}")
+    if args.png:
+        write_png(args.png, rows, title)
+        print(f"chart written to {args.png}")
+
+
+def _without_option(argv: Sequence[str], option: str) -> list[str]:
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        if item == option:
+            skip = True
+            continue
+        if item.startswith(option + "="):
+            continue
+        out.append(item)
+    return out
+
+
+def _target_and_loss(name: str, inputs: tuple, batch: int):
+    if ":" not in name:
+        spec = bundled(name)
+        _, target = spec.batch(batch, torch.Generator().manual_seed(0))
+        return target, spec.loss_fn
+    # a model of the user's: no labels, so train it to shrink its outputs (a stand-in loss)
+    return torch.zeros(batch), lambda output, _: output.float().square().mean()
 
 
 def _comparison(pipe) -> str:
@@ -148,6 +230,26 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
     plan.add_argument("--json", help="write the chosen plan to this file")
     plan.set_defaults(run=_plan)
+
+    bench_cmd = commands.add_parser("bench", help="compare partitioners and schedules: "
+                                                  "predicted and measured step times")
+    bench_cmd.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: "
+                                         f"{', '.join(MODELS)}")
+    bench_cmd.add_argument("--stages", type=int, default=2)
+    bench_cmd.add_argument("--batch", type=int, default=32)
+    bench_cmd.add_argument("--micro-batches", default="4")
+    bench_cmd.add_argument("--partitioners", default="even,params,balanced,ampa,imd,csimd")
+    bench_cmd.add_argument("--schedules", default="gpipe,1f1b")
+    bench_cmd.add_argument("--repeats", type=int, default=10)
+    bench_cmd.add_argument("--nproc", type=int, help="run every configuration under torchrun "
+                                                     "with this many processes (one stage each)")
+    bench_cmd.add_argument("--input-shape", action="append")
+    bench_cmd.add_argument("--input-dtype", default="float32")
+    bench_cmd.add_argument("--input-high", type=int, default=2)
+    bench_cmd.add_argument("--csv", help="write the table as CSV")
+    bench_cmd.add_argument("--png", help="write a predicted/measured chart (needs matplotlib)")
+    bench_cmd.add_argument("--rows-json", help=argparse.SUPPRESS)
+    bench_cmd.set_defaults(run=_bench)
     return parser
 
 

@@ -168,11 +168,43 @@ def _tokens(size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _hf_gpt2() -> nn.Module:
+    config = _transformers().GPT2Config(
+        n_layer=4, n_head=4, n_embd=128, vocab_size=128, n_positions=64, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return _transformers().GPT2LMHeadModel(config)
+
+
+def _hf_bert() -> nn.Module:
+    config = _transformers().BertConfig(
+        num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=512,
+        vocab_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return _transformers().BertForMaskedLM(config)
+
+
+def _transformers():
+    """transformers, for the HuggingFace models (random weights from a config, no download)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("the HuggingFace models need transformers: pip install "
+                          "'fxpipe[hf]'") from e
+    return transformers
+
+
+def _hf_tokens_loss(output, target: torch.Tensor) -> torch.Tensor:
+    return _cross_entropy_tokens(output.logits, target)
+
+
 MODELS = {
     "resnet": BundledModel("resnet", ResNet, _images, F.cross_entropy),
     "vgg": BundledModel("vgg", VGG, _images, F.cross_entropy),
     "gpt": BundledModel("gpt", GPT, _tokens, _cross_entropy_tokens),
     "mlp": BundledModel("mlp", MLP, _vectors, F.cross_entropy),
+    "hf-gpt2": BundledModel("hf-gpt2", _hf_gpt2, _tokens, _hf_tokens_loss),
+    "hf-bert": BundledModel("hf-bert", _hf_bert, _tokens, _hf_tokens_loss),
 }
 
 

@@ -46,10 +46,10 @@ class GradientSync:
 
     def on_stage_backward(self, stage: int, last: bool) -> None:
         """The hook callback: after the last micro-batch's backward, start reducing (delayed).
-        The hook fires once the gradients are computed; the launch waits for the end of this
-        backward call, when autograd has accumulated them into .grad."""
+        The runner fires the hook once the stage's backward has returned, so the gradients are
+        accumulated in .grad by then."""
         if last and self.mode == "delayed":
-            torch.autograd.Variable._execution_engine.queue_callback(self._launch)
+            self._launch()
 
     def finish(self) -> None:
         """Before the optimizer step: make this stage's gradients the group's average."""

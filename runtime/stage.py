@@ -8,19 +8,23 @@ from typing import Any
 
 import torch
 
-from fxpipe.ir import Stage, StageHook, StageIO
+from fxpipe.ir import Stage, StageArgs, StageHook, StageIO
 from fxpipe.runtime.consistency import WeightPolicy
 
 __all__ = ["StageRunner"]
 
 
 class StageRunner:
-    """Runs one stage's hook and graph module on micro-batches.
+    """Runs one stage's graph module on micro-batches, and its hook after each backward.
 
     A forward keeps what its backward needs (the stage's input leaves and outputs) under its
     micro-batch key; the backward releases them, so only in-flight micro-batches hold
     activations. Received values are cut from the sender's autograd graph: each stage's backward
-    is its own, and hands input gradients back explicitly.
+    is its own, and hands input gradients back explicitly. Because the runner runs each stage's
+    backward itself, it fires the stage's hook callbacks when that backward has returned (the
+    gradients are accumulated then), instead of routing every weight through the hook's
+    autograd function as the sequential PipelineGraph does: the stage runs on its own
+    parameters, with no per-call re-binding, unless a consistency policy substitutes weights.
     """
 
     def __init__(self, stage: Stage, hook: StageHook, io: StageIO, device: str,
@@ -32,6 +36,7 @@ class StageRunner:
         self._in_flight: dict[Any, tuple[list[Any], tuple[Any, ...], list[torch.Tensor]]] = {}
         self.peak_in_flight = 0  # most micro-batches held at once since the last reset
         self.policy: WeightPolicy | None = None  # asynchronous schedules: which weights to use
+        self._params = dict(stage.module.named_parameters())
 
     @property
     def in_flight(self) -> int:
@@ -46,10 +51,13 @@ class StageRunner:
         inputs = [self._leaf(values[name], name, training) for name in self.io.inputs]
         policy = self.policy if training else None
         weights = policy.forward_weights(mb) if policy else None
-        args = self.hook(*inputs, weights=weights)
-        context = policy.forward_context(mb, args.weights) if policy else contextlib.nullcontext()
+        context = (policy.forward_context(mb, weights or self._params) if policy
+                   else contextlib.nullcontext())
         with context:
-            outputs = self.stage(args)
+            if weights:  # a weight version chosen by the consistency policy
+                outputs = self.stage(StageArgs(tuple(inputs), weights))
+            else:
+                outputs = self.stage.module(*inputs)
         if training:
             self._in_flight[mb] = (inputs, outputs, [])
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
@@ -67,7 +75,6 @@ class StageRunner:
         `last`: this is the stage's last backward of the mini-batch (its hook callbacks read
         `hook.finishing`, e.g. to start the gradient all-reduce)."""
         inputs, outputs, roots = self._in_flight.pop(mb)
-        self.hook.finishing = last
         tensors, grad_tensors = list(roots), [None] * len(roots)
         for name, output in zip(self.io.outputs, outputs):
             grad = grads.get(name)
@@ -78,6 +85,8 @@ class StageRunner:
             torch.autograd.backward(tensors, grad_tensors)
         if self.policy is not None:
             self.policy.after_backward(mb)
+        self.hook.finishing = last
+        self.hook.fire()
         result = {}
         for name, leaf in zip(self.io.inputs, inputs):
             if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):

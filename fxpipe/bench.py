@@ -1,0 +1,159 @@
+"""`fxpipe bench`: partitioners and schedules compared on one model, predicted against measured."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.compile import compile
+from fxpipe.errors import FxpipeError
+from fxpipe.inspect import format_bytes, format_table
+from fxpipe.plan import Plan
+from fxpipe.report import step_time
+
+__all__ = [
+    "BenchRow", "bench", "bench_under_torchrun", "format_rows", "rows_to_json", "write_csv",
+    "write_png",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRow:
+    """One (partitioner, schedule) configuration, planned and run."""
+
+    partitioner: str
+    schedule: str
+    sizes: tuple[int, ...]
+    micro_batches: int
+    predicted_ms: float  # the event simulator's step under the schedule
+    measured_ms: float  # median of the timed steps
+    predicted_bubble: float
+    measured_bubble: float
+    memory: tuple[float, ...]  # per stage: the estimate (bytes), or measured on CUDA
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_ms / self.predicted_ms if self.predicted_ms > 0 else float("nan")
+
+
+def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
+          micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
+          repeats: int = 10, warmup: int = 2, progress: bool = True) -> list[BenchRow]:
+    """Compile and time each configuration in this process (or on every rank under torchrun:
+    call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time."""
+    rows = []
+    configs = [(p, s) for p in partitioners for s in schedules]
+    for index, (partitioner, schedule) in enumerate(configs, 1):
+        if progress:
+            _progress(index, len(configs), f"{partitioner}/{schedule}")
+        model, x, y, loss_fn = build()
+        plan = Plan(stages=stages, partitioner=partitioner, schedule=schedule,
+                    micro_batches=micro_batches, loss_fn=loss_fn)
+        pipe = compile(model, plan, example_inputs=(x,))
+        for _ in range(warmup):
+            pipe.step(x, y)
+        times = []
+        for _ in range(repeats):
+            _barrier()
+            start = time.perf_counter()
+            pipe.step(x, y)
+            _barrier()
+            times.append(time.perf_counter() - start)
+        predicted = pipe.predicted_timeline()
+        measured = step_time(pipe.last_trace(), stages)
+        memory = tuple(s.memory for s in pipe.partition.stages)
+        if torch.cuda.is_available() and str(next(model.parameters()).device).startswith("cuda"):
+            memory = tuple(float(torch.cuda.max_memory_allocated(d)) for d in pipe.devices)
+        rows.append(BenchRow(partitioner, schedule, tuple(pipe.partition.sizes),
+                             pipe.partition.micro_batches, predicted.makespan * 1e3,
+                             statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
+                             memory))
+    if progress:
+        print(file=sys.stderr)
+    return rows
+
+
+def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
+    """Run `fxpipe bench ARGS` with --nproc ranks under torchrun and read rank 0's results."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rows.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "-m", "fxpipe", "bench", *args,
+                   "--rows-json", out]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise FxpipeError(f"the torchrun benchmark failed:\n{result.stderr[-2000:]}")
+        with open(out) as handle:
+            return [BenchRow(**{**row, "sizes": tuple(row["sizes"]),
+                                "memory": tuple(row["memory"])}) for row in json.load(handle)]
+
+
+def format_rows(rows: Sequence[BenchRow]) -> str:
+    header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
+              "meas/pred", "bubble pred", "bubble meas", "memory per stage"]
+    table = [[r.partitioner, r.schedule, "+".join(map(str, r.sizes)), r.micro_batches,
+              f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
+              f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
+              " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
+    return format_table(header, table)
+
+
+def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow([f.name for f in dataclasses.fields(BenchRow)] + ["ratio"])
+        for r in rows:
+            writer.writerow([*(getattr(r, f.name) for f in dataclasses.fields(BenchRow)),
+                             r.ratio])
+
+
+def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise FxpipeError("--png needs matplotlib: pip install 'fxpipe[plot]'") from e
+    labels = [f"{r.partitioner}\n{r.schedule}" for r in rows]
+    positions = range(len(rows))
+    figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
+    axis.bar([i - 0.2 for i in positions], [r.predicted_ms for r in rows], 0.4,
+             label="predicted", color="#9ecae1")
+    axis.bar([i + 0.2 for i in positions], [r.measured_ms for r in rows], 0.4,
+             label="measured (median)", color="#3182bd")
+    axis.set_xticks(list(positions), labels, fontsize=8)
+    axis.set_ylabel("step time (ms)")
+    axis.set_title(title, fontsize=10)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def rows_to_json(path: str, rows: Sequence[BenchRow]) -> None:
+    with open(path, "w") as handle:
+        json.dump([dataclasses.asdict(r) for r in rows], handle)
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _progress(index: int, total: int, label: str) -> None:
+    width = 24
+    done = int(width * (index - 1) / total)
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {index}/{total} {label:<24}", end="",
+          file=sys.stderr, flush=True)
