@@ -36,14 +36,14 @@ def sequential(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     if name == "mlp":
         model = MLP((256, 512, 512, 512, 512, 512, 512, 10))
-        return model, torch.randn(64, 256), torch.randint(0, 10, (64,))
+        return model, torch.randn(256, 256), torch.randint(0, 10, (256,))
     if name == "resnet":
         net = ResNet()
         model = nn.Sequential(net.stem, *net.layers, PoolFlatten(), net.fc)
     else:
         net = VGG()
         model = nn.Sequential(*net.features, *net.classifier)
-    return model, torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    return model, torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
 
 
 def median_ms(fn, repeats: int) -> float:

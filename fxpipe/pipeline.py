@@ -148,25 +148,36 @@ class CompiledPipeline(torch.nn.Module):
     def report(self, file: Any = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
         communication and idle shares, and the stage that bounds the pipeline. Printed (to
-        `file`, default stdout) and returned."""
-        measured = self.last_trace()
-        if not measured:
-            raise FxpipeError("nothing has run yet: call pipe.step(x, target) (or pipe(x) and "
-                              "backward) before pipe.report().")
+        `file`, default stdout; rank 0 under torchrun, where every rank must call it) and
+        returned."""
+        measured = self.full_trace("pipe.report()")
         stages = self.plan.stages
         text = format_report(step_time(measured, stages),
                              step_time(self.predicted_timeline().events, stages),
                              (self.executor.last_schedule or self.executor.schedule).name)
-        print(text, file=file)
+        if self._speaks():
+            print(text, file=file)
         return text
+
+    def full_trace(self, what: str = "this") -> list[Event]:
+        """Every stage's events of the last run, on one time axis (under torchrun every rank of
+        the pipeline must call it: the ranks exchange their traces)."""
+        measured = self.executor.full_trace() if self.executor is not None else []
+        if not measured:
+            raise FxpipeError(f"nothing has run yet: call pipe.step(x, target) (or pipe(x) and "
+                              f"backward) before {what}.")
+        return measured
+
+    def _speaks(self) -> bool:
+        """Whether this process prints and writes reports: always, or rank 0 under torchrun."""
+        return vars(self).get("rank", 0) == 0
 
     def save_timeline(self, path: str | os.PathLike) -> None:
         """Draw the last run's measured timeline above the predicted one (PNG, SVG, PDF...;
         needs matplotlib: pip install 'fxpipe[plot]')."""
-        measured = self.last_trace()
-        if not measured:
-            raise FxpipeError("nothing has run yet: call pipe.step(x, target) (or pipe(x) and "
-                              "backward) before save_timeline().")
+        measured = self.full_trace("save_timeline()")
+        if not self._speaks():
+            return
         save_timeline(path, {"measured": measured, "predicted": self.predicted_timeline().events},
                       self.plan.stages, f"{self.model_name}: {self.plan.stages} stages, "
                       f"{self.partition.micro_batches} micro-batches, partition "
@@ -175,13 +186,11 @@ class CompiledPipeline(torch.nn.Module):
     def save_trace(self, path: str | os.PathLike) -> None:
         """Write the last run's measured timeline and the predicted one as Chrome/Perfetto
         trace JSON (open it at ui.perfetto.dev or chrome://tracing)."""
-        measured = self.last_trace()
-        if not measured:
-            raise FxpipeError("nothing has run yet: call pipe(x) (and backward) or "
-                              "pipe.step(x, target) before save_trace().")
+        measured = self.full_trace("save_trace()")
         trace = chrome_trace({"measured": measured,
                               "predicted": self.predicted_timeline().events})
-        pathlib.Path(path).write_text(json.dumps(trace))
+        if self._speaks():
+            pathlib.Path(path).write_text(json.dumps(trace))
 
     def register_stage_hook(self, stage: int, callback: Callable[[int], None]) -> RemovableHandle:
         """Call `callback(stage)` each time `stage` finishes a backward pass."""

@@ -25,6 +25,8 @@ from fxpipe.ir import CommTable, Edge
 from fxpipe.runtime.hooks import GradientSync
 from fxpipe.runtime.microbatch import batch_size, split
 from fxpipe.runtime.transport import PipelineAborted
+from fxpipe.schedules import Action
+from fxpipe.simulate import Event
 
 __all__ = ["DistCoordinator", "DistTransport", "ErrorBoard"]
 
@@ -101,6 +103,15 @@ class DistCoordinator:
                 dist.all_reduce(data, group=self.data_parallel)
         dist.broadcast(data, self.last, self.group)
         return data.cpu()
+
+    def gather_events(self, events, origin):
+        mine = [(e.stage, str(e.action), origin + e.start, origin + e.end) for e in events]
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        flat = [item for share in everyone for item in share]
+        start = min((item[2] for item in flat), default=0.0)
+        return sorted((Event(stage, Action.parse(action), a - start, b - start)
+                       for stage, action, a, b in flat), key=lambda e: (e.stage, e.start))
 
     def drain_events(self):
         if self.sync is None:

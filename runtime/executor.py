@@ -63,6 +63,10 @@ class Coordinator(Protocol):
     def drain_events(self) -> list[Event]:
         """Timed work it did (all-reduces), in wall-clock seconds, since the last call."""
 
+    def gather_events(self, events: list[Event], origin: float) -> list[Event]:
+        """Every stage's events of the last run (each rank's own under torchrun: a collective)
+        on one time axis, seconds from the earliest start."""
+
 
 class LocalCoordinator:
     """Every stage in this process: nothing to share."""
@@ -81,6 +85,9 @@ class LocalCoordinator:
 
     def drain_events(self) -> list[Event]:
         return []
+
+    def gather_events(self, events, origin):
+        return events
 
 
 class PipelineExecutor:
@@ -237,8 +244,14 @@ class PipelineExecutor:
         return pieces
 
     def last_trace(self) -> list[Event]:
-        """Every action of the last forward/backward or step, timed (seconds from its start)."""
+        """Every action of the last forward/backward or step this process ran, timed (seconds
+        from its start)."""
         return list(self._trace)
+
+    def full_trace(self) -> list[Event]:
+        """The last run's actions of every stage of this pipeline (under torchrun every rank of
+        the pipeline must call it: the ranks exchange their traces)."""
+        return self.coordinator.gather_events(list(self._trace), self.trace_origin)
 
     def in_flight(self) -> list[int]:
         return [runner.in_flight for runner in self.runners.values()]

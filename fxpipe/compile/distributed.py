@@ -43,8 +43,11 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     else:
         link = stage_link(plan, [device, device])
     threads = torch.get_num_threads()
+    # every rank times the units at once, so the times include the ranks' contention for the
+    # host's caches and memory; rank 0's table (and partition) is the one every rank uses
+    cost = measure_costs(traced.gm, units, flat, plan, [device], link,
+                         cache if layout.rank == 0 else None, threads)
     if layout.rank == 0:
-        cost = measure_costs(traced.gm, units, flat, plan, [device], link, cache, threads)
         chosen = choose_partition(model, plan, units, cost)
         shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner,
                              link]

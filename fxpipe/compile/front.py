@@ -28,8 +28,9 @@ from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
 __all__ = [
-    "check_stage_count", "example_args", "measure_costs", "output_names", "profile_cache",
-    "stage_devices", "stage_link", "threads_per_stage", "trace_and_cut", "units_of",
+    "busy_stages", "check_stage_count", "example_args", "measure_costs", "output_names",
+    "profile_cache", "stage_devices", "stage_link", "threads_per_stage", "trace_and_cut",
+    "units_of",
 ]
 
 
@@ -113,8 +114,9 @@ def units_of(
 
 
 def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
-           cache: ProfileCache | None, threads: int) -> CostTable:
-    """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only."""
+                  cache: ProfileCache | None, threads: int, concurrency: int = 1) -> CostTable:
+    """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only;
+    `concurrency` stages busy at once while timing (see profile_units)."""
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
                                           [devices[0]] * len(units))
     names = [u.name for u in units]
@@ -125,7 +127,7 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                          param_bytes)
     batch = input_dims(flat).batch
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
-                            devices[0], cache=cache, threads=threads)
+                            devices[0], cache=cache, threads=threads, concurrency=concurrency)
     return cost_table(profile, link, batch, names)
 
 
@@ -155,6 +157,13 @@ def profile_cache(cache: bool | str | os.PathLike) -> ProfileCache | None:
     if cache is False:
         return None
     return ProfileCache(default_cache_dir() if cache is True else pathlib.Path(cache))
+
+
+def busy_stages(devices: Sequence[str]) -> int:
+    """How many stages compute at once on this host's CPU in steady state (GPU stages each
+    have their own device): at most one per core."""
+    on_cpu = sum(torch.device(d).type == "cpu" for d in devices)
+    return max(1, min(on_cpu, os.cpu_count() or 1))
 
 
 def threads_per_stage(devices: Sequence[str]) -> int:

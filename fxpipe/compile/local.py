@@ -11,6 +11,7 @@ import torch
 
 from fxpipe.compile.distributed import compile_distributed
 from fxpipe.compile.front import (
+    busy_stages,
     example_args,
     measure_costs,
     output_names,
@@ -60,7 +61,8 @@ def compile(
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     link = stage_link(plan, devices)
     threads = threads_per_stage(devices)
-    cost = measure_costs(traced.gm, units, flat, plan, devices, link, profile_cache(cache), threads)
+    cost = measure_costs(traced.gm, units, flat, plan, devices, link, profile_cache(cache),
+                         threads, busy_stages(devices))
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []
     if plan.intra_layer is not None:

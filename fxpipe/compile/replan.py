@@ -8,7 +8,6 @@ import numpy as np
 
 from fxpipe.compile.partitioning import PARTITIONERS
 from fxpipe.cost import Partition
-from fxpipe.errors import FxpipeError
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.report import step_time
 
@@ -53,10 +52,7 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
     measured stages are imbalanced beyond `threshold` (GroPipe's dispersion test), propose the
     partition the plan's partitioner (or `partitioner`; 'balanced' for even/explicit plans)
     finds with the corrected costs. Never proposes one with a worse predicted step time."""
-    events = pipe.last_trace()
-    if not events:
-        raise FxpipeError("replan() reads the last run's timeline: call pipe.step(x, target) "
-                          "(or pipe(x) and backward) first.")
+    events = pipe.full_trace("replan()")
     measured = step_time(events, pipe.plan.stages).stages
     p = pipe.partition.micro_batches
     scale = np.ones(pipe.cost.units)

@@ -3,22 +3,24 @@
 Each unit runs alone, as the rewrite pass cuts it when every unit is a stage of its own, on the
 outputs of the units before it: warm-up runs, then repeats, and the median counts. Inputs that
 carry gradients in training get them here too, so a unit's backward includes its input gradient
-as it will in a pipeline stage. Nothing is left behind on the model: gradients are returned,
-not accumulated, and buffers and random number generators are restored. Results are cached on
-disk by (model signature, device, micro-batch sizes, repeats), so compiling the same model twice
-measures it once.
+as it will in a pipeline stage. Nothing is left behind on the model: gradients accumulate into
+zeroed .grad (as in a stage) and the parameters' own .grad, buffers and random number
+generators are restored afterwards. Results are cached on disk by (model signature, device,
+micro-batch sizes, repeats), so compiling the same model twice measures it once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import pathlib
 import statistics
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +35,7 @@ __all__ = [
     "ProfileCache", "UnitProfile", "default_cache_dir", "profile_units", "unit_parameters",
 ]
 
-_FORMAT = 1  # bump when the cached record changes
+_FORMAT = 3  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -103,16 +105,21 @@ def profile_units(
     repeats: int = 5,
     cache: ProfileCache | None = None,
     threads: int | None = None,
+    concurrency: int = 1,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
     `graph` and `table` are the rewrite pass's PipelineGraph and CommTable of the model split
     with one unit per stage. `threads`: intra-op threads to time with, as many as each stage's
-    worker will have (stages sharing the CPU share its cores).
+    worker will have (stages sharing the CPU share its cores). `concurrency`: how many stages
+    compute at once in the pipeline's steady state on this host; `concurrency - 1` background
+    workers run the same units meanwhile, so the times include the slowdown that cores
+    sharing caches and memory bandwidth cause (a unit alone on a quiet machine runs faster
+    than it will inside the pipeline).
     """
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
-    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads)
+    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads, concurrency)
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
@@ -123,7 +130,8 @@ def profile_units(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with preserved_state(graph):
+        with preserved_state(graph), _gradients_set_aside(graph), \
+                _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads):
             rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
                              device, warmup, repeats) for size in sizes]
     finally:
@@ -136,38 +144,92 @@ def profile_units(
     return profile
 
 
+@contextlib.contextmanager
+def _gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
+    """Parameters accumulate into zeroed .grad while timing; their own .grad comes back after."""
+    saved = [(p, p.grad) for p in module.parameters() if p.requires_grad]
+    for param, _ in saved:
+        param.grad = torch.zeros_like(param)
+    try:
+        yield
+    finally:
+        for param, grad in saved:
+            param.grad = grad
+
+
+class _Load:
+    """Background workers running the same units while the measurement runs."""
+
+    def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
+                 threads: int) -> None:
+        self.workers = workers
+        self.args = (graph, table, flat_inputs, dims, sizes, device, threads)
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def _work(self) -> None:
+        graph, table, flat_inputs, dims, sizes, device, threads = self.args
+        torch.set_num_threads(threads)
+        inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
+        while not self.stop.is_set():
+            for values in inputs:
+                _measure(graph, table, values, device, 0, 1)
+
+    def __enter__(self) -> _Load:
+        self.threads = [threading.Thread(target=self._work, daemon=True)
+                        for _ in range(self.workers)]
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+
 def _measure(graph, table, inputs, device, warmup, repeats):
-    """One micro-batch size: per-unit forward, backward, crossing and saved bytes."""
+    """One micro-batch size: per-unit forward, backward, crossing and saved bytes.
+
+    Each repetition runs the units as training does, all forwards in order, then all backwards
+    in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
+    own would find its weights hot and look faster than it is inside a stage)."""
     needs_grad = {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
                   for e in table.edges}
-    env = dict(zip(table.graph_inputs, inputs))
     timer = _timer(torch.device(device))
-    forward, backward, saved = [], [], []
-    for io in table.stages:
-        module = graph.get_submodule(f"stage{io.stage}").module
-        args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
-        wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        wants += [p for p in module.parameters() if p.requires_grad]
-        f_times, b_times = [], []
-        for rep in range(warmup + repeats):
+    modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
+    units = len(modules)
+    f_times: list[list[float]] = [[] for _ in range(units)]
+    b_times: list[list[float]] = [[] for _ in range(units)]
+    saved = [0] * units
+    for rep in range(warmup + repeats):
+        env = dict(zip(table.graph_inputs, inputs))
+        pending = []
+        for i, (io, module) in enumerate(zip(table.stages, modules)):
+            args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
             with _SavedBytes(module) as counted:
                 outputs, seconds = timer(module, *args)
+            saved[i] = counted.nbytes
+            wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            wants += [p for p in module.parameters() if p.requires_grad]
+            pending.append((outputs, wants))
+            if rep >= warmup:
+                f_times[i].append(seconds)
+            for value, out in zip(io.outputs, outputs):
+                env[value] = out.detach() if isinstance(out, torch.Tensor) else out
+        for i in reversed(range(units)):
+            outputs, wants = pending.pop()
             grads_for = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            b_seconds = 0.0
             if grads_for and wants:
                 ones = [torch.ones_like(o) for o in grads_for]
-                _, b_seconds = timer(torch.autograd.grad, grads_for, wants, ones,
-                                     allow_unused=True)
-            else:
-                b_seconds = 0.0
+                # accumulate into .grad as a pipeline stage does (the adds cost memory traffic)
+                _, b_seconds = timer(torch.autograd.backward, grads_for, ones, inputs=wants)
             if rep >= warmup:
-                f_times.append(seconds)
-                b_times.append(b_seconds)
-        forward.append(statistics.median(f_times))
-        backward.append(statistics.median(b_times))
-        saved.append(counted.nbytes)
-        for value, out in zip(io.outputs, outputs):
-            env[value] = out.detach() if isinstance(out, torch.Tensor) else out
-    crossing, crossing_grad = _crossing_bytes(table, env, len(table.stages))
+                b_times[i].append(b_seconds)
+    forward = [statistics.median(t) for t in f_times]
+    backward = [statistics.median(t) for t in b_times]
+    crossing, crossing_grad = _crossing_bytes(table, env, units)
     return forward, backward, crossing, crossing_grad, saved
 
 
@@ -260,7 +322,8 @@ def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.n
     return counts, nbytes
 
 
-def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads) -> str:
+def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
+               concurrency) -> str:
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
     signature = {
         "format": _FORMAT, "torch": torch.__version__, "device": device, "sizes": sizes,
@@ -270,6 +333,6 @@ def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads) -> s
                   for n, t in [*graph.named_parameters(), *graph.named_buffers()]],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in flat_inputs],
-        "threads": threads,
+        "threads": threads, "concurrency": concurrency,
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]
