@@ -69,10 +69,12 @@ class ResNet(nn.Module):
 
 
 class VGG(nn.Module):
-    """A VGG-style CNN whose layers differ widely in cost: cheap early convolutions at full
-    resolution, wider ones later, and a classifier that holds most of the parameters."""
+    """A VGG-style CNN whose layers differ widely in cost, as VGG's do: the convolutions at full
+    resolution cost the most, later ones less and less, and the classifier holds most of the
+    parameters but little of the time. Equal numbers of layers per stage are far from equal
+    time per stage."""
 
-    def __init__(self, config: tuple = (16, "M", 32, "M", 64, 64, "M", 128, 128),
+    def __init__(self, config: tuple = (16, 16, "M", 32, 32, "M", 64, "M", 64),
                  hidden: int = 512, num_classes: int = 10) -> None:
         super().__init__()
         layers: list[nn.Module] = []

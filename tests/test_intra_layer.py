@@ -39,12 +39,14 @@ def test_named_layers_are_split_and_reported():
     model = VGG()
     plan = fxpipe.Plan(stages=2, costs="none", partitioner=[11, 11],
                        intra_layer={"layers": ["features.13", "classifier.1"], "shards": 2})
+    assert [u.name for u in fxpipe.units_of(model, (torch.randn(4, 3, 32, 32),))][10:14] == [
+        "features.10", "features.11", "features.12", "features.13"]
     pipe = fxpipe.compile(model, plan, example_inputs=(torch.randn(4, 3, 32, 32),))
     (split,) = pipe.intra_layer
     assert split.stage == 1
     assert [layer.name for layer in split.result.layers] == ["features.13", "classifier.1"]
     text = repr(pipe)
-    assert "split features.13 (Conv2d, 128 channels) -> 2 shards of [64, 64]" in text
+    assert "split features.13 (Conv2d, 64 channels) -> 2 shards of [32, 32]" in text
     assert "eqs. 11-13 (n=2)" in text and "gather(s)" in text
     model.eval()
     x = torch.randn(4, 3, 32, 32)

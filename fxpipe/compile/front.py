@@ -132,8 +132,10 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
 
 
 def profile_sizes(batch: int, plan: Plan) -> list[int]:
-    """Micro-batch sizes to time: the plan's, or powers of two up to the batch for 'auto'."""
-    if plan.micro_batches == "auto":
+    """Micro-batch sizes to time: the plan's; powers of two up to the batch when the
+    micro-batch count is to be chosen ('auto', or the csimd partitioner), since time is not
+    proportional to micro-batch size and the planner must see it at every size it considers."""
+    if plan.micro_batches == "auto" or plan.partitioner == "csimd":
         return sorted({batch} | {2 ** k for k in range(batch.bit_length()) if 2 ** k <= batch})
     if plan.micro_batches > batch:
         raise PlanError(

@@ -32,12 +32,15 @@ def available_partitioners() -> tuple[str, ...]:
 
 
 def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
-    """Every available partitioner's partition of `pipe`'s cost table, under its plan."""
+    """Every available partitioner's partition of `pipe`'s cost table, under its plan (csimd
+    only when the table was timed at several micro-batch sizes: micro_batches='auto')."""
     plan = pipe.plan
     results = {}
     for name, partitioner in PARTITIONERS.items():
         if plan.costs == "none" and name in TIMED_PARTITIONERS:
             continue
+        if name == "csimd" and len(pipe.cost.sizes) == 1:
+            continue  # timed at one micro-batch size only: nothing to choose p from
         chosen = partitioner(pipe.cost, plan.stages, pipe.partition.micro_batches)
         bounds, _ = exactly_n_stages(chosen.bounds, plan.stages, pipe.cost, chosen.micro_batches)
         results[name] = Partition.evaluate(pipe.cost, bounds, chosen.micro_batches,
