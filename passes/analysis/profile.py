@@ -35,7 +35,7 @@ __all__ = [
     "ProfileCache", "UnitProfile", "default_cache_dir", "profile_units", "unit_parameters",
 ]
 
-_FORMAT = 3  # bump when the cached record changes (or how it is measured)
+_FORMAT = 4  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -48,6 +48,7 @@ class UnitProfile:
     boundary_bytes: np.ndarray  # (M, K): values crossing the cut after unit i
     boundary_grad_bytes: np.ndarray  # (M, K): their gradients (floating values only)
     activation_bytes: np.ndarray  # (M, K): tensors the unit saves for its backward
+    peak_bytes: np.ndarray  # (M, K): CUDA's peak allocation during the unit; NaN on the CPU
     param_bytes: np.ndarray  # (K,)
     params: np.ndarray  # (K,) parameter counts (a tied weight counts in its first unit)
     device: str
@@ -136,8 +137,9 @@ def profile_units(
                              device, warmup, repeats) for size in sizes]
     finally:
         torch.set_num_threads(previous_threads)
-    forward, backward, crossing, crossing_grad, saved = (np.array(r) for r in zip(*rows))
-    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
+    forward, backward, crossing, crossing_grad, saved, peak = (np.array(r, dtype=float)
+                                                               for r in zip(*rows))
+    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, peak,
                           param_bytes, params, device)
     if cache is not None:
         cache.put(key, profile)
@@ -202,14 +204,20 @@ def _measure(graph, table, inputs, device, warmup, repeats):
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
     saved = [0] * units
+    peak = [float("nan")] * units
+    cuda = torch.device(device).type == "cuda"
     for rep in range(warmup + repeats):
         env = dict(zip(table.graph_inputs, inputs))
         pending = []
         for i, (io, module) in enumerate(zip(table.stages, modules)):
             args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             with _SavedBytes(module) as counted:
                 outputs, seconds = timer(module, *args)
             saved[i] = counted.nbytes
+            if cuda:
+                peak[i] = float(torch.cuda.max_memory_allocated(device))
             wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             wants += [p for p in module.parameters() if p.requires_grad]
             pending.append((outputs, wants))
@@ -230,7 +238,7 @@ def _measure(graph, table, inputs, device, warmup, repeats):
     forward = [statistics.median(t) for t in f_times]
     backward = [statistics.median(t) for t in b_times]
     crossing, crossing_grad = _crossing_bytes(table, env, units)
-    return forward, backward, crossing, crossing_grad, saved
+    return forward, backward, crossing, crossing_grad, saved, peak
 
 
 def _on(values: list[Any], device: str) -> list[Any]:

@@ -48,7 +48,7 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
 
 @pytest.mark.parametrize("ranks, scenarios", [
     (2, ["skipnet:2:gpipe:3", "skipnet:2:1f1b:3", "gpt:2:1f1b:2", "skipnet:2:async-none:2",
-         "skipnet:2:async-stash:2"]),
+         "skipnet:2:async-stash:2", "skipnet:2:async-2bw:2", "skipnet:2:async-predict:2"]),
     (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4", "skipnet:4:async-stash:1"]),
 ], ids=["2-ranks", "4-ranks"])
 def test_training_across_ranks_matches_one_process(ranks, scenarios, tmp_path):

@@ -49,6 +49,7 @@ def test_profile_shapes_and_bytes():
     assert profile.boundary_bytes[0, 0] == 2 * 16 * 32 * 32 * 4
     assert profile.boundary_bytes[2, -1] == 0
     assert profile.params.sum() == sum(p.numel() for p in model.parameters())
+    assert np.all(np.isnan(profile.peak_bytes))  # peak memory is CUDA's to measure
 
 
 def test_integer_values_carry_no_gradient_bytes():
