@@ -159,6 +159,7 @@ class DistTransport:
                           for pair, slots in self._forward.items()}
         self._dims: dict[Any, tuple[list[int], int | None]] = {}
         self._pending: list[Any] = []
+        self._posted: dict[Any, tuple[list[_Slot], list[torch.Tensor], list[Any]]] = {}
         self._error: BaseException | None = None
 
     def prepare(self, key: Any, sizes: Sequence[int], seq: int | None) -> None:
@@ -171,7 +172,12 @@ class DistTransport:
             tag = _tag(direction, mb, index)
             self._pending.append(dist.isend(tensor, self.ranks[dst], self.group, tag))
 
-    def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
+    def prefetch(self, src: int, dst: int, direction: str, mb: Any) -> None:
+        """Post the receive of a message the stage will wait for later, so the transfer
+        overlaps the compute before it (the driver calls this for the next RECV action)."""
+        key = (src, dst, direction, mb)
+        if key in self._posted:
+            return
         slots = self._slots(src, dst, direction)
         batch, seq = self._micro_batch(mb)
         received, works = [], []
@@ -180,6 +186,11 @@ class DistTransport:
             received.append(buffer)
             works.append(dist.irecv(buffer, self.ranks[src], self.group,
                                     _tag(direction, mb, index)))
+        self._posted[key] = (slots, received, works)
+
+    def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
+        self.prefetch(src, dst, direction, mb)
+        slots, received, works = self._posted.pop((src, dst, direction, mb))
         for work in works:
             self._wait(work, f"{direction} micro-batch {mb[1]} from stage {src}")
         return {slot.value: buffer.item() if slot.number else buffer
@@ -189,7 +200,8 @@ class DistTransport:
         if self._error is None and not isinstance(error, PipelineAborted):
             self.board.post(f"rank {self.rank} failed: {type(error).__name__}: {error}")
         self._error = error
-        self._pending.clear()  # a failed run's sends are never waited for
+        self._pending.clear()  # a failed run's sends and receives are never waited for
+        self._posted.clear()
 
     def reset(self) -> None:
         self._error = None

@@ -102,9 +102,18 @@ class Driver:
         last_grad_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.B, K.SEND_B)}
         backwards = [a for a in program if a.kind is K.B]
         state.last_backward = backwards[-1] if backwards else None
+        receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
         try:
             with context:
+                upcoming = iter(receives)
+                following = next(upcoming, None)
                 for i, action in enumerate(program):
+                    while following is not None and following <= i:
+                        following = next(upcoming, None)
+                    if following is not None and action.kind in (K.F, K.B):
+                        ahead = program[following]  # start its transfer during this compute
+                        direction = "F" if ahead.kind is K.RECV_F else "B"
+                        self.transport.prefetch(ahead.peer, s, direction, (key, ahead.mb))
                     began = time.perf_counter()
                     self._execute(s, action, run, key, state)
                     run.events.append(Event(s, action, began - start,

@@ -32,6 +32,8 @@ class Transport(Protocol):
 
     def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]: ...
 
+    def prefetch(self, src: int, dst: int, direction: str, mb: Any) -> None: ...
+
     def prepare(self, key: Any, sizes: Sequence[int], seq: int | None) -> None: ...
 
     def abort(self, error: BaseException) -> None: ...
@@ -94,6 +96,9 @@ class LocalTransport:
 
     def prepare(self, key: Any, sizes: Sequence[int], seq: int | None) -> None:
         """Messages here carry their own shapes."""
+
+    def prefetch(self, src: int, dst: int, direction: str, mb: Any) -> None:
+        """Messages here are handed over, not transferred: nothing to start early."""
 
     def _to_device(self, values: Mapping[str, Any], device: torch.device):
         moved, event = {}, None

@@ -72,6 +72,15 @@ def compile(
     pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
                             cost, link)
     pipe.intra_layer = splits
+    for name, stages in pipe.shared_parameters().items():
+        places = sorted({torch.device(devices[s]) for s in stages}, key=str)
+        if len(places) > 1:
+            raise FxpipeError(
+                f"weight {name!r} is used by stages {stages}, which are on "
+                f"{', '.join(map(str, places))}; one Parameter cannot live on several devices "
+                "in one process: put those stages on one device, or run one stage per rank "
+                "under torchrun (tied weights are then kept equal by an all-reduce)."
+            )
     hooks = [pipe.stage_hook(s) for s in range(plan.stages)]
     outline_split_stages(pipe.stages, hooks, splits)
     for stage, device in zip(pipe.stages, devices):
