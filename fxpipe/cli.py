@@ -35,21 +35,27 @@ def _demo(args: argparse.Namespace) -> None:
     data = torch.Generator().manual_seed(args.seed)
     x, y = spec.batch(args.batch, data)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
-                loss_fn=spec.loss_fn)
+                micro_batches=args.micro_batches, schedule=args.schedule, loss_fn=spec.loss_fn)
     pipe = compile(model, plan, example_inputs=(x,))
     print(pipe)
     print()
     pipe.print_graph()
     print()
+    print("predicted timeline of one step (event simulator; times in seconds):")
+    print(pipe.predicted_timeline().ascii())
+    print()
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     print(f"training {args.steps} steps on one fixed batch of {args.batch} "
-          f"(SGD, lr={args.lr}, momentum 0.9) through the compiled pipeline:")
+          f"(SGD, lr={args.lr}, momentum 0.9) through the compiled pipeline, "
+          f"{args.schedule} over {plan.stages} stage threads:")
     for step in range(args.steps):
         optimizer.zero_grad()
-        loss = spec.loss_fn(pipe(x), y)
-        loss.backward()
+        loss = pipe.step(x, y)
         optimizer.step()
         print(f"  step {step}: loss {loss.item():.4f}")
+    print()
+    print("the last step, measured against predicted:")
+    pipe.report()
 
 
 def dist_rank() -> int:
@@ -207,8 +213,10 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="compile a bundled model and train a few steps")
     demo.add_argument("--model", choices=sorted(MODELS), default="resnet")
     demo.add_argument("--stages", type=int, default=2)
-    demo.add_argument("--partitioner", default="even")
-    demo.add_argument("--batch", type=int, default=16)
+    demo.add_argument("--partitioner", default="balanced")
+    demo.add_argument("--micro-batches", type=int, default=4)
+    demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    demo.add_argument("--batch", type=int, default=32)
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--lr", type=float, default=0.05)
     demo.add_argument("--seed", type=int, default=0)

@@ -60,7 +60,11 @@ def build(name):
 
 def reference(name):
     """The same training in one process, no pipeline: what every scenario must reproduce."""
-    model, data, loss_fn = build(name)
+    return train_plainly(*build(name))
+
+
+def train_plainly(model, data, loss_fn):
+    """SGD on `data` through the plain model: its final state dict and losses."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for x, y in data:
@@ -113,7 +117,7 @@ def hybrid(mode, out):
     """2 pipeline groups x 2 stages: each group trains on its half of the global batch and
     GroPipe's all-reduce (delayed, or naive) averages the stages' gradients across groups."""
     model, data, loss_fn = build("skipnet")
-    data = [(torch.cat([x, x + 1]), torch.cat([y, y.flip(0)])) for x, y in data]  # 14 samples
+    data = global_batches(data)
     plan = fxpipe.Plan(stages=2, groups=2, micro_batches=2, loss_fn=loss_fn, costs="none",
                        dp_sync=mode)
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
@@ -137,16 +141,12 @@ def hybrid(mode, out):
 def hybrid_reference():
     """One process, the whole global batch, no pipeline."""
     model, data, loss_fn = build("skipnet")
-    data = [(torch.cat([x, x + 1]), torch.cat([y, y.flip(0)])) for x, y in data]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
+    return train_plainly(model, global_batches(data), loss_fn)
+
+
+def global_batches(data):
+    """Each batch doubled into a global batch of 14 samples for two pipeline groups."""
+    return [(torch.cat([x, x + 1]), torch.cat([y, y.flip(0)])) for x, y in data]
 
 
 def fail(out):
