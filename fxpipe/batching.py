@@ -7,7 +7,7 @@ A sequence dimension exists when an input is a rank-2 integer tensor (token ids)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -25,8 +25,11 @@ class InputDims:
     sequenced: tuple[int, ...] = ()  # indices of inputs whose dim 1 is the sequence
 
 
-def input_dims(flat_inputs: Sequence[Any]) -> InputDims:
-    tensors = [(i, x) for i, x in enumerate(flat_inputs) if isinstance(x, torch.Tensor)]
+def input_dims(flat_inputs: Sequence[Any], whole: Collection[int] = ()) -> InputDims:
+    """Which inputs carry the batch (and a token sequence); those at positions in `whole` never
+    do (e.g. an attention mask of shape (T, T) when T happens to equal the batch size)."""
+    tensors = [(i, x) for i, x in enumerate(flat_inputs)
+               if isinstance(x, torch.Tensor) and i not in whole]
     if not tensors or tensors[0][1].dim() == 0:
         raise ValueError("the example inputs hold no tensor with a batch dimension")
     batch = tensors[0][1].shape[0]

@@ -36,6 +36,20 @@ class CallConvention:
         self.concrete = dict(concrete or {})
         self.names = [n.target.lstrip("*") for n in placeholders(gm.graph)]
 
+    def argument_of_each_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+                               ) -> list[str]:
+        """For each flat graph input of a call, the forward() argument it comes from."""
+        order = list(self.signature.parameters)
+        if self.in_spec is None:
+            return [name if name in self.signature.parameters else order[i]
+                    for i, name in enumerate(self.names)]
+        paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+        owners = []
+        for path, _ in paths:
+            top, key = path[0], path[1]
+            owners.append(order[key.idx] if top.idx == 0 else key.key)
+        return owners
+
     def unflatten(self, output: Any) -> Any:
         """The model's output structure from what the graph returned."""
         if self.out_spec is None:

@@ -34,6 +34,7 @@ __all__ = [
     "StageArgs",
     "StageHook",
     "StageIO",
+    "ValueRef",
     "recv",
     "send",
 ]
@@ -83,6 +84,19 @@ class CommTable:
 
     def bytes_between(self, src: int, dst: int) -> int:
         return sum(e.info.nbytes for e in self.edges if (e.src, e.dst) == (src, dst))
+
+    def carries_grad(self) -> dict[str, bool]:
+        """Per crossing value: whether a gradient travels back for it in training."""
+        return {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
+                for e in self.edges}
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueRef:
+    """A value of the graph by name, where the model's output structure holds it (a plain
+    class, so pytree treats it as a leaf and constants in the output stay distinguishable)."""
+
+    name: str
 
 
 def send(value: Any, *, src: int, dst: int) -> Any:

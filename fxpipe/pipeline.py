@@ -201,12 +201,16 @@ class CompiledPipeline(torch.nn.Module):
 
     def train(self, mode: bool = True) -> CompiledPipeline:
         traced = vars(self).get("traced")
-        if traced is not None and traced.frontend == "export" and mode != traced.training:
+        if traced is not None and traced.mode_fixed and mode != traced.training:
             modes = {True: "training", False: "eval"}
+            how = ("torch.export fixes BatchNorm and dropout behaviour in the graph"
+                   if traced.frontend == "export" else
+                   "the model's forward() reads self.training, which tracing turned into a "
+                   "constant")
             raise FxpipeError(
-                f"this pipeline was traced with torch.export in {modes[traced.training]} mode, "
-                f"which fixes BatchNorm and dropout behaviour in the graph; compile a second "
-                f"pipeline from the model in {modes[mode]} mode (model.train({mode}) first)."
+                f"this pipeline was traced in {modes[traced.training]} mode and {how}; "
+                f"compile a second pipeline from the model in {modes[mode]} mode "
+                f"(model.train({mode}) first)."
             )
         return super().train(mode)
 
@@ -231,6 +235,9 @@ class CompiledPipeline(torch.nn.Module):
                         target._buffers[attr] = own[name]
             hook = self.stage_hook(stage.index)
             hook._weights = dict(stage.module.named_parameters())
+        for runner in (self.executor.runners.values() if self.executor is not None else ()):
+            if runner.policy is not None:
+                runner.policy.weights = dict(runner.stage.module.named_parameters())
 
     def print_graph(self, stages: bool = False) -> None:
         """Print the rewritten top-level graph; with `stages=True`, every stage's code too."""
@@ -327,12 +334,15 @@ class CompiledPipeline(torch.nn.Module):
         """Load the entries this pipeline holds (a full model's state dict is fine)."""
         owned = vars(self).get("owned")
         if owned is None:
-            return super().load_state_dict(state_dict, strict, assign)
-        mine = {k: v for k, v in state_dict.items() if k in owned}
-        result = super().load_state_dict(mine, strict=False, assign=assign)
-        missing = sorted(owned - set(state_dict))
-        if strict and missing:
-            raise RuntimeError(f"state dict lacks this rank's entries: {missing}")
+            result = super().load_state_dict(state_dict, strict, assign)
+        else:
+            mine = {k: v for k, v in state_dict.items() if k in owned}
+            result = super().load_state_dict(mine, strict=False, assign=assign)
+            missing = sorted(owned - set(state_dict))
+            if strict and missing:
+                raise RuntimeError(f"state dict lacks this rank's entries: {missing}")
+        if assign:  # new tensor objects: the stages must read them too
+            self._relink()
         return result
 
     def _owns(self, name: str, prefix: str = "") -> bool:

@@ -67,6 +67,7 @@ class Plan:
     costs: str = "measure"  # measure: profile every unit; none: structure only (no times)
     link: tuple[float, float] | str | None = None  # (latency s, bandwidth B/s), or "measure"
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
+    whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -109,6 +110,9 @@ class Plan:
             self._check_link()
         if self.intra_layer is not None:
             self._check_intra_layer()
+        if isinstance(self.whole_inputs, str):
+            object.__setattr__(self, "whole_inputs", (self.whole_inputs,))
+        object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
 
     def _check_intra_layer(self) -> None:
         """`intra_layer=n`: split each Conv/Linear layer above 30% of its stage's time into n
@@ -217,7 +221,7 @@ class Plan:
                 if f.name != "loss_fn"}
         data["leaf_modules"] = [leaf if isinstance(leaf, str) else leaf.__name__
                                 for leaf in self.leaf_modules]
-        for name in ("partitioner", "devices", "link"):
+        for name in ("partitioner", "devices", "link", "whole_inputs"):
             if isinstance(data[name], tuple):
                 data[name] = list(data[name])
         data["concrete_args"] = dict(self.concrete_args) if self.concrete_args else None

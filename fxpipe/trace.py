@@ -18,7 +18,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils import _pytree as pytree
 
-from fxpipe.batching import input_dims
+from fxpipe.batching import input_dims, resize
 from fxpipe.errors import FxpipeTraceError
 from fxpipe.graph_io import CallConvention
 from fxpipe.plan import Plan
@@ -39,6 +39,7 @@ class Traced:
     training: bool  # the mode the model was in when traced (export bakes it into the graph)
     leaf_paths: tuple[str, ...]  # modules the user asked to keep whole
     bind: CallConvention  # a model call's (args, kwargs) <-> the graph's flat values
+    mode_fixed: bool = False  # the graph fixes train/eval behaviour (export; fx if it reads it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +81,10 @@ def trace(
             with recorder:
                 gm = _FRONTENDS[frontend](model, args, kwargs, plan, leaf_paths, recorder)
             concrete = plan.concrete_args if frontend == "fx" else None
+            fixed = frontend == "export" or (
+                frontend == "fx" and _reads_training(model, plan, leaf_paths, recorder, gm))
             traced = Traced(gm, frontend, model.training, leaf_paths,
-                            CallConvention(model, gm, concrete))
+                            CallConvention(model, gm, concrete), fixed)
             if check is not None:
                 check(traced)
         except FxpipeTraceError:
@@ -138,9 +141,22 @@ def _trace_fx(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
+def _reads_training(model, plan, leaf_paths, recorder, gm) -> bool:
+    """Whether fx baked `self.training` into the graph: tracing in the other mode differs."""
+    mode = model.training
+    try:
+        model.train(not mode)
+        other = _trace_fx(model, (), {}, plan, leaf_paths, recorder)
+    finally:
+        model.train(mode)
+    return other.code != gm.code
+
+
 def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:
-    exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                                   dynamic_shapes=_dynamic_shapes(model, args, kwargs))
+    args, kwargs = _at_least_two_rows(model, args, kwargs, plan.whole_inputs)
+    exported = torch.export.export(
+        model, tuple(args), dict(kwargs), strict=False,
+        dynamic_shapes=_dynamic_shapes(model, args, kwargs, plan.whole_inputs))
     gm = exported.module()
     # The input guards re-check how the example was laid out (even the size of a view's base
     # tensor), which micro-batches legitimately differ in; the graph itself is shape-generic.
@@ -152,10 +168,29 @@ def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphMo
     return gm
 
 
-def _dynamic_shapes(model, args, kwargs) -> dict[str, Any]:
+def _whole_positions(model, args, kwargs, whole: Sequence[str]) -> set[int]:
+    """Positions, among the leaves of (args, kwargs), of the arguments named in `whole`."""
+    order = list(inspect.signature(model.forward).parameters)
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    owners = [order[p[1].idx] if p[0].idx == 0 else p[1].key for p, _ in paths]
+    return {i for i, owner in enumerate(owners) if owner in whole}
+
+
+def _at_least_two_rows(model, args, kwargs, whole: Sequence[str]):
+    """torch.export fixes a dimension of size 1 in the graph; an example batch of one sample is
+    repeated to two so the batch stays symbolic (and micro-batches of any size run)."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    dims = input_dims(leaves, _whole_positions(model, args, kwargs, whole))
+    if dims.batch != 1:
+        return args, kwargs
+    return pytree.tree_unflatten(resize(leaves, dims, 2), spec)
+
+
+def _dynamic_shapes(model, args, kwargs, whole: Sequence[str]) -> dict[str, Any]:
     """Batch (and token-sequence) dimensions stay symbolic, so the exported graph runs on
     micro-batches of any size, not only on the example's."""
-    dims = input_dims(pytree.tree_leaves((tuple(args), dict(kwargs))))
+    dims = input_dims(pytree.tree_leaves((tuple(args), dict(kwargs))),
+                      _whole_positions(model, args, kwargs, whole))
 
     def spec(x: Any) -> dict[int, Any] | None:
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != dims.batch:
@@ -167,7 +202,8 @@ def _dynamic_shapes(model, args, kwargs) -> dict[str, Any]:
         return dynamic
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+    return {name: pytree.tree_map(lambda x: None, value) if name in whole
+            else pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
 
 
 def _trace_custom(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import torch
 from torch import fx
 
 from fxpipe.meta import UNIT
@@ -64,6 +65,9 @@ def cut_units(
         if node.op in _OPAQUE_OPS:
             continue
         key = module_key(node, depth, leaf_paths)
+        if groups and _in_place(gm, node):  # never first in a stage: it would write into the
+            groups[-1][1].append(node)      # tensor another stage sent (autograd refuses that)
+            continue
         if groups:
             unit_key, nodes = groups[-1]
             if key[: len(unit_key)] == unit_key or unit_key[: len(key)] == key:
@@ -82,6 +86,23 @@ def cut_units(
         kind = types.get(name, "glue") if key else "glue"
         units.append(Unit(index, name, kind, tuple(n.name for n in nodes)))
     return units
+
+
+def _in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether the node writes into an activation: an inplace=True module or function, a method
+    like relu_(), or an in-place aten op (add_). Updates of buffers (BatchNorm's counter) are
+    not activations and stay where their module is."""
+    if node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+        return False
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_")
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    return False
 
 
 def _module_stack(node: fx.Node) -> list[tuple[str, str]]:

@@ -14,6 +14,7 @@ weight version and freed when their last micro-batch's backward is done.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -40,8 +41,9 @@ class WeightPolicy:
         self.stage, self.stages = stage, stages
         self.version = 0  # optimizer steps taken by this stage
         self.optimizer: torch.optim.Optimizer | None = None
-        self.forward_versions: dict[Any, int] = {}  # micro-batch -> version its forward used
-        self.backward_versions: dict[Any, int] = {}  # ... and its backward used
+        self.forward_versions: dict[Any, int] = {}  # in-flight micro-batch -> its forward's version
+        # (micro-batch, forward's version, backward's version) of the latest backwards
+        self.history: collections.deque[tuple[Any, int, int]] = collections.deque(maxlen=4096)
         self.last_grads: dict[str, torch.Tensor] = {}  # gradients of the latest step
         self.peak_copies = 0  # most weight copies held at once
 
@@ -58,10 +60,15 @@ class WeightPolicy:
             yield
 
     def after_backward(self, mb: Any) -> None:
-        self.backward_versions[mb] = self._backward_version(mb)
+        self.history.append((mb, self.forward_versions[mb], self._backward_version(mb)))
+        self.forward_versions.pop(mb)
 
     def _backward_version(self, mb: Any) -> int:
         return self.version
+
+    def forget(self, mb: Any) -> None:
+        """A micro-batch whose backward will never run (a failed or abandoned run)."""
+        self.forward_versions.pop(mb, None)
 
     def step(self) -> None:
         """The stage's optimizer step (the schedule's STEP action)."""
@@ -113,8 +120,8 @@ class StashPolicy(WeightPolicy):
         return self.forward_versions[mb]
 
     def after_backward(self, mb: Any) -> None:
-        super().after_backward(mb)
         version = self.forward_versions[mb]
+        super().after_backward(mb)
         for name, tensor in self._copies[version].items():  # this micro-batch's gradients
             if tensor.grad is not None:
                 param = self.weights[name]
@@ -124,6 +131,14 @@ class StashPolicy(WeightPolicy):
         users.discard(mb)
         if not users:  # the last micro-batch of this version is done: free the copy
             del self._copies[version], self._users[version]
+
+    def forget(self, mb: Any) -> None:
+        version = self.forward_versions.pop(mb, None)
+        users = self._users.get(version)
+        if users is not None:
+            users.discard(mb)
+            if not users:
+                del self._copies[version], self._users[version]
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {name: w.detach().clone().requires_grad_(w.requires_grad)

@@ -76,15 +76,15 @@ class DistCoordinator:
         backend = dist.get_backend(group)
         self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
 
-    def shard(self, batch: Any) -> Any:
+    def shard(self, batch: Any, whole: Sequence[int] = ()) -> Any:
         """Pipeline group g takes the g-th of G near-equal row slices of the global batch."""
         if self.groups == 1 or batch is None:
             return batch
-        total = _batch_rows(batch)
+        total = batch_size(batch if isinstance(batch, list) else [batch], whole)
         if total < self.groups:
             raise FxpipeError(f"a mini-batch of {total} samples cannot feed {self.groups} "
                               "pipeline groups; use a larger batch or fewer groups.")
-        return split(batch, self.groups)[self.group_index] if isinstance(batch, list) \
+        return split(batch, self.groups, whole)[self.group_index] if isinstance(batch, list) \
             else split([batch], self.groups)[self.group_index][0]
 
     def dims(self, sizes, seq, total):
@@ -128,10 +128,6 @@ class DistCoordinator:
             dist.all_reduce(param.grad, group=group)
 
 
-def _batch_rows(batch: Any) -> int:
-    return batch_size(batch if isinstance(batch, list) else [batch])
-
-
 @dataclasses.dataclass(frozen=True)
 class _Slot:
     """One value of a message: how to allocate, encode and decode it."""
@@ -154,8 +150,9 @@ class DistTransport:
         self.rank = rank
         self.board = ErrorBoard()
         self._forward = {pair: [_slot(e) for e in edges] for pair, edges in _by_pair(comm)}
+        carries = comm.carries_grad()
         self._backward = {pair: [s for s in slots if s.number is None and s.dtype.is_floating_point
-                                 and _carries_grad(comm, s.value)]
+                                 and carries[s.value]]
                           for pair, slots in self._forward.items()}
         self._dims: dict[Any, tuple[list[int], int | None]] = {}
         self._pending: list[Any] = []
@@ -256,11 +253,6 @@ def _by_pair(comm: CommTable):
     for edge in comm.edges:
         pairs.setdefault((edge.src, edge.dst), []).append(edge)
     return pairs.items()
-
-
-def _carries_grad(comm: CommTable, value: str) -> bool:
-    edge = next(e for e in comm.edges if e.value == value)
-    return bool(edge.info.tensors and edge.info.tensors[0].requires_grad)
 
 
 def _slot(edge: Edge) -> _Slot:

@@ -8,6 +8,7 @@ is timed; a failing stage aborts the transport so the others stop instead of wai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
@@ -20,7 +21,7 @@ import torch
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable
 from fxpipe.runtime.stage import StageRunner
-from fxpipe.runtime.transport import PipelineAborted, Transport
+from fxpipe.runtime.transport import PipelineAborted, Transport, device_context
 from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
@@ -43,6 +44,7 @@ class Run:
     events: list[Event] = dataclasses.field(default_factory=list)
     on_action: Callable[[Action], None] | None = None  # STEP / ALLREDUCE handler
     started: float = 0.0  # wall-clock time (time.time()) the run began: events are relative
+    autocast: list[tuple[str, torch.dtype]] = dataclasses.field(default_factory=list)
 
 
 class Driver:
@@ -64,6 +66,8 @@ class Driver:
         """Execute `programs[s]` on every stage s held here; `key` keeps this run's in-flight
         micro-batches apart from another run's (a forward now, its backward later)."""
         self.transport.reset()
+        run.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                        if torch.is_autocast_enabled(kind)]
         run.started = time.time()
         start = time.perf_counter()
         if self.pool is None:
@@ -78,8 +82,8 @@ class Driver:
             self.transport.flush()
         else:
             for runner in self.runners.values():
-                runner.discard()
-            self._state.clear()
+                runner.discard(key)
+            self.discard(key)
             stage, error = next(((s, e) for s, e in failures
                                  if not isinstance(e, PipelineAborted)), failures[0])
             if isinstance(error, FxpipeError):  # ours, or another rank's failure: as it is
@@ -96,7 +100,10 @@ class Driver:
             torch.set_num_threads(self.threads)  # per thread: this worker's parallel regions
         state = self._state.setdefault(s, _StageState())
         device = self.runners[s].device
-        context = torch.cuda.device(device) if device.type == "cuda" else _nothing()
+        context = contextlib.ExitStack()
+        context.enter_context(device_context(device))
+        for device_type, dtype in run.autocast:  # thread-local, like grad mode: carried over
+            context.enter_context(torch.autocast(device_type, dtype=dtype))
         # after these actions, a micro-batch's values / input gradients are no longer needed
         last_value_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.F, K.SEND_F)}
         last_grad_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.B, K.SEND_B)}
@@ -171,9 +178,12 @@ class Driver:
                 runner.add_root(mb, loss)
             run.losses[index] = loss.detach()
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
+    def discard(self, key: Any) -> None:
+        """Forget what the stages hold between actions for run `key`."""
+        for state in self._state.values():
+            for table in (state.values, state.grads, state.input_grads):
+                for mb in [mb for mb in table if mb[0] == key]:
+                    del table[mb]
 
 
 def _error_of(fn: Callable[..., Any], *args: Any) -> BaseException | None:
@@ -200,11 +210,3 @@ def _accumulate(into: dict[str, Any], grads: Mapping[str, Any]) -> None:
         if grad is None:
             continue
         into[name] = grad if into.get(name) is None else into[name] + grad
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None

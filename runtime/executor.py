@@ -21,9 +21,10 @@ from torch.utils import _pytree as pytree
 from fxpipe.batching import input_dims
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Stage, StageHook
+from fxpipe.runtime.bridge import Call, Pipelined, inputs_wanting_grad, output_values
 from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.driver import Driver, Run
-from fxpipe.runtime.microbatch import merge, split
+from fxpipe.runtime.microbatch import batch_size, merge, rows, split
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import LocalTransport, Transport
 from fxpipe.schedules import (
@@ -46,8 +47,9 @@ _BACKWARD = (K.RECV_B, K.B, K.SEND_B)
 class Coordinator(Protocol):
     """What the ranks of one pipeline agree on per step (trivial in one process)."""
 
-    def shard(self, batch: Any) -> Any:
-        """This pipeline group's share of a global mini-batch (inputs or target)."""
+    def shard(self, batch: Any, whole: Sequence[int] = ()) -> Any:
+        """This pipeline group's share of a global mini-batch (inputs or target); inputs at
+        positions in `whole` go to every group whole."""
 
     def dims(self, sizes: list[int] | None, seq: int | None, total: int | None
              ) -> tuple[list[int], int | None, int]:
@@ -71,7 +73,7 @@ class Coordinator(Protocol):
 class LocalCoordinator:
     """Every stage in this process: nothing to share."""
 
-    def shard(self, batch):
+    def shard(self, batch, whole=()):
         return batch
 
     def dims(self, sizes, seq, total):
@@ -108,10 +110,14 @@ class PipelineExecutor:
         self.runners = runners
         self.comm = comm
         self.transport = transport
-        self.output_names, self.output_spec = pytree.tree_flatten(outputs)
+        self.output_leaves, self.output_spec = pytree.tree_flatten(outputs)
         self.unflatten = unflatten
         self.micro_batches = micro_batches
         self.schedule = lowered_schedule(schedule, len(comm.stages), micro_batches, comm)
+        # the drop-in forward/backward handle one mini-batch at a time, with a flush
+        self.forward_schedule = (self.schedule if schedule != "async-1f1b" else
+                                 lowered_schedule("gpipe", len(comm.stages), micro_batches,
+                                                  comm))
         self.driver = Driver(self.runners, comm, transport, threads)
         self.coordinator = coordinator or LocalCoordinator()
         self.first, self.last = 0 in runners, len(comm.stages) - 1 in runners
@@ -119,6 +125,7 @@ class PipelineExecutor:
         self._calls = itertools.count()
         self._trace: list[Event] = []
         self.trace_origin = 0.0
+        self.whole: tuple[int, ...] = ()  # inputs every micro-batch receives whole
         self.last_schedule: Schedule | None = None  # what the last run executed
 
     @classmethod
@@ -127,7 +134,7 @@ class PipelineExecutor:
               unflatten: Callable[[Any], Any] = lambda out: out, timeout: float = 300.0,
               threads: int | None = None) -> PipelineExecutor:
         """Every stage in this process, one worker thread each."""
-        needs_grad = _needs_grad(comm)
+        needs_grad = comm.carries_grad()
         runners = {io.stage: StageRunner(stage, hook, io, device, needs_grad)
                    for stage, hook, io, device in zip(stages, hooks, comm.stages, devices)}
         return cls(runners, comm, LocalTransport(list(devices), timeout), outputs, schedule,
@@ -138,14 +145,16 @@ class PipelineExecutor:
         connected to autograd when gradients are enabled."""
         if not self.everything_here:
             return self._forward_only_distributed(flat_inputs)
-        chunks = split(flat_inputs, self.micro_batches)
-        call = _Call(next(self._calls), chunks, self.comm.graph_inputs)
+        chunks = split(flat_inputs, self.micro_batches, self.whole)
+        call = Call(next(self._calls), chunks, self.comm.graph_inputs,
+                    [rows(c) for c in split(self._batched(flat_inputs), self.micro_batches)])
         if not torch.is_grad_enabled():
-            run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call)
+            run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
+                            schedule=self.forward_schedule)
             return self._merged_outputs(run, call.sizes)
-        call.wanted = _inputs_wanting_grad(flat_inputs)
+        call.wanted = inputs_wanting_grad(flat_inputs)
         phony = torch.empty(0, requires_grad=True)  # makes autograd call our backward
-        results = _Pipelined.apply(self, call, phony, *(flat_inputs[i] for i in call.wanted))
+        results = Pipelined.apply(self, call, phony, *(flat_inputs[i] for i in call.wanted))
         tensors = iter(results)
         merged = [next(tensors) if isinstance(x, torch.Tensor) else x for x in call.merged]
         return self.unflatten(pytree.tree_unflatten(merged, self.output_spec))
@@ -203,7 +212,7 @@ class PipelineExecutor:
         """One run of `schedule` over `batches` (micro-batch m of mini-batch i is i * p + m)."""
         p = self.micro_batches
         calls = [self._call(flat) for flat, _ in batches]
-        call = _Call.joined(next(self._calls), calls)
+        call = Call.joined(next(self._calls), calls)
         targets = (self._targets([self.coordinator.shard(t) for _, t in batches], calls)
                    if self.last else [])
 
@@ -230,17 +239,20 @@ class PipelineExecutor:
             losses.append(self.coordinator.loss(mine))
         return losses
 
-    def _targets(self, targets: Sequence[Any], calls: Sequence[_Call]) -> list[Any]:
+    def _targets(self, targets: Sequence[Any], calls: Sequence[Call]) -> list[Any]:
+        """Each mini-batch's target cut like its inputs; one clear error per kind of mismatch."""
         pieces = []
         for target, call in zip(targets, calls):
             if target is None:
                 raise FxpipeError("the last stage computes the loss and needs the target: "
                                   "pass it to pipe.step(x, target) on every rank.")
-            chunks = [chunk[0] for chunk in split([target], self.micro_batches)]
-            if [_rows(t) for t in chunks] != call.sizes:
-                raise FxpipeError(f"the target has {_rows([target])} rows but the inputs "
+            if rows([target]) == 0:
+                raise FxpipeError(f"the target must be a tensor with one row per sample, got "
+                                  f"{type(target).__name__}; e.g. pipe.step(x, labels).")
+            if rows([target]) != sum(call.sizes):
+                raise FxpipeError(f"the target has {rows([target])} rows but the inputs "
                                   f"{sum(call.sizes)}; give one target row per sample.")
-            pieces += chunks
+            pieces += [chunk[0] for chunk in split([target], self.micro_batches)]
         return pieces
 
     def last_trace(self) -> list[Event]:
@@ -256,23 +268,40 @@ class PipelineExecutor:
     def in_flight(self) -> list[int]:
         return [runner.in_flight for runner in self.runners.values()]
 
+    def run_forward(self, call: Call) -> Run:
+        """The schedule's forward actions for `call`, keeping what its backward needs."""
+        return self._run(_FORWARD, Run(call.feeds, grad_enabled=True), call,
+                         schedule=self.forward_schedule)
+
+    def run_backward(self, call: Call, output_grads: list[dict[str, Any]]) -> Run:
+        """The schedule's backward actions for `call`, from the outputs' gradients."""
+        run = Run(call.feeds, grad_enabled=True, output_grads=output_grads)
+        return self._run(_BACKWARD, run, call, append=True, schedule=self.forward_schedule)
+
+    def release(self, key: Any) -> None:
+        """Forget a call whose backward will never run (its outputs were freed)."""
+        for runner in self.runners.values():
+            runner.discard(key)
+        self.driver.discard(key)
+
     # --- internals ----------------------------------------------------------------------------
 
-    def _call(self, flat_inputs: Sequence[Any] | None) -> _Call:
+    def _call(self, flat_inputs: Sequence[Any] | None) -> Call:
         """Split the inputs (on the first stage) and agree on the micro-batch sizes."""
         if self.first:
             if flat_inputs is None:
                 raise FxpipeError("the first stage reads the inputs: pass them to "
                                   "pipe.step(x, target) on every rank.")
-            total = _rows(list(flat_inputs))
-            flat_inputs = self.coordinator.shard(list(flat_inputs))
-            chunks = split(flat_inputs, self.micro_batches)
-            sizes, seq = [_rows(c) for c in chunks], _seq_len(flat_inputs)
+            total = batch_size(flat_inputs, self.whole)
+            flat_inputs = self.coordinator.shard(list(flat_inputs), self.whole)
+            chunks = split(flat_inputs, self.micro_batches, self.whole)
+            sizes = [rows(c) for c in split(self._batched(flat_inputs), self.micro_batches)]
+            seq = input_dims(flat_inputs, self.whole).seq
         else:
             chunks = [[] for _ in range(self.micro_batches)]
             sizes, seq, total = None, None, None
         sizes, seq, total = self.coordinator.dims(sizes, seq, total)
-        call = _Call(next(self._calls), chunks, self.comm.graph_inputs, sizes)
+        call = Call(next(self._calls), chunks, self.comm.graph_inputs, sizes)
         call.seq, call.total = seq, total
         return call
 
@@ -283,10 +312,11 @@ class PipelineExecutor:
                 "calls it); pipe(x) runs inference only: wrap it in torch.no_grad()."
             )
         call = self._call(flat_inputs)
-        run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call)
+        run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
+                        schedule=self.forward_schedule)
         return self._merged_outputs(run, call.sizes) if self.last else None
 
-    def _run(self, kinds, run: Run, call: _Call, append: bool = False,
+    def _run(self, kinds, run: Run, call: Call, append: bool = False,
              schedule: Schedule | None = None) -> Run:
         self.last_schedule = schedule or self.schedule
         programs = [[a for a in stage if kinds is None or a.kind in kinds]
@@ -299,122 +329,19 @@ class PipelineExecutor:
         self._trace = (self._trace + events) if append else events
         return run
 
+    def _batched(self, flat_inputs: Sequence[Any]) -> list[Any]:
+        """The inputs that carry the batch (sizes are counted on these)."""
+        return [x for i, x in enumerate(flat_inputs) if i not in self.whole]
+
     def _output(self, values: dict[str, Any]) -> Any:
-        flat = [values[name] for name in self.output_names]
+        flat = output_values(self.output_leaves, values)
         return self.unflatten(pytree.tree_unflatten(flat, self.output_spec))
 
     def _merged_outputs(self, run: Run, sizes: list[int]) -> Any:
-        per_mb = [[run.outputs[mb][name] for name in self.output_names]
+        per_mb = [output_values(self.output_leaves, run.outputs[mb])
                   for mb in range(len(sizes))]
         merged = merge(per_mb, sizes)
         return self.unflatten(pytree.tree_unflatten(merged, self.output_spec))
-
-
-class _Call:
-    """One mini-batch's trip through the pipeline: its micro-batches and what comes back."""
-
-    def __init__(self, key: int, chunks: list[list[Any]], names: Sequence[str],
-                 sizes: list[int] | None = None) -> None:
-        self.key = key
-        self.feeds = [dict(zip(names, chunk)) for chunk in chunks]
-        self.sizes = sizes if sizes is not None else [_rows(chunk) for chunk in chunks]
-        self.seq: int | None = None
-        self.total = sum(self.sizes)  # samples in the global mini-batch (all pipeline groups)
-        self.merged: list[Any] = []
-        self.wanted: list[int] = []  # positions of inputs whose gradient autograd asks for
-
-    @classmethod
-    def joined(cls, key: int, calls: Sequence[_Call]) -> _Call:
-        """Several mini-batches as one run: micro-batch m of mini-batch i is i * p + m."""
-        joined = cls(key, [], [], [size for call in calls for size in call.sizes])
-        joined.feeds = [feed for call in calls for feed in call.feeds]
-        joined.seq = calls[0].seq
-        return joined
-
-
-def _rows(chunk: Any) -> int:
-    for leaf in pytree.tree_leaves(chunk):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
-    return 0
-
-
-def _seq_len(flat_inputs: Sequence[Any]) -> int | None:
-    leaves = [x for x in pytree.tree_leaves(list(flat_inputs)) if isinstance(x, torch.Tensor)]
-    return input_dims(leaves).seq if leaves else None
-
-
-def _needs_grad(comm: CommTable) -> dict[str, bool]:
-    return {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
-            for e in comm.edges}
-
-
-class _Pipelined(torch.autograd.Function):
-    """Autograd's view of a pipelined forward: its backward runs the pipeline's backward."""
-
-    @staticmethod
-    def forward(ctx, executor: PipelineExecutor, call: _Call, phony: torch.Tensor,
-                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.executor, ctx.call = executor, call
-        ctx.set_materialize_grads(False)
-        run = executor._run(_FORWARD, Run(call.feeds, grad_enabled=True), call)
-        per_mb = [[run.outputs[mb][name] for name in executor.output_names]
-                  for mb in range(len(call.sizes))]
-        call.merged = pytree.tree_leaves(merge(per_mb, call.sizes))
-        outputs = tuple(x.detach() for x in call.merged if isinstance(x, torch.Tensor))
-        ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        executor, call = ctx.executor, ctx.call
-        names = [n for n, x in zip(executor.output_names, call.merged)
-                 if isinstance(x, torch.Tensor)]
-        ends = torch.tensor(call.sizes).cumsum(0)[:-1].tolist()
-        output_grads: list[dict[str, Any]] = [{} for _ in call.sizes]
-        for name, grad in zip(names, grads):
-            if grad is None:
-                continue
-            pieces = torch.tensor_split(grad, ends) if grad.dim() > 0 else [grad]
-            for mb, piece in enumerate(pieces):
-                previous = output_grads[mb].get(name)
-                output_grads[mb][name] = piece if previous is None else previous + piece
-        run = Run(call.feeds, grad_enabled=True, output_grads=output_grads)
-        executor._run(_BACKWARD, run, call, append=True)
-        return (None, None, None, *_input_grads(call, run))
-
-
-def _inputs_wanting_grad(flat_inputs: Sequence[Any]) -> list[int]:
-    wanted = []
-    for i, value in enumerate(flat_inputs):
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                wanted.append(i)
-        elif any(isinstance(x, torch.Tensor) and x.requires_grad
-                 for x in pytree.tree_leaves(value)):
-            raise FxpipeError(
-                f"input #{i} nests a tensor that requires grad inside a "
-                f"{type(value).__name__}; fxpipe computes input gradients only for tensor "
-                "arguments: pass that tensor as an argument of its own."
-            )
-    return wanted
-
-
-def _input_grads(call: _Call, run: Run) -> list[torch.Tensor | None]:
-    """Gradients of the mini-batch inputs that wanted one, joined from the micro-batches':
-    concatenated for inputs split along the batch, summed for inputs every micro-batch saw."""
-    names = list(call.feeds[0])
-    grads: list[torch.Tensor | None] = []
-    for position in call.wanted:
-        name = names[position]
-        pieces = [run.input_grads.get(mb, {}).get(name) for mb in range(len(call.sizes))]
-        if any(piece is None for piece in pieces):
-            grads.append(None)  # this input does not influence the outputs
-        elif call.feeds[0][name] is not call.feeds[-1][name]:  # split along the batch
-            grads.append(torch.cat(pieces))
-        else:
-            grads.append(torch.stack(pieces).sum(0))
-    return grads
 
 
 def lowered_schedule(name: str, stages: int, micro_batches: int, comm: CommTable,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -10,16 +10,26 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.errors import FxpipeError
 
-__all__ = ["batch_size", "merge", "split", "split_sizes"]
+__all__ = ["batch_size", "merge", "rows", "split", "split_sizes"]
 
 
-def batch_size(flat_inputs: Sequence[Any]) -> int:
-    """Dimension 0 of the first tensor among the inputs (tensors nested in tuples/dicts too)."""
-    for leaf in pytree.tree_leaves(list(flat_inputs)):
+def batch_size(flat_inputs: Sequence[Any], whole: Collection[int] = ()) -> int:
+    """Dimension 0 of the first tensor among the inputs (tensors nested in tuples/dicts too),
+    those at positions in `whole` aside."""
+    batched = [x for i, x in enumerate(flat_inputs) if i not in whole]
+    for leaf in pytree.tree_leaves(batched):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
     raise FxpipeError("the inputs hold no tensor with a batch dimension to split into "
                       "micro-batches; pass tensors whose dimension 0 is the batch.")
+
+
+def rows(tree: Any) -> int:
+    """Dimension 0 of the first tensor in `tree` with one, else 0."""
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    return 0
 
 
 def split_sizes(batch: int, chunks: int) -> list[int]:
@@ -32,10 +42,12 @@ def split_sizes(batch: int, chunks: int) -> list[int]:
     return [base + (i < extra) for i in range(chunks)]
 
 
-def split(flat_inputs: Sequence[Any], chunks: int) -> list[list[Any]]:
+def split(flat_inputs: Sequence[Any], chunks: int, whole: Collection[int] = ()
+          ) -> list[list[Any]]:
     """One list of inputs per micro-batch: every tensor whose dimension 0 is the batch is split
-    along it (inside tuples, lists and dicts too); anything else is passed to every micro-batch."""
-    batch = batch_size(flat_inputs)
+    along it (inside tuples, lists and dicts too); anything else, and the inputs at positions in
+    `whole`, is passed to every micro-batch."""
+    batch = batch_size(flat_inputs, whole)
     sizes = split_sizes(batch, chunks)
     ends = torch.tensor(sizes).cumsum(0)[:-1].tolist()
 
@@ -44,8 +56,11 @@ def split(flat_inputs: Sequence[Any], chunks: int) -> list[list[Any]]:
             return list(torch.tensor_split(leaf, ends))
         return [leaf] * chunks
 
+    whole_leaves = {id(leaf) for i in whole if i < len(flat_inputs)
+                    for leaf in pytree.tree_leaves(flat_inputs[i])}
     leaves, spec = pytree.tree_flatten(list(flat_inputs))
-    split_leaves = [pieces(leaf) for leaf in leaves]
+    split_leaves = [[leaf] * chunks if id(leaf) in whole_leaves else pieces(leaf)
+                    for leaf in leaves]
     return [pytree.tree_unflatten([parts[i] for parts in split_leaves], spec)
             for i in range(chunks)]
 

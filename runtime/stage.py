@@ -36,7 +36,6 @@ class StageRunner:
         self._in_flight: dict[Any, tuple[list[Any], tuple[Any, ...], list[torch.Tensor]]] = {}
         self.peak_in_flight = 0  # most micro-batches held at once since the last reset
         self.policy: WeightPolicy | None = None  # asynchronous schedules: which weights to use
-        self._params = dict(stage.module.named_parameters())
 
     @property
     def in_flight(self) -> int:
@@ -51,7 +50,7 @@ class StageRunner:
         inputs = [self._leaf(values[name], name, training) for name in self.io.inputs]
         policy = self.policy if training else None
         weights = policy.forward_weights(mb) if policy else None
-        context = (policy.forward_context(mb, weights or self._params) if policy
+        context = (policy.forward_context(mb, weights or policy.weights) if policy
                    else contextlib.nullcontext())
         with context:
             if weights:  # a weight version chosen by the consistency policy
@@ -87,7 +86,9 @@ class StageRunner:
             self.policy.after_backward(mb)
         self.hook.finishing = last
         self.hook.fire()
-        result = {}
+        result = {name: grad for name, grad in grads.items()  # values it only forwarded
+                  if grad is not None and name not in self.io.inputs
+                  and name not in self.io.outputs}
         for name, leaf in zip(self.io.inputs, inputs):
             if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
                 continue
@@ -103,9 +104,12 @@ class StageRunner:
             raise RuntimeError("stage has no optimizer to step")
         self.policy.step()
 
-    def discard(self) -> None:
-        """Drop every in-flight micro-batch (after a failed run)."""
-        self._in_flight.clear()
+    def discard(self, key: Any) -> None:
+        """Drop the in-flight micro-batches of run `key` (failed, or never to be backwarded)."""
+        for mb in [mb for mb in self._in_flight if mb[0] == key]:
+            del self._in_flight[mb]
+            if self.policy is not None:
+                self.policy.forget(mb)
 
     def _leaf(self, value: Any, name: str, training: bool) -> Any:
         if not isinstance(value, torch.Tensor):

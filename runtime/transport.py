@@ -7,6 +7,7 @@ keyed by (src, dst, direction, micro-batch), so their order on a link does not m
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -15,9 +16,16 @@ import torch
 
 from fxpipe.errors import FxpipeError
 
-__all__ = ["LocalTransport", "PipelineAborted", "Transport"]
+__all__ = ["LocalTransport", "PipelineAborted", "Transport", "device_context"]
 
 Key = tuple[int, int, str, Any]  # (src, dst, "F" or "B", micro-batch key)
+
+
+def device_context(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` the current CUDA device of this worker thread (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 class PipelineAborted(FxpipeError):

@@ -67,9 +67,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     pipe.restrict_to_stage(layout.stage, layout.rank)
     pipeline = _pipeline_group(layout)
     hook = pipe.stage_hook(layout.stage)
-    runner = StageRunner(stage, hook, comm.stages[layout.stage], device,
-                         {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
-                          for e in comm.edges})
+    runner = StageRunner(stage, hook, comm.stages[layout.stage], device, comm.carries_grad())
     transport = DistTransport(comm, layout.pipeline_ranks, device, group=pipeline,
                               rank=layout.rank)
     data_parallel = _data_parallel_group(layout, stage)

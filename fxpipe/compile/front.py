@@ -13,6 +13,7 @@ import torch
 from fxpipe.batching import input_dims
 from fxpipe.cost import CostTable, Link
 from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.ir import ValueRef
 from fxpipe.passes.analysis.comm import default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
@@ -176,7 +177,8 @@ def threads_per_stage(devices: Sequence[str]) -> int:
 
 
 def output_names(gm: torch.fx.GraphModule) -> Any:
-    """The model's flat output as a structure of value names; refuses outputs no stage makes."""
+    """The model's output structure with a ValueRef for each value a stage makes (constants
+    stay as they are); refuses an output no stage makes."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node in output.all_input_nodes:
         if node.op == "get_attr":
@@ -184,4 +186,4 @@ def output_names(gm: torch.fx.GraphModule) -> Any:
                 f"the model returns its attribute {node.target!r} as it is; fxpipe runs only "
                 "computed outputs through the pipeline: return a tensor computed from it."
             )
-    return torch.fx.map_arg(output.args[0], lambda n: n.name)
+    return torch.fx.map_arg(output.args[0], lambda n: ValueRef(n.name))

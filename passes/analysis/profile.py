@@ -107,6 +107,7 @@ def profile_units(
     cache: ProfileCache | None = None,
     threads: int | None = None,
     concurrency: int = 1,
+    whole: Sequence[int] = (),
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
@@ -120,14 +121,15 @@ def profile_units(
     """
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
-    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads, concurrency)
+    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
+                     (concurrency, tuple(whole)))
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
             return hit
     units = len(table.stages)
     params, param_bytes = unit_parameters(graph, units)
-    dims = input_dims(flat_inputs)
+    dims = input_dims(flat_inputs, whole)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

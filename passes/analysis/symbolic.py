@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import sympy
@@ -44,9 +44,11 @@ class SymbolicCost:
     warning: str | None = None
 
 
-def annotate_symbolic(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> list[str]:
-    """Write a SymbolicCost under node.meta[SYMBOLIC] for every node; return the warnings."""
-    base, shapes, warnings = _symbolic_shapes(gm, flat_inputs)
+def annotate_symbolic(gm: fx.GraphModule, flat_inputs: Sequence[Any],
+                      whole: Collection[int] = ()) -> list[str]:
+    """Write a SymbolicCost under node.meta[SYMBOLIC] for every node; return the warnings.
+    Inputs at positions in `whole` keep their size when the batch is probed."""
+    base, shapes, warnings = _symbolic_shapes(gm, flat_inputs, whole)
     for node in gm.graph.nodes:
         op = _op_name(gm, node)
         outs = shapes.get(node.name, ())
@@ -80,9 +82,9 @@ def unit_flops(gm: fx.GraphModule, units: Sequence[Unit]) -> list[sympy.Expr]:
 
 # --- symbolic shapes by probing ---------------------------------------------------------------
 
-def _symbolic_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]):
+def _symbolic_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any], whole: Collection[int]):
     """Every node's ValueInfo at the example, its symbolic shapes, and probing warnings."""
-    dims = input_dims(flat_inputs)
+    dims = input_dims(flat_inputs, whole)
     base = record_values(gm, flat_inputs)
     warnings: list[str] = []
     batch2 = dims.batch // 2 if dims.batch >= 4 else 2 * dims.batch

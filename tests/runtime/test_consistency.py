@@ -113,21 +113,20 @@ def test_stash_gives_each_backward_the_version_its_forward_used():
     assert f"stage 0: {copies[0]} (" in repr(pipe)
     for runner in pipe.executor.runners.values():
         policy = runner.policy
-        assert policy.forward_versions == policy.backward_versions
-    stale = pipe.executor.runners[0].policy
-    assert max(stale.forward_versions.values()) < 6  # forwards did see several versions
-    assert len(set(stale.forward_versions.values())) > 1
+        assert len(policy.history) == 12 and not policy.forward_versions  # none left in flight
+        assert all(forward == backward for _, forward, backward in policy.history)
+    stale = [forward for _, forward, _ in pipe.executor.runners[0].policy.history]
+    assert max(stale) < 6 and len(set(stale)) > 1  # forwards did see several versions
 
 
 def test_without_stashing_the_first_stage_backward_sees_newer_weights():
     pipe, _ = _async_pipe("none")
     pipe.step_many(_data(6))
     first = pipe.executor.runners[0].policy
-    newer = [mb for mb in first.forward_versions
-             if first.backward_versions[mb] > first.forward_versions[mb]]
+    newer = [mb for mb, forward, backward in first.history if backward > forward]
     assert newer  # weights were stepped between a forward and its backward
     last = pipe.executor.runners[2].policy  # the last stage runs F and B back to back
-    assert last.forward_versions == last.backward_versions
+    assert all(forward == backward for _, forward, backward in last.history)
 
 
 def test_prediction_leaves_the_weights_exactly_as_they_were():
