@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from fxpipe.compile.front import measure_costs, output_names, stage_link, trace_and_cut
+from fxpipe.compile.front import (
+    check_batched_inputs,
+    measure_costs,
+    output_names,
+    stage_link,
+    trace_and_cut,
+    whole_positions,
+)
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.cost import Partition
 from fxpipe.distributed import rank_device, rank_layout
@@ -37,6 +44,8 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
+    whole = whole_positions(traced, plan, args, kwargs)
+    check_batched_inputs(traced, plan, args, kwargs, whole)
     _agree(layout, plan, units)
     if plan.link == "measure" and plan.stages > 1:  # ping-pong between the first two stages
         link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), device=device)
@@ -46,7 +55,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     # every rank times the units at once, so the times include the ranks' contention for the
     # host's caches and memory; rank 0's table (and partition) is the one every rank uses
     cost = measure_costs(traced.gm, units, flat, plan, [device], link,
-                         cache if layout.rank == 0 else None, threads)
+                         cache if layout.rank == 0 else None, threads, whole=whole)
     if layout.rank == 0:
         chosen = choose_partition(model, plan, units, cost)
         shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner,
@@ -56,7 +65,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     torch.distributed.broadcast_object_list(shared, src=0)
     cost, bounds, micro_batches, name, link = shared
     partition = Partition.evaluate(cost, bounds, micro_batches, name, schedule=plan.schedule)
-    annotate_symbolic(traced.gm, flat)  # message shapes as functions of the micro-batch size
+    annotate_symbolic(traced.gm, flat, whole)  # message shapes as functions of the micro-batch size
     devices = [device] * plan.stages
     graph, comm = split_stages(traced.gm, units, partition.bounds, devices)
     pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
@@ -84,6 +93,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         {layout.stage: runner}, comm, transport, output_names(traced.gm), plan.schedule,
         micro_batches, traced.bind.unflatten, threads, coordinator,
     )
+    pipe.executor.whole = whole
     return pipe
 
 

@@ -3,17 +3,20 @@ units, and its units timed into a CostTable."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from fxpipe.batching import input_dims
+from fxpipe.batching import input_dims, resize
 from fxpipe.cost import CostTable, Link
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.ir import ValueRef
+from fxpipe.meta import SHAPE, ValueInfo
 from fxpipe.passes.analysis.comm import default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
@@ -22,16 +25,16 @@ from fxpipe.passes.analysis.profile import (
     profile_units,
     unit_parameters,
 )
-from fxpipe.passes.analysis.shape import annotate_shapes
+from fxpipe.passes.analysis.shape import annotate_shapes, record_values
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
 __all__ = [
-    "busy_stages", "check_stage_count", "example_args", "measure_costs", "output_names",
-    "profile_cache", "stage_devices", "stage_link", "threads_per_stage", "trace_and_cut",
-    "units_of",
+    "busy_stages", "check_batched_inputs", "check_stage_count", "check_whole_inputs",
+    "example_args", "measure_costs", "output_names", "profile_cache", "stage_devices",
+    "stage_link", "threads_per_stage", "trace_and_cut", "units_of", "whole_positions",
 ]
 
 
@@ -81,10 +84,76 @@ def _backend_available(kind: str) -> bool:
 
 
 def trace_and_cut(model, plan, args, kwargs):
+    check_whole_inputs(model, plan)
     traced = trace(model, args, kwargs, plan, check=shapes_on(args, kwargs))
     units = cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
     check_stage_count(model, plan, units)
     return traced, units, traced.bind(args, kwargs)
+
+
+def check_whole_inputs(model: torch.nn.Module, plan: Plan) -> None:
+    """Plan(whole_inputs=...) names arguments of the model's forward()."""
+    names = list(inspect.signature(model.forward).parameters)
+    unknown = [n for n in plan.whole_inputs if n not in names]
+    if unknown:
+        raise PlanError(
+            f"Plan(whole_inputs={list(plan.whole_inputs)}) names {unknown}, which "
+            f"{type(model).__name__}.forward() does not take; its arguments are {names}."
+        )
+
+
+def whole_positions(traced, plan: Plan, args: tuple, kwargs: Mapping[str, Any]
+                    ) -> tuple[int, ...]:
+    """Positions among the flat graph inputs of the arguments every micro-batch gets whole."""
+    owners = traced.bind.argument_of_each_input(args, kwargs)
+    return tuple(i for i, name in enumerate(owners) if name in plan.whole_inputs)
+
+
+def check_batched_inputs(traced, plan: Plan, args: tuple, kwargs: Mapping[str, Any],
+                         whole: Sequence[int]) -> None:
+    """Inputs whose first dimension equals the batch size are split into micro-batches; one
+    that only happens to (a (T, T) mask when T == B) must be named in Plan(whole_inputs=...).
+    Run the graph on half the batch: the outputs must shrink in their first dimension only."""
+    if plan.micro_batches == 1 and plan.groups == 1:
+        return  # nothing is split
+    flat = traced.bind(args, kwargs)
+    owners, leaves, whole_leaves = [], [], []
+    for i, (name, value) in enumerate(zip(traced.bind.argument_of_each_input(args, kwargs),
+                                          flat)):
+        for leaf in pytree.tree_leaves(value):  # fx graphs take nested arguments whole
+            if i in whole:
+                whole_leaves.append(len(leaves))
+            owners.append(name)
+            leaves.append(leaf)
+    dims = input_dims(leaves, whole_leaves)
+    if len(dims.batched) < 2 or dims.batch < 4:
+        return  # one batched input is unambiguous; halves of 1 upset BatchNorm
+    half = dims.batch // 2
+    output = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    try:
+        spec = pytree.tree_structure(list(flat))
+        small = record_values(traced.gm, pytree.tree_unflatten(resize(leaves, dims, half), spec))
+        consistent = all(_shrinks(n.meta[SHAPE], small[n.name], dims.batch, half)
+                         for n in output.all_input_nodes)
+        problem = "changes the outputs' shapes beyond their first dimension"
+    except Exception as error:  # any failure is the symptom reported
+        consistent, problem = False, f"fails ({type(error).__name__}: {error})"
+    if consistent:
+        return
+    shared = sorted({owners[i] for i in dims.batched[1:]} - {owners[dims.batched[0]]})
+    shapes = ", ".join(f"{owners[i]} {tuple(leaves[i].shape)}" for i in dims.batched)
+    raise PlanError(
+        f"splitting the example batch of {dims.batch} into micro-batches {problem}. fxpipe "
+        f"splits every input whose first dimension is {dims.batch} ({shapes}); if one of them "
+        f"is shared by all samples, name it: Plan(whole_inputs={shared or ['...']})."
+    )
+
+
+def _shrinks(full: ValueInfo, small: ValueInfo, batch: int, half: int) -> bool:
+    return len(full.tensors) == len(small.tensors) and all(
+        a.shape[0] != batch or (b.shape[0] == half and a.shape[1:] == b.shape[1:])
+        for a, b in zip(full.tensors, small.tensors) if len(a.shape) > 0
+    )
 
 
 def shapes_on(args: tuple, kwargs: Mapping[str, Any]):
@@ -115,7 +184,8 @@ def units_of(
 
 
 def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
-                  cache: ProfileCache | None, threads: int, concurrency: int = 1) -> CostTable:
+                  cache: ProfileCache | None, threads: int, concurrency: int = 1,
+                  whole: Sequence[int] = ()) -> CostTable:
     """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only;
     `concurrency` stages busy at once while timing (see profile_units)."""
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
@@ -126,9 +196,10 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
         zeros = [0.0] * len(units)
         return CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, tuple(names),
                          param_bytes)
-    batch = input_dims(flat).batch
+    batch = input_dims(flat, whole).batch
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
-                            devices[0], cache=cache, threads=threads, concurrency=concurrency)
+                            devices[0], cache=cache, threads=threads, concurrency=concurrency,
+                            whole=whole)
     return cost_table(profile, link, batch, names)
 
 

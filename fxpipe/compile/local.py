@@ -12,6 +12,7 @@ import torch
 from fxpipe.compile.distributed import compile_distributed
 from fxpipe.compile.front import (
     busy_stages,
+    check_batched_inputs,
     example_args,
     measure_costs,
     output_names,
@@ -20,6 +21,7 @@ from fxpipe.compile.front import (
     stage_link,
     threads_per_stage,
     trace_and_cut,
+    whole_positions,
 )
 from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
 from fxpipe.compile.partitioning import choose_partition
@@ -59,10 +61,12 @@ def compile(
     devices = stage_devices(model, plan)
 
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
+    whole = whole_positions(traced, plan, args, kwargs)
+    check_batched_inputs(traced, plan, args, kwargs, whole)
     link = stage_link(plan, devices)
     threads = threads_per_stage(devices)
     cost = measure_costs(traced.gm, units, flat, plan, devices, link, profile_cache(cache),
-                         threads, busy_stages(devices))
+                         threads, busy_stages(devices), whole)
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []
     if plan.intra_layer is not None:
@@ -89,4 +93,5 @@ def compile(
         pipe.stages, hooks, comm, devices, output_names(gm), plan.schedule,
         partition.micro_batches, traced.bind.unflatten, threads=threads,
     )
+    pipe.executor.whole = whole
     return pipe
