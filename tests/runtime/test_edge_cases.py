@@ -54,7 +54,7 @@ def test_a_shared_input_that_looks_batched_is_caught_at_compile_time():
     mask = torch.tril(torch.ones(4, 4))
     with pytest.raises(fxpipe.PlanError, match=r"x \(4, 4, 4\), mask \(4, 4\).*"
                                                r"Plan\(whole_inputs=\['mask'\]\)"):
-        fxpipe.compile(MaskedMixer(), fxpipe.Plan(stages=2, costs="none"),
+        fxpipe.compile(MaskedMixer(), fxpipe.Plan(stages=2, micro_batches=2, costs="none"),
                        example_inputs=(x, mask))
 
 
