@@ -89,6 +89,7 @@ def _bench(args: argparse.Namespace) -> None:
         else int(args.micro_batches)
     partitioners = args.partitioners.split(",")
     schedules = args.schedules.split(",")
+    _factory(args.model)  # an unknown model fails here, before any progress is shown
     title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
              f"{args.micro_batches}")
     if args.nproc:
@@ -179,32 +180,60 @@ def _partitioner(text: str) -> str | list[int]:
 
 def _load_model(spec: str, batch: int, shapes: Sequence[str] | None, dtype: str, high: int):
     """A bundled model by name, or MODULE:FACTORY with inputs described on the command line."""
+    factory = _factory(spec)
+    if factory is None:
+        if shapes:
+            raise FxpipeError(f"--input-shape describes the input of a MODULE:FACTORY model; the "
+                              f"bundled model {spec!r} makes its own inputs: drop the flag.")
+        model_spec = bundled(spec)
+        x, _ = model_spec.batch(batch, torch.Generator().manual_seed(0))
+        return model_spec.build(), (x,)
+    inputs = _inputs(batch, shapes, dtype, high)
+    try:
+        model = factory()
+    except TypeError as e:
+        raise FxpipeError(f"{spec} must be callable with no arguments and return the model "
+                          f"({e}); wrap it, e.g. def make_model(): return Net(width=64).") from e
+    if not isinstance(model, torch.nn.Module):
+        raise FxpipeError(f"{spec} returned {type(model).__name__}, not an nn.Module.")
+    return model, inputs
+
+
+def _factory(spec: str):
+    """The MODULE:FACTORY callable, or None for a bundled model's name; unknown names fail."""
     if ":" not in spec:
         if spec not in MODELS:
             raise FxpipeError(f"{spec!r} is neither a bundled model ({', '.join(MODELS)}) nor "
                               "MODULE:FACTORY (e.g. mypkg.models:make_model).")
-        model_spec = bundled(spec)
-        x, _ = model_spec.batch(batch, torch.Generator().manual_seed(0))
-        return model_spec.build(), (x,)
+        return None
     module_name, _, factory_name = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), factory_name)
+        return getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as e:
         raise FxpipeError(f"cannot load {spec!r}: {e}") from e
-    model = factory()
-    if not isinstance(model, torch.nn.Module):
-        raise FxpipeError(f"{spec} returned {type(model).__name__}, not an nn.Module.")
+
+
+def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> tuple:
+    """Random example inputs: one per --input-shape, with the batch in front."""
     if not shapes:
         raise FxpipeError("describe the model's input: --input-shape 3x32x32 (per sample, "
                           "without the batch; repeat the flag for several inputs).")
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype):
+        raise FxpipeError(f"--input-dtype {dtype!r} is not a torch dtype; use e.g. float32 "
+                          "or int64.")
     inputs = []
     for shape in shapes:
-        dims = [batch, *(int(d) for d in shape.lower().split("x") if d)]
-        if dtype.startswith("int"):
-            inputs.append(torch.randint(0, high, dims, dtype=getattr(torch, dtype)))
+        try:
+            dims = [batch, *(int(d) for d in shape.lower().split("x") if d)]
+        except ValueError as e:
+            raise FxpipeError(f"--input-shape {shape!r}: give sizes joined by x, such as "
+                              "3x32x32.") from e
+        if kind.is_floating_point:
+            inputs.append(torch.randn(dims, dtype=kind))
         else:
-            inputs.append(torch.randn(dims, dtype=getattr(torch, dtype)))
-    return model, tuple(inputs)
+            inputs.append(torch.randint(0, high, dims, dtype=kind))
+    return tuple(inputs)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -99,7 +99,11 @@ class CompiledPipeline(torch.nn.Module):
             raise FxpipeError("pipe.step(*inputs, target) needs the target as its last "
                               "positional argument.")
         *inputs, target = args
-        flat = self.traced.bind(tuple(inputs), kwargs)
+        try:
+            flat = self.traced.bind(tuple(inputs), kwargs)
+        except FxpipeError as error:
+            raise FxpipeError(f"{error} (pipe.step takes forward()'s arguments, then the target "
+                              "as its last positional argument: pipe.step(x, target)).") from None
         return self.executor.step(flat, target, self.plan.loss_fn)
 
     def attach_optimizer(self, factory: Callable[[list[torch.nn.Parameter]], Any],
@@ -193,7 +197,9 @@ class CompiledPipeline(torch.nn.Module):
             pathlib.Path(path).write_text(json.dumps(trace))
 
     def register_stage_hook(self, stage: int, callback: Callable[[int], None]) -> RemovableHandle:
-        """Call `callback(stage)` each time `stage` finishes a backward pass."""
+        """Call `callback(stage)` each time `stage` finishes a backward pass: once per
+        micro-batch, after that micro-batch's backward through the stage (so p times per step;
+        `pipe.stage_hook(stage).finishing` is True on the last)."""
         if not 0 <= stage < self.plan.stages:
             raise FxpipeError(f"stage {stage} does not exist; this pipeline has stages "
                               f"0..{self.plan.stages - 1}.")

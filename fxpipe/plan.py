@@ -75,6 +75,7 @@ class Plan:
         _choice("schedule", self.schedule, SCHEDULES)
         if self.micro_batches != "auto":
             _positive_int("micro_batches", self.micro_batches)
+        self._check_micro_batch_choice()
         if self.devices is not None:
             self._check_devices()
         _positive_int("groups", self.groups)
@@ -89,6 +90,8 @@ class Plan:
             raise PlanError(f"Plan(loss_fn={self.loss_fn!r}) must be callable(output, target).")
         if not callable(self.tracer):
             _choice("tracer", self.tracer, TRACERS)
+        if isinstance(self.leaf_modules, (str, type)):
+            object.__setattr__(self, "leaf_modules", (self.leaf_modules,))
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         for leaf in self.leaf_modules:
             if not (isinstance(leaf, str) or (isinstance(leaf, type)
@@ -113,6 +116,22 @@ class Plan:
         if isinstance(self.whole_inputs, str):
             object.__setattr__(self, "whole_inputs", (self.whole_inputs,))
         object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
+
+    def _check_micro_batch_choice(self) -> None:
+        """csimd chooses the micro-batch count with the partition; choosing it needs times."""
+        if self.partitioner == "csimd":
+            if self.micro_batches not in (1, "auto"):
+                raise PlanError(
+                    f"Plan(partitioner='csimd') chooses the micro-batch count itself, so "
+                    f"micro_batches={self.micro_batches} would be ignored; drop micro_batches "
+                    "(or give 'auto'), or fix it with another partitioner, e.g. 'imd'."
+                )
+            object.__setattr__(self, "micro_batches", "auto")
+        if self.micro_batches == "auto" and self.costs == "none":
+            raise PlanError(
+                "Plan(micro_batches='auto') chooses the count from measured times, but "
+                "costs='none' measures nothing; give micro_batches=N or use costs='measure'."
+            )
 
     def _check_intra_layer(self) -> None:
         """`intra_layer=n`: split each Conv/Linear layer above 30% of its stage's time into n
@@ -148,6 +167,8 @@ class Plan:
             raise PlanError(f"Plan(intra_layer={{'threshold': {threshold!r}}}) must be a share "
                             "of the stage's time between 0 and 1, e.g. 0.3.")
         layers = spec.get("layers")
+        if isinstance(layers, str):
+            layers = [layers]
         if layers is not None and not all(isinstance(n, str) for n in layers):
             raise PlanError("Plan(intra_layer={'layers': [...]}) takes layer names such as "
                             "'features.3'.")
@@ -196,7 +217,9 @@ class Plan:
             )
 
     def _check_devices(self) -> None:
-        devices = tuple(self.devices)
+        if isinstance(self.devices, (str, torch.device)):  # one device for every stage
+            object.__setattr__(self, "devices", (str(self.devices),) * self.stages)
+        devices = tuple(str(d) if isinstance(d, torch.device) else d for d in self.devices)
         object.__setattr__(self, "devices", devices)
         if len(devices) != self.stages:
             raise PlanError(

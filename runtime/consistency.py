@@ -86,10 +86,6 @@ class WeightPolicy:
     def before_step(self) -> None:
         return None
 
-    def extra_copies(self) -> int:
-        """Weight copies held beyond the parameters themselves, right now."""
-        return 0
-
 
 class StashPolicy(WeightPolicy):
     """`stash`: a copy of the weights per version still needed by an in-flight micro-batch."""
@@ -144,9 +140,6 @@ class StashPolicy(WeightPolicy):
         return {name: w.detach().clone().requires_grad_(w.requires_grad)
                 for name, w in self.weights.items()}
 
-    def extra_copies(self) -> int:
-        return len(self._copies)
-
 
 class TwoBufferPolicy(StashPolicy):
     """`2bw`: new micro-batches use the version before the latest step (kept as a shadow copy),
@@ -160,10 +153,6 @@ class TwoBufferPolicy(StashPolicy):
 
     def before_step(self) -> None:
         self._shadow = self._snapshot()  # the version this step is about to replace
-
-    def extra_copies(self) -> int:
-        return len(self._copies) + (self._shadow is not None and
-                                    all(c is not self._shadow for c in self._copies.values()))
 
     def _version_for_forward(self) -> int:
         version = max(self.version - 1, 0)

@@ -4,8 +4,9 @@ Both ends know every message's layout ahead: the values of each (src, dst) edge 
 table order, each tensor's dtype from the shape pass and its shape as an expression of the
 micro-batch size (and sequence length) from the symbolic pass, evaluated per micro-batch, so
 an uneven last micro-batch or a new batch size needs no extra handshake. Sends are posted
-(isend) and completed at the end of a run; receives block. While waiting, a rank watches the
-job's store for another rank's failure and stops with that rank's error.
+(isend) and completed at the end of a run; receives block. A rank that fails posts its error
+to the job's store; when a peer's wait ends without its message (the failed process exited,
+or the wait timed out) the peer reads that note and stops with the failed rank's error.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from fxpipe.cli import main
 
 
@@ -45,3 +47,21 @@ def test_plan_prints_the_stage_table_compares_and_writes_json(capsys, tmp_path):
 def test_plan_needs_an_input_description(capsys):
     assert main(["plan", "fxpipe.models:MLP", "--stages", "2"]) == 2
     assert "describe the model's input: --input-shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "nosuch", "--stages", "2"], "'nosuch' is neither a bundled model"),
+    (["plan", "mlp", "--stages", "2", "--input-shape", "4"],
+     "the bundled model 'mlp' makes its own inputs: drop the flag"),
+    (["plan", "fxpipe.models:MLP", "--stages", "2", "--input-shape", "4,x"],
+     "--input-shape '4,x': give sizes joined by x"),
+    (["plan", "fxpipe.models:MLP", "--stages", "2", "--input-shape", "4", "--input-dtype",
+      "flot"], "--input-dtype 'flot' is not a torch dtype"),
+    (["plan", "torch.nn:Linear", "--stages", "2", "--input-shape", "4"],
+     "must be callable with no arguments"),
+])
+def test_command_line_mistakes_are_reported_before_any_work(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "1/" not in err  # failed before the progress bar started

@@ -164,3 +164,47 @@ def test_print_shows_stage_table_and_graph_with_send_recv_and_hooks():
     graph = pipe.format_graph(stages=True)
     for word in ("hook0", "hook1", "stage0(hook0)", "send(", "recv(", "stage 1:", "def forward"):
         assert word in graph
+
+
+def test_pipeline_groups_need_torchrun():
+    with pytest.raises(fxpipe.PlanError, match=r"Plan\(groups=2\) replicates the pipeline over "
+                                               r"ranks of a torchrun job; launch with torchrun "
+                                               r"--nproc-per-node 4"):
+        fxpipe.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                       fxpipe.Plan(stages=2, groups=2, costs="none"),
+                       example_inputs=(torch.randn(4, 4),))
+
+
+def test_more_micro_batches_than_example_samples():
+    with pytest.raises(fxpipe.PlanError, match=r"splits the example batch of 4 samples into "
+                                               r"more micro-batches than samples"):
+        fxpipe.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                       fxpipe.Plan(stages=2, micro_batches=8, costs="none"),
+                       example_inputs=(torch.randn(4, 4),))
+
+
+def test_example_inputs_the_model_itself_rejects():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(fxpipe.FxpipeError, match=r"the example inputs do not run through "
+                                                 r"Sequential itself \(RuntimeError: mat1"):
+        fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"),
+                       example_inputs=(torch.randn(4, 5),))
+
+
+def test_a_planner_that_cannot_balance_this_model_says_so():
+    model = nn.Sequential(nn.ReLU(), nn.Tanh(), nn.ReLU(), nn.Sigmoid())
+    with pytest.raises(fxpipe.PlanError, match=r"Plan\(partitioner='params'\) cannot partition "
+                                               r"Sequential: the cost table holds no parameter"):
+        fxpipe.compile(model, fxpipe.Plan(stages=2, partitioner="params", costs="none"),
+                       example_inputs=(torch.randn(4, 4),))
+
+
+def test_step_without_a_target_says_where_the_target_goes():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(4, 4)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none",
+                                             loss_fn=torch.nn.functional.mse_loss),
+                          example_inputs=(x,))
+    with pytest.raises(fxpipe.FxpipeError, match=r"then the target as its last positional "
+                                                 r"argument: pipe.step\(x, target\)"):
+        pipe.step(x)

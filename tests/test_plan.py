@@ -24,6 +24,10 @@ from fxpipe import Plan, PlanError
     ({"stages": 2, "tracer": "jit"}, r"Plan\(tracer='jit'\) is not known"),
     ({"stages": 2, "leaf_modules": [3]}, r"give nn.Module classes or qualified module names"),
     ({"stages": 2, "loss_fn": "mse"}, r"must be callable\(output, target\)"),
+    ({"stages": 2, "micro_batches": "auto", "costs": "none"},
+     r"chooses the count from measured times, but costs='none' measures nothing"),
+    ({"stages": 2, "partitioner": "csimd", "micro_batches": 4},
+     r"chooses the micro-batch count itself, so micro_batches=4 would be ignored"),
 ])
 def test_bad_plans_say_what_to_change(kwargs, message):
     with pytest.raises(PlanError, match=message):
@@ -35,6 +39,18 @@ def test_plan_is_frozen_and_normalised():
     assert plan.sizes == (1, 2) and plan.devices == ("cpu", "cpu")
     with pytest.raises(AttributeError):
         plan.stages = 3
+
+
+def test_single_values_where_lists_go_are_read_as_one_item():
+    plan = Plan(stages=3, devices="cpu", leaf_modules="blocks.0",
+                intra_layer={"shards": 2, "layers": "features.3"})
+    assert plan.devices == ("cpu", "cpu", "cpu")
+    assert plan.leaf_modules == ("blocks.0",)
+    assert plan.intra_layer["layers"] == ["features.3"]
+
+
+def test_csimd_chooses_the_micro_batch_count():
+    assert Plan(stages=2, partitioner="csimd").micro_batches == "auto"
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -66,3 +82,11 @@ def test_timed_partitioner_needs_measured_costs():
 def test_bad_link():
     with pytest.raises(PlanError, match=r"must be \(latency in seconds >= 0, bandwidth"):
         Plan(stages=2, link=(1e-5, 0))
+
+
+def test_every_partitioner_a_plan_accepts_can_run():
+    from fxpipe.compile.partitioning import PARTITIONERS as RUNNABLE
+    from fxpipe.plan import PARTITIONERS, TIMED_PARTITIONERS
+
+    assert set(PARTITIONERS) == set(RUNNABLE)
+    assert set(TIMED_PARTITIONERS) < set(PARTITIONERS)

@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 
 from fxpipe.batching import input_dims, resize
 from fxpipe.cost import CostTable, Link
-from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.ir import ValueRef
 from fxpipe.meta import SHAPE, ValueInfo
 from fxpipe.passes.analysis.comm import default_link, measure_local_link
@@ -25,16 +25,17 @@ from fxpipe.passes.analysis.profile import (
     profile_units,
     unit_parameters,
 )
-from fxpipe.passes.analysis.shape import annotate_shapes, record_values
+from fxpipe.passes.analysis.shape import annotate_shapes, preserved_state, record_values
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
 __all__ = [
-    "busy_stages", "check_batched_inputs", "check_stage_count", "check_whole_inputs",
-    "example_args", "measure_costs", "output_names", "profile_cache", "stage_devices",
-    "stage_link", "threads_per_stage", "trace_and_cut", "units_of", "whole_positions",
+    "busy_stages", "check_batched_inputs", "check_example_runs", "check_stage_count",
+    "check_whole_inputs", "example_args", "measure_costs", "output_names", "profile_cache",
+    "stage_devices", "stage_link", "threads_per_stage", "trace_and_cut", "units_of",
+    "whole_positions",
 ]
 
 
@@ -85,10 +86,27 @@ def _backend_available(kind: str) -> bool:
 
 def trace_and_cut(model, plan, args, kwargs):
     check_whole_inputs(model, plan)
-    traced = trace(model, args, kwargs, plan, check=shapes_on(args, kwargs))
+    try:
+        traced = trace(model, args, kwargs, plan, check=shapes_on(args, kwargs))
+    except FxpipeTraceError:
+        check_example_runs(model, args, kwargs)  # the likelier cause, if so
+        raise
     units = cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
     check_stage_count(model, plan, units)
     return traced, units, traced.bind(args, kwargs)
+
+
+def check_example_runs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> None:
+    """The model runs on its example inputs (run without side effects)."""
+    try:
+        with preserved_state(model), torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as error:
+        raise FxpipeError(
+            f"the example inputs do not run through {type(model).__name__} itself "
+            f"({type(error).__name__}: {error}); compile() traces the model on them, so give "
+            "inputs that model(*example_inputs) accepts."
+        ) from error
 
 
 def check_whole_inputs(model: torch.nn.Module, plan: Plan) -> None:
@@ -191,12 +209,18 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
                                           [devices[0]] * len(units))
     names = [u.name for u in units]
+    batch = input_dims(flat, whole).batch
+    if isinstance(plan.micro_batches, int) and plan.micro_batches > batch:
+        raise PlanError(
+            f"Plan(micro_batches={plan.micro_batches}) splits the example batch of {batch} "
+            f"samples into more micro-batches than samples; use micro_batches <= {batch} "
+            "(or a larger example batch)."
+        )
     if plan.costs == "none":
         params, param_bytes = unit_parameters(unit_graph, len(units))
         zeros = [0.0] * len(units)
         return CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, tuple(names),
                          param_bytes)
-    batch = input_dims(flat, whole).batch
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
                             devices[0], cache=cache, threads=threads, concurrency=concurrency,
                             whole=whole)
@@ -209,11 +233,6 @@ def profile_sizes(batch: int, plan: Plan) -> list[int]:
     proportional to micro-batch size and the planner must see it at every size it considers."""
     if plan.micro_batches == "auto" or plan.partitioner == "csimd":
         return sorted({batch} | {2 ** k for k in range(batch.bit_length()) if 2 ** k <= batch})
-    if plan.micro_batches > batch:
-        raise PlanError(
-            f"Plan(micro_batches={plan.micro_batches}) splits a batch of {batch} samples into "
-            f"more micro-batches than samples; use micro_batches <= {batch}."
-        )
     return [-(-batch // plan.micro_batches)]  # the largest micro-batch, ceil(B / p)
 
 

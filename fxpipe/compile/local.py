@@ -26,7 +26,7 @@ from fxpipe.compile.front import (
 from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.distributed import launched
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
@@ -58,6 +58,12 @@ def compile(
     args, kwargs = example_args(example_inputs, example_kwargs)
     if launched():
         return compile_distributed(model, plan, args, kwargs, profile_cache(cache))
+    if plan.groups > 1:
+        raise PlanError(
+            f"Plan(groups={plan.groups}) replicates the pipeline over ranks of a torchrun job; "
+            f"launch with torchrun --nproc-per-node {plan.stages * plan.groups}, or use "
+            "groups=1 in one process."
+        )
     devices = stage_devices(model, plan)
 
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)

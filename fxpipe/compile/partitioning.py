@@ -42,7 +42,7 @@ def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
         if name == "csimd" and len(pipe.cost.sizes) == 1:
             continue  # timed at one micro-batch size only: nothing to choose p from
         chosen = partitioner(pipe.cost, plan.stages, pipe.partition.micro_batches)
-        bounds, _ = exactly_n_stages(chosen.bounds, plan.stages, pipe.cost, chosen.micro_batches)
+        bounds = exactly_n_stages(chosen.bounds, plan.stages, pipe.cost, chosen.micro_batches)
         results[name] = Partition.evaluate(pipe.cost, bounds, chosen.micro_batches,
                                            name, schedule=plan.schedule)
     return results
@@ -68,19 +68,24 @@ def choose_partition(
         )
     if plan.micro_batches == "auto" and plan.partitioner != "csimd":
         p = PARTITIONERS["csimd"](cost, plan.stages).micro_batches  # CSIMD's choice of p
-    chosen = PARTITIONERS[plan.partitioner](cost, plan.stages, p)
-    bounds, name = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
-    return Partition.evaluate(cost, bounds, chosen.micro_batches,
-                              name or chosen.partitioner, schedule=plan.schedule)
+    try:
+        chosen = PARTITIONERS[plan.partitioner](cost, plan.stages, p)
+    except ValueError as error:  # the planner cannot work with this model's costs
+        raise PlanError(f"Plan(partitioner={plan.partitioner!r}) cannot partition "
+                        f"{type(model).__name__}: {error}.") from error
+    bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
+    return Partition.evaluate(cost, bounds, chosen.micro_batches, chosen.partitioner,
+                              schedule=plan.schedule)
 
 
-def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int):
+def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int
+                     ) -> tuple[int, ...]:
     """IMD and cross-search may use fewer stages than asked when more would only add links;
     the plan has a device or rank per stage, so split the slowest stages until there are
     `stages` (each split at the unit that best halves its time)."""
     bounds = list(bounds)
     if len(bounds) >= stages:
-        return tuple(bounds), None
+        return tuple(bounds)
     f, b, _, _ = cost.at(p)
     time = f + b
     while len(bounds) < stages:
@@ -90,4 +95,4 @@ def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int
         halves = np.cumsum(time[start:end])
         cut = start + 1 + int(np.argmin(np.abs(halves[:-1] - halves[-1] / 2)))
         bounds = sorted([*bounds, cut])
-    return tuple(bounds), None
+    return tuple(bounds)
