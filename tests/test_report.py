@@ -66,6 +66,12 @@ def test_replan_never_proposes_a_worse_partition(trained):
     result = fxpipe.replan(trained, threshold=0.0)
     assert result.proposed.predicted_time <= result.current.predicted_time
     assert sum(result.plan_sizes) == len(trained.units)
+    # balancing parameters instead of time finds a slower partition of VGG (its parameters sit
+    # in the late layers, its time in the early ones): replan must keep the one that ran
+    by_params = fxpipe.replan(trained, threshold=0.0, partitioner="params")
+    assert not by_params.changed
+    assert by_params.proposed is by_params.current
+    assert "keep the current partition" in str(by_params)
 
 
 def test_replan_moves_work_away_from_a_stage_measured_slower():
