@@ -2,6 +2,8 @@
 
 The batch is dimension 0 of every tensor input whose dimension 0 equals the first tensor input's.
 A sequence dimension exists when an input is a rank-2 integer tensor (token ids): dimension 1.
+Inputs may nest tensors in tuples, lists and dicts (an fx graph takes forward()'s arguments as
+they are): the dimensions are found among the tensors inside, in pytree order.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 __all__ = ["InputDims", "input_dims", "resize"]
 
@@ -20,16 +23,22 @@ class InputDims:
     """The example's batch size and sequence length, and which inputs carry them."""
 
     batch: int
-    batched: tuple[int, ...]  # indices of inputs whose dim 0 is the batch
+    batched: tuple[int, ...]  # pytree-leaf indices of inputs whose dim 0 is the batch
     seq: int | None = None
-    sequenced: tuple[int, ...] = ()  # indices of inputs whose dim 1 is the sequence
+    sequenced: tuple[int, ...] = ()  # pytree-leaf indices of inputs whose dim 1 is the sequence
 
 
 def input_dims(flat_inputs: Sequence[Any], whole: Collection[int] = ()) -> InputDims:
     """Which inputs carry the batch (and a token sequence); those at positions in `whole` never
     do (e.g. an attention mask of shape (T, T) when T happens to equal the batch size)."""
-    tensors = [(i, x) for i, x in enumerate(flat_inputs)
-               if isinstance(x, torch.Tensor) and i not in whole]
+    leaves, whole_leaves = [], set()
+    for position, value in enumerate(flat_inputs):
+        for leaf in pytree.tree_leaves(value):
+            if position in whole:
+                whole_leaves.add(len(leaves))
+            leaves.append(leaf)
+    tensors = [(i, x) for i, x in enumerate(leaves)
+               if isinstance(x, torch.Tensor) and i not in whole_leaves]
     if not tensors or tensors[0][1].dim() == 0:
         raise ValueError("the example inputs hold no tensor with a batch dimension")
     batch = tensors[0][1].shape[0]
@@ -46,7 +55,7 @@ def input_dims(flat_inputs: Sequence[Any], whole: Collection[int] = ()) -> Input
 def resize(flat_inputs: Sequence[Any], dims: InputDims, batch: int | None = None,
            seq: int | None = None) -> list[Any]:
     """The example inputs with `batch` rows (repeated cyclically if more) and `seq` tokens."""
-    resized = list(flat_inputs)
+    resized, spec = pytree.tree_flatten(list(flat_inputs))
     if batch is not None and batch != dims.batch:
         rows = torch.arange(batch) % dims.batch
         for i in dims.batched:
@@ -56,4 +65,4 @@ def resize(flat_inputs: Sequence[Any], dims: InputDims, batch: int | None = None
             raise ValueError(f"cannot lengthen sequences of {dims.seq} tokens to {seq}")
         for i in dims.sequenced:
             resized[i] = resized[i][:, :seq]
-    return resized
+    return pytree.tree_unflatten(resized, spec)

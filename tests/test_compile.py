@@ -179,7 +179,7 @@ def test_more_micro_batches_than_example_samples():
     with pytest.raises(fxpipe.PlanError, match=r"splits the example batch of 4 samples into "
                                                r"more micro-batches than samples"):
         fxpipe.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
-                       fxpipe.Plan(stages=2, micro_batches=8, costs="none"),
+                       fxpipe.Plan(stages=2, micro_batches=8, partitioner="even"),
                        example_inputs=(torch.randn(4, 4),))
 
 

@@ -209,18 +209,19 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
                                           [devices[0]] * len(units))
     names = [u.name for u in units]
-    batch = input_dims(flat, whole).batch
-    if isinstance(plan.micro_batches, int) and plan.micro_batches > batch:
-        raise PlanError(
-            f"Plan(micro_batches={plan.micro_batches}) splits the example batch of {batch} "
-            f"samples into more micro-batches than samples; use micro_batches <= {batch} "
-            "(or a larger example batch)."
-        )
     if plan.costs == "none":
         params, param_bytes = unit_parameters(unit_graph, len(units))
         zeros = [0.0] * len(units)
         return CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, tuple(names),
                          param_bytes)
+    batch = input_dims(flat, whole).batch
+    if isinstance(plan.micro_batches, int) and plan.micro_batches > batch:
+        raise PlanError(
+            f"Plan(micro_batches={plan.micro_batches}) splits the example batch of {batch} "
+            f"samples into more micro-batches than samples; the units are timed on its "
+            f"micro-batches, so give a full mini-batch as the example, or micro_batches <= "
+            f"{batch}."
+        )
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
                             devices[0], cache=cache, threads=threads, concurrency=concurrency,
                             whole=whole)

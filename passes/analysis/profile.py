@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from fxpipe.batching import input_dims, resize
@@ -244,7 +245,7 @@ def _measure(graph, table, inputs, device, warmup, repeats):
 
 
 def _on(values: list[Any], device: str) -> list[Any]:
-    return [x.to(device) if isinstance(x, torch.Tensor) else x for x in values]
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, values)
 
 
 def _as_input(value: Any, needs_grad: bool) -> Any:

@@ -170,7 +170,8 @@ def test_backward_runs_in_schedule_order_across_stages():
     assert order == expected
 
 
-def test_inputs_of_every_shape_are_micro_batched():
+@pytest.mark.parametrize("costs", ["none", "measure"])
+def test_inputs_of_every_shape_are_micro_batched(costs):
     class Mixed(nn.Module):
         def __init__(self):
             super().__init__()
@@ -185,8 +186,8 @@ def test_inputs_of_every_shape_are_micro_batched():
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     bias = torch.randn(4, dtype=torch.float64)  # not batched: every micro-batch gets it
     args = ((x, y), 2.0, {"bias": bias})
-    plan = fxpipe.Plan(stages=2, micro_batches=2, tracer="fx", costs="none")
-    pipe = fxpipe.compile(model, plan, example_inputs=args)
+    plan = fxpipe.Plan(stages=2, micro_batches=2, tracer="fx", costs=costs)
+    pipe = fxpipe.compile(model, plan, example_inputs=args, cache=False)
     torch.testing.assert_close(pipe(*args), model(*args))
 
 
