@@ -40,7 +40,8 @@ class BenchRow:
     measured_ms: float  # median of the timed steps
     predicted_bubble: float
     measured_bubble: float
-    memory: tuple[float, ...]  # per stage: the estimate (bytes), or measured on CUDA
+    memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the CUDA peak
+    memory_kind: str = "estimate"  # or "peak" (measured)
 
     @property
     def ratio(self) -> float:
@@ -58,8 +59,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         if progress:
             _progress(index, len(configs), f"{partitioner}/{schedule}")
         model, x, y, loss_fn = build()
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        count = "auto" if partitioner == "csimd" else micro_batches  # csimd chooses p itself
         plan = Plan(stages=stages, partitioner=partitioner, schedule=schedule,
-                    micro_batches=micro_batches, loss_fn=loss_fn)
+                    micro_batches=count, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,))
         for _ in range(warmup):
             pipe.step(x, y)
@@ -71,14 +76,15 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             _barrier()
             times.append(time.perf_counter() - start)
         predicted = pipe.predicted_timeline()
-        measured = step_time(pipe.last_trace(), stages)
-        memory = tuple(s.memory for s in pipe.partition.stages)
-        if torch.cuda.is_available() and str(next(model.parameters()).device).startswith("cuda"):
+        measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
+        memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
+        if on_cuda:
             memory = tuple(float(torch.cuda.max_memory_allocated(d)) for d in pipe.devices)
+            kind = "peak"
         rows.append(BenchRow(partitioner, schedule, tuple(pipe.partition.sizes),
                              pipe.partition.micro_batches, predicted.makespan * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
-                             memory))
+                             memory, kind))
     if progress:
         print(file=sys.stderr)
     return rows
@@ -101,8 +107,10 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
 
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
+    kinds = {r.memory_kind for r in rows}
+    memory = "memory per stage" + (" (estimate)" if kinds == {"estimate"} else "")
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
-              "meas/pred", "bubble pred", "bubble meas", "memory per stage"]
+              "meas/pred", "bubble pred", "bubble meas", memory]
     table = [[r.partitioner, r.schedule, "+".join(map(str, r.sizes)), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
               f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 
@@ -65,3 +66,19 @@ def test_command_line_mistakes_are_reported_before_any_work(capsys, argv, messag
     err = capsys.readouterr().err
     assert message in err
     assert "1/" not in err  # failed before the progress bar started
+
+
+def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path):
+    csv_path, png_path = tmp_path / "rows.csv", tmp_path / "rows.png"
+    argv = ["bench", "mlp", "--stages", "2", "--batch", "8", "--micro-batches", "2",
+            "--partitioners", "even,csimd", "--schedules", "gpipe,1f1b", "--repeats", "1",
+            "--csv", str(csv_path), "--png", str(png_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mlp: 2 stages, batch 8" in out and "memory per stage (estimate)" in out
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [(r["partitioner"], r["schedule"]) for r in rows] == [
+        ("even", "gpipe"), ("even", "1f1b"), ("csimd", "gpipe"), ("csimd", "1f1b")]
+    assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in rows)
+    assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
