@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fxpipe.cost import CostTable, Partition
+from fxpipe.cost import CostTable, Partition, step_times
 from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.validate import check_planner_args
 
@@ -34,9 +34,10 @@ def ampa(
     stage: the min stage gains a unit, the max stage loses one, the stages between keep their
     size. `normalize=True` first maps the unit times to [0, 1] (GroPipe's eq. 9, which weighs the
     cheapest unit as 0). Guards the paper leaves out: no round empties a stage, at most
-    `max_rounds` rounds (default N·K), and the partition with the smallest maximum stage time
-    (in real, not normalised, time) seen on the way is returned, so AMPA is never worse than
-    the even split.
+    `max_rounds` rounds (default N·K); of the partitions seen on the way whose maximum stage
+    time (real, not normalised) is no larger than the even split's, the one with the smallest
+    predicted step time T(λ, p) is returned (ties: the smallest maximum stage time), so AMPA
+    is never worse than the even split by either measure.
     """
     check_planner_args(cost, stages, p)
     if threshold < 0:
@@ -47,8 +48,9 @@ def ampa(
     rounds = stages * cost.units if max_rounds is None else max_rounds
 
     ends = np.array(even_bounds(cost.units, stages))
-    best, best_max = ends.copy(), _stage_sums(real, ends).max()
+    even_max = _stage_sums(real, ends).max()
     seen = {ends.tobytes()}
+    visited = [ends.copy()]
     for _ in range(rounds):
         times = _stage_sums(steer, ends)
         if dispersion(times) < threshold:
@@ -66,10 +68,12 @@ def ampa(
         if state in seen:
             break  # the rounds are deterministic: from here on they only repeat
         seen.add(state)
-        worst = _stage_sums(real, ends).max()
-        if worst < best_max:
-            best, best_max = ends.copy(), worst
-    return Partition.evaluate(cost, best, p, "ampa")
+        if _stage_sums(real, ends).max() <= even_max:
+            visited.append(ends.copy())
+    times = np.array([step_times(cost, tuple(v), [p])[0] for v in visited])
+    fastest = [v for v, t in zip(visited, times) if t <= times.min() * (1 + 1e-12)]
+    best = min(fastest, key=lambda v: _stage_sums(real, v).max())  # ties: the balanced one
+    return Partition.evaluate(cost, tuple(best), p, "ampa")
 
 
 def _stage_sums(prefix: np.ndarray, ends: np.ndarray) -> np.ndarray:

@@ -22,7 +22,9 @@ def test_ampa_is_never_worse_than_the_even_split(instance, normalize, threshold)
     cost, stages, p = instance
     part = ampa(cost, stages, p, normalize=normalize, threshold=threshold)
     assert len(part.bounds) == stages  # no stage was emptied
-    assert _max_stage(part) <= _max_stage(even(cost, stages, p))
+    split = even(cost, stages, p)
+    assert _max_stage(part) <= _max_stage(split)
+    assert part.predicted_time <= split.predicted_time  # links and p included
 
 
 def test_ampa_moves_units_from_the_slowest_toward_the_fastest_stage():
