@@ -265,7 +265,7 @@ class CompiledPipeline(torch.nn.Module):
                  f"partition {partition.partitioner} ({sizes})")
         params = [sum(p.numel() for p in s.module.parameters()) for s in self.stages]
         table = format_stage_table(title, self.units, partition, self.comm, self.devices, params,
-                                   self.shared_parameters(), self.plan.costs == "measure",
+                                   self.shared_parameters(), self.plan.costs != "none",
                                    self.link)
         if self.plan.schedule == "async-1f1b" and self.executor is not None:
             table += "\n" + self._weight_copies_line()

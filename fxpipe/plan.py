@@ -29,7 +29,7 @@ CONSISTENCY_POLICIES = ("none", "stash", "2bw", "predict")
 DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
 _FORMAT, _VERSION = "fxpipe.plan", 1
-COSTS = ("measure", "none")
+COSTS = ("measure", "fit", "none")
 TIMED_PARTITIONERS = ("balanced", "ampa", "imd", "csimd", "exact")  # need measured costs
 
 
@@ -64,7 +64,7 @@ class Plan:
     leaf_modules: Sequence[type[torch.nn.Module] | str] = ()
     concrete_args: Mapping[str, Any] | None = None
     unit_depth: int | None = None
-    costs: str = "measure"  # measure: profile every unit; none: structure only (no times)
+    costs: str = "measure"  # measure: profile units; fit: and model α·FLOPs+β; none: no times
     link: tuple[float, float] | str | None = None  # (latency s, bandwidth B/s), or "measure"
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole

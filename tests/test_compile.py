@@ -208,3 +208,14 @@ def test_step_without_a_target_says_where_the_target_goes():
     with pytest.raises(fxpipe.FxpipeError, match=r"then the target as its last positional "
                                                  r"argument: pipe.step\(x, target\)"):
         pipe.step(x)
+
+
+def test_costs_fit_times_two_sizes_and_models_time_by_flops():
+    model = MLP()
+    x = torch.randn(16, 32)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, costs="fit"),
+                          example_inputs=(x,), cache=False)
+    assert {4.0, 8.0} <= set(pipe.cost.sizes.tolist())  # measured at 8 and 4 samples
+    assert len(pipe.cost.sizes) > 2  # tabulated at every B/p
+    assert pipe.partition.predicted_time > 0
+    torch.testing.assert_close(pipe(x), model(x))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxpipe.cost import CostTable, Link, Partition
+from fxpipe.cost import CostTable, Link, Partition, fit_to_flops
 from fxpipe.passes.analysis.comm import default_link
 
 
@@ -75,3 +75,37 @@ def test_measured_link_between_cpu_stages_is_free():
     pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, link="measure", costs="none"),
                           example_inputs=(torch.randn(2, 32),))
     assert pipe.link.time(1e6) == 0.0 and "measured" in pipe.link.source
+
+
+@given(st.lists(st.tuples(st.floats(1e-9, 1e-6), st.floats(0, 1e-3), st.integers(0, 3)),
+                min_size=1, max_size=5),
+       st.sampled_from([[4, 16], [2, 8, 32], [1, 32]]))
+def test_a_flop_fit_recovers_affine_times_at_every_micro_batch_size(units, measured):
+    """Units whose time is exactly α·FLOPs(m) + β (FLOPs ∝ m^k, k = 0 for free units): the
+    fitted table gives that time at sizes never measured, where interpolation would not."""
+    alpha = np.array([a for a, _, _ in units])
+    beta = np.array([b for _, b, _ in units])
+    power = np.array([k for _, _, k in units])
+
+    def flops(m):
+        return np.where(power > 0, 1e6 * float(m) ** power, 0.0)
+
+    sizes = np.array(measured, dtype=float)
+    times = np.array([alpha * flops(m) + beta for m in sizes])
+    cost = CostTable.from_arrays(times, times / 2, sizes=sizes, batch=32)
+    fitted = fit_to_flops(cost, flops)
+    for p in (1, 3, 5, 32):
+        m = 32 / p  # the mean micro-batch size, where at(p) evaluates
+        f, b, _, _ = fitted.at(p)
+        want = alpha * flops(m) + beta
+        np.testing.assert_allclose(f, want, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(b, want / 2, rtol=1e-6, atol=1e-12)
+    if np.any(power >= 2):  # where interpolating the measured rows would be wrong
+        between = 32 / 3
+        assert not np.allclose(cost.at(3)[0], alpha * flops(between) + beta, rtol=1e-3)
+
+
+def test_a_flop_fit_needs_the_mini_batch_size():
+    cost = CostTable.from_arrays([[1.0], [2.0]], [[1.0], [2.0]], sizes=[1, 2])
+    with pytest.raises(ValueError, match=r"needs CostTable\.batch"):
+        fit_to_flops(cost, lambda m: np.array([float(m)]))

@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.batching import input_dims, resize
-from fxpipe.cost import CostTable, Link
+from fxpipe.cost import CostTable, Link, fit_to_flops
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.ir import ValueRef
 from fxpipe.meta import SHAPE, ValueInfo
@@ -26,6 +26,7 @@ from fxpipe.passes.analysis.profile import (
     unit_parameters,
 )
 from fxpipe.passes.analysis.shape import annotate_shapes, preserved_state, record_values
+from fxpipe.passes.analysis.symbolic import flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
 from fxpipe.trace import trace
@@ -225,7 +226,10 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
                             devices[0], cache=cache, threads=threads, concurrency=concurrency,
                             whole=whole)
-    return cost_table(profile, link, batch, names)
+    cost = cost_table(profile, link, batch, names)
+    if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
+        cost = fit_to_flops(cost, flops_of_units(gm, units, flat, whole))
+    return cost
 
 
 def profile_sizes(batch: int, plan: Plan) -> list[int]:
@@ -234,7 +238,10 @@ def profile_sizes(batch: int, plan: Plan) -> list[int]:
     proportional to micro-batch size and the planner must see it at every size it considers."""
     if plan.micro_batches == "auto" or plan.partitioner == "csimd":
         return sorted({batch} | {2 ** k for k in range(batch.bit_length()) if 2 ** k <= batch})
-    return [-(-batch // plan.micro_batches)]  # the largest micro-batch, ceil(B / p)
+    largest = -(-batch // plan.micro_batches)  # the largest micro-batch, ceil(B / p)
+    if plan.costs == "fit":  # a line needs two points
+        return sorted({largest, max(1, largest // 2)} if largest > 1 else {1, min(2, batch)})
+    return [largest]
 
 
 def stage_link(plan: Plan, devices: Sequence[str]) -> Link:

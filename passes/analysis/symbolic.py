@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import numpy as np
 import sympy
 import torch
 from torch import fx
@@ -25,7 +26,8 @@ from fxpipe.meta import SYMBOLIC, ValueInfo
 from fxpipe.passes.analysis.shape import record_values
 from fxpipe.units import Unit
 
-__all__ = ["BATCH", "SEQ", "SYMBOLIC", "SymbolicCost", "annotate_symbolic", "unit_flops"]
+__all__ = ["BATCH", "SEQ", "SYMBOLIC", "SymbolicCost", "annotate_symbolic", "flops_of_units",
+           "unit_flops"]
 
 BATCH = sympy.Symbol("b", positive=True, integer=True)
 SEQ = sympy.Symbol("s", positive=True, integer=True)
@@ -78,6 +80,17 @@ def unit_flops(gm: fx.GraphModule, units: Sequence[Unit]) -> list[sympy.Expr]:
     nodes = {n.name: n for n in gm.graph.nodes}
     return [sympy.expand(sum((nodes[name].meta[SYMBOLIC].flops for name in unit.nodes),
                              sympy.Integer(0))) for unit in units]
+
+
+def flops_of_units(gm: fx.GraphModule, units: Sequence[Unit], flat_inputs: Sequence[Any],
+                   whole: Collection[int] = ()) -> Callable[[float], np.ndarray]:
+    """Annotate `gm` and return m -> the (K,) FLOPs of each unit at micro-batch size m (the
+    sequence length stays the example's)."""
+    annotate_symbolic(gm, flat_inputs, whole)
+    seq = input_dims(flat_inputs, whole).seq or 1
+    exprs = [e.subs(SEQ, seq) for e in unit_flops(gm, units)]
+    evaluate = sympy.lambdify(BATCH, exprs, "numpy")
+    return lambda m: np.array([float(v) for v in evaluate(m)], dtype=np.float64)
 
 
 # --- symbolic shapes by probing ---------------------------------------------------------------
