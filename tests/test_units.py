@@ -10,6 +10,8 @@ from nets import networks
 import fxpipe
 from fxpipe.meta import UNIT
 from fxpipe.models import GPT, MLP, ResNet
+from fxpipe.trace import trace
+from fxpipe.units import cut_units
 
 
 def _names(model, x, **plan):
@@ -33,6 +35,18 @@ def test_units_are_contiguous_and_cover_every_compute_node(case):
         seen = [name for unit in units for name in unit.nodes]
         assert len(seen) == len(set(seen))
         assert [u.index for u in units] == list(range(len(units)))
+        traced = trace(model, inputs, {}, fxpipe.Plan(stages=1, tracer=frontend))
+        cut = cut_units(traced.gm, None, traced.leaf_paths)
+        order = [n.name for n in traced.gm.graph.nodes]
+        compute = {n.name for n in traced.gm.graph.nodes
+                   if n.op in ("call_module", "call_function", "call_method")}
+        assert compute <= set(seen)  # every compute node is in a unit
+        position = {name: i for i, name in enumerate(order)}
+        for unit in cut:  # in graph order, one unit after another
+            assert [position[n] for n in unit.nodes] == sorted(position[n] for n in unit.nodes)
+        firsts = [min(position[n] for n in u.nodes) for u in cut]
+        lasts = [max(position[n] for n in u.nodes) for u in cut]
+        assert all(a < b for a, b in zip(lasts, firsts[1:]))
 
 
 def test_leaf_modules_are_one_unit_each():
