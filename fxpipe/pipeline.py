@@ -189,10 +189,13 @@ class CompiledPipeline(torch.nn.Module):
 
     def save_trace(self, path: str | os.PathLike) -> None:
         """Write the last run's measured timeline and the predicted one as Chrome/Perfetto
-        trace JSON (open it at ui.perfetto.dev or chrome://tracing)."""
-        measured = self.full_trace("save_trace()")
-        trace = chrome_trace({"measured": measured,
-                              "predicted": self.predicted_timeline().events})
+        trace JSON (open it at ui.perfetto.dev or chrome://tracing); with pipeline groups,
+        one measured process per group (every rank of the job must call it)."""
+        self.full_trace("save_trace()")  # something has run
+        groups = self.executor.job_trace()
+        measured = ({"measured": groups[0]} if len(groups) == 1 else
+                    {f"measured, group {g}": groups[g] for g in sorted(groups)})
+        trace = chrome_trace({**measured, "predicted": self.predicted_timeline().events})
         if self._speaks():
             pathlib.Path(path).write_text(json.dumps(trace))
 

@@ -106,13 +106,25 @@ class DistCoordinator:
         return data.cpu()
 
     def gather_events(self, events, origin):
-        mine = [(e.stage, str(e.action), origin + e.start, origin + e.end) for e in events]
-        everyone: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, mine, group=self.group)
+        return self._gathered(events, origin, self.group)[self.group_index]
+
+    def gather_job_events(self, events, origin):
+        return self._gathered(events, origin, None)
+
+    def _gathered(self, events, origin, group) -> dict[int, list[Event]]:
+        """Events of the ranks of `group` (None: the job) by pipeline group, on one time axis
+        from the earliest start among them."""
+        mine = [(self.group_index, e.stage, str(e.action), origin + e.start, origin + e.end)
+                for e in events]
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
         flat = [item for share in everyone for item in share]
-        start = min((item[2] for item in flat), default=0.0)
-        return sorted((Event(stage, Action.parse(action), a - start, b - start)
-                       for stage, action, a, b in flat), key=lambda e: (e.stage, e.start))
+        start = min((item[3] for item in flat), default=0.0)
+        by_group: dict[int, list[Event]] = {self.group_index: []}
+        for g, stage, action, a, b in flat:
+            by_group.setdefault(g, []).append(Event(stage, Action.parse(action), a - start,
+                                                    b - start))
+        return {g: sorted(evs, key=lambda e: (e.stage, e.start)) for g, evs in by_group.items()}
 
     def drain_events(self):
         if self.sync is None:

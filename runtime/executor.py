@@ -69,6 +69,10 @@ class Coordinator(Protocol):
         """Every stage's events of the last run (each rank's own under torchrun: a collective)
         on one time axis, seconds from the earliest start."""
 
+    def gather_job_events(self, events: list[Event], origin: float) -> dict[int, list[Event]]:
+        """As gather_events, for every pipeline group of the job (a collective over all
+        ranks), keyed by group."""
+
 
 class LocalCoordinator:
     """Every stage in this process: nothing to share."""
@@ -90,6 +94,9 @@ class LocalCoordinator:
 
     def gather_events(self, events, origin):
         return events
+
+    def gather_job_events(self, events, origin):
+        return {0: events}
 
 
 class PipelineExecutor:
@@ -264,6 +271,10 @@ class PipelineExecutor:
         """The last run's actions of every stage of this pipeline (under torchrun every rank of
         the pipeline must call it: the ranks exchange their traces)."""
         return self.coordinator.gather_events(list(self._trace), self.trace_origin)
+
+    def job_trace(self) -> dict[int, list[Event]]:
+        """full_trace for every pipeline group of the job (every rank of the job must call it)."""
+        return self.coordinator.gather_job_events(list(self._trace), self.trace_origin)
 
     def in_flight(self) -> list[int]:
         return [runner.in_flight for runner in self.runners.values()]

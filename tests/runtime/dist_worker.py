@@ -129,6 +129,7 @@ def hybrid(mode, out):
         optimizer.step()
     events = [(str(e.action), e.action.kind.name, pipe.executor.trace_origin + e.start,
                pipe.executor.trace_origin + e.end) for e in pipe.last_trace()]
+    pipe.save_trace(str(out).removesuffix(".pt") + ".json")  # every rank of the job takes part
     share = {"rank": dist.get_rank(), "state": {k: v.clone() for k, v in
                                                  pipe.state_dict().items()},
              "events": events, "losses": losses}

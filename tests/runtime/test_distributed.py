@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -97,3 +98,11 @@ def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, tmp_pa
         assert reduce_start < backward_end
     else:
         assert reduce_start > backward_end
+    trace = json.loads(out.with_suffix(".json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert sorted(processes.values()) == ["measured, group 0", "measured, group 1", "predicted"]
+    for pid, name in processes.items():  # every rank's all-reduce, on its stage's track
+        if name.startswith("measured"):
+            reduced = {e["tid"] for e in trace if e["ph"] == "X" and e["pid"] == pid
+                       and e["cat"] == "ALLREDUCE"}
+            assert reduced == {0, 1}, name
