@@ -30,12 +30,13 @@ def _bert():
     return transformers.BertForMaskedLM(config)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("build", [_gpt2, _bert], ids=["gpt2", "bert"])
-def test_hf_model_compiles_through_export_and_matches(build):
+def test_hf_model_compiles_through_export_and_matches(build, stages):
     model = build().double()
     reference = copy.deepcopy(model)
     idx = torch.randint(0, 128, (4, 12))
-    plan = fxpipe.Plan(stages=3, micro_batches=2, costs="none")
+    plan = fxpipe.Plan(stages=stages, micro_batches=2, costs="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(idx,))
     assert pipe.frontend == "export"  # transformers 5 models do not fx-trace; auto falls back
     assert pipe.shared_parameters()  # tied input/output embeddings
@@ -45,3 +46,29 @@ def test_hf_model_compiles_through_export_and_matches(build):
     expected.logits.square().mean().backward()
     for (name, p), q in zip(pipe.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-12, msg=name)
+
+
+
+def test_hf_gpt2_trains_like_the_plain_model():
+    model = _gpt2().double()
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 128, (4, 12), generator=gen) for _ in range(3)]
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    plan = fxpipe.Plan(stages=2, micro_batches=2, schedule="1f1b", loss_fn=loss_fn,
+                       costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(batches[0],))
+    ours = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    theirs = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for idx in batches:
+        ours.zero_grad()
+        pipe.step(idx, idx)
+        ours.step()
+        theirs.zero_grad()
+        loss_fn(reference(idx), idx).backward()
+        theirs.step()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11, msg=name)
