@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["GATHER", "SHAPE", "SHARD", "STAGE", "SYMBOLIC", "UNIT", "TensorInfo", "ValueInfo"]
+__all__ = ["COMM", "GATHER", "PROFILE", "SHAPE", "SHARD", "STAGE", "SYMBOLIC", "UNIT", "TensorInfo",
+           "ValueInfo"]
 
 SHAPE = "fxpipe.shape"  # ValueInfo: what the node produces (shape pass)
 UNIT = "fxpipe.unit"  # int: index of the partitionable unit the node belongs to
@@ -16,6 +17,8 @@ STAGE = "fxpipe.stage"  # int: pipeline stage the node runs on (rewrite pass)
 SYMBOLIC = "fxpipe.symbolic"  # SymbolicCost: FLOPs, bytes and shapes in b, s (symbolic pass)
 SHARD = "fxpipe.shard"  # ShardTag: merged chain, shard and device a node runs on (split_merge pass)
 GATHER = "fxpipe.gather"  # int: merged chain whose pieces a `cat` node gathers (split_merge pass)
+PROFILE = "fxpipe.profile"  # UnitTiming: measured times of the node's unit (profile pass)
+COMM = "fxpipe.comm"  # ValueTransfer: time to send the node's value to a later unit (comm pass)
 
 _DTYPE_ABBREVIATIONS = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",

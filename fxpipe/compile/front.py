@@ -17,10 +17,11 @@ from fxpipe.cost import CostTable, Link, fit_to_flops
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.ir import ValueRef
 from fxpipe.meta import SHAPE, ValueInfo
-from fxpipe.passes.analysis.comm import default_link, measure_local_link
+from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
     ProfileCache,
+    annotate_profile,
     default_cache_dir,
     profile_units,
     unit_parameters,
@@ -226,6 +227,8 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
                             devices[0], cache=cache, threads=threads, concurrency=concurrency,
                             whole=whole)
+    annotate_profile(gm, units, profile)
+    annotate_comm(gm, link)
     cost = cost_table(profile, link, batch, names)
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
         cost = fit_to_flops(cost, flops_of_units(gm, units, flat, whole))

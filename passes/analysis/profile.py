@@ -30,10 +30,18 @@ from torch import fx
 
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
+from fxpipe.meta import PROFILE
 from fxpipe.passes.analysis.shape import preserved_state
+from fxpipe.units import Unit
 
 __all__ = [
-    "ProfileCache", "UnitProfile", "default_cache_dir", "profile_units", "unit_parameters",
+    "ProfileCache",
+    "UnitProfile",
+    "UnitTiming",
+    "annotate_profile",
+    "default_cache_dir",
+    "profile_units",
+    "unit_parameters",
 ]
 
 _FORMAT = 4  # bump when the cached record changes (or how it is measured)
@@ -65,6 +73,30 @@ class UnitProfile:
         fields = {f.name for f in dataclasses.fields(cls)} - {"cached", "sizes", "device"}
         arrays = {k: np.asarray(data[k], dtype=np.float64) for k in fields}
         return cls(tuple(data["sizes"]), device=data["device"], cached=True, **arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitTiming:
+    """What the profile measured for one unit, at each micro-batch size (seconds, bytes)."""
+
+    unit: int
+    sizes: tuple[int, ...]
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    peak_bytes: tuple[float, ...]  # NaN on the CPU
+
+
+def annotate_profile(gm: fx.GraphModule, units: Sequence[Unit], profile: UnitProfile) -> None:
+    """Write each unit's UnitTiming under node.meta[PROFILE] for every node of the unit."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for unit in units:
+        k = unit.index
+        timing = UnitTiming(k, tuple(profile.sizes), *(tuple(float(v) for v in table[:, k])
+                            for table in (profile.forward, profile.backward,
+                                          profile.activation_bytes, profile.peak_bytes)))
+        for name in unit.nodes:
+            nodes[name].meta[PROFILE] = timing
 
 
 def default_cache_dir() -> pathlib.Path:
