@@ -52,7 +52,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = 10, warmup: int = 2, progress: bool = True) -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
-    call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time."""
+    call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time. Each
+    configuration times its units afresh right before its steps (no disk cache): a shared
+    machine's speed drifts over minutes, and a prediction is only as good as its timings."""
     rows = []
     configs = [(p, s) for p in partitioners for s in schedules]
     for index, (partitioner, schedule) in enumerate(configs, 1):
@@ -65,7 +67,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         count = "auto" if partitioner == "csimd" else micro_batches  # csimd chooses p itself
         plan = Plan(stages=stages, partitioner=partitioner, schedule=schedule,
                     micro_batches=count, loss_fn=loss_fn)
-        pipe = compile(model, plan, example_inputs=(x,))
+        pipe = compile(model, plan, example_inputs=(x,), cache=False)
         for _ in range(warmup):
             pipe.step(x, y)
         times = []
