@@ -19,6 +19,7 @@ import torch
 from fxpipe.compile import compile
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_table
+from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.plan import Plan
 from fxpipe.report import step_time
 
@@ -40,8 +41,8 @@ class BenchRow:
     measured_ms: float  # median of the timed steps
     predicted_bubble: float
     measured_bubble: float
-    memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the CUDA peak
-    memory_kind: str = "estimate"  # or "peak" (measured)
+    memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the measured peak
+    memory_kind: str = "estimate"  # or "peak" (measured: per device, or per rank on the CPU)
 
     @property
     def ratio(self) -> float:
@@ -83,6 +84,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         if on_cuda:
             memory = tuple(float(torch.cuda.max_memory_allocated(d)) for d in pipe.devices)
             kind = "peak"
+        elif 1 < _world_size() == stages:  # one stage per process: a process's memory is a stage's
+            memory, kind = _rank_peaks(pipe, x, y), "peak"
         rows.append(BenchRow(partitioner, schedule, tuple(pipe.partition.sizes),
                              pipe.partition.micro_batches, predicted.makespan * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
@@ -110,7 +113,9 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
     kinds = {r.memory_kind for r in rows}
-    memory = "memory per stage" + (" (estimate)" if kinds == {"estimate"} else "")
+    memory = {frozenset({"peak"}): "peak memory per stage",
+              frozenset({"estimate"}): "memory per stage (estimate)"}.get(
+        frozenset(kinds), "memory per stage (peak or estimate)")
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
               "meas/pred", "bubble pred", "bubble meas", memory]
     table = [[r.partitioner, r.schedule, "+".join(map(str, r.sizes)), r.micro_batches,
@@ -155,6 +160,26 @@ def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
 def rows_to_json(path: str, rows: Sequence[BenchRow]) -> None:
     with open(path, "w") as handle:
         json.dump([dataclasses.asdict(r) for r in rows], handle)
+
+
+def _rank_peaks(pipe: torch.nn.Module, x: Any, y: Any) -> tuple[float, ...]:
+    """Every rank's peak memory on the CPU, in rank order: what its stage holds between steps
+    (parameters, buffers, gradients) plus the most one more step allocates above that
+    (torch.profiler's allocation log; the allocator keeps no peak on the CPU)."""
+    held = sum(t.nbytes for t in pipe.state_dict().values() if isinstance(t, torch.Tensor))
+    held += sum(p.grad.nbytes for p in pipe.parameters() if p.grad is not None)
+    with PeakMemory("cpu") as peaks, peaks.span("step"):
+        pipe.step(x, y)
+    mine = float(held + peaks.result["step"])
+    everyone: list[Any] = [None] * _world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return tuple(everyone)
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
 
 
 def _barrier() -> None:

@@ -60,6 +60,7 @@ class CostTable:
     names: tuple[str, ...] = ()
     param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
+    peak_bytes: np.ndarray | None = None  # (M, K) most a unit's forward or backward allocates
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -84,6 +85,8 @@ class CostTable:
         object.__setattr__(self, "param_bytes", np.asarray(param_bytes, float))
         saved = np.zeros(shape) if self.activation_bytes is None else self.activation_bytes
         object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
+        peak = saved if self.peak_bytes is None else np.nan_to_num(self.peak_bytes)  # unmeasured
+        object.__setattr__(self, "peak_bytes", np.atleast_2d(np.asarray(peak, float)))
 
     @classmethod
     def from_arrays(
@@ -98,6 +101,7 @@ class CostTable:
         params: Sequence[float] | None = None,
         param_bytes: Sequence[float] | None = None,
         activation_bytes: Sequence[float] | np.ndarray | None = None,
+        peak_bytes: Sequence[float] | np.ndarray | None = None,
     ) -> CostTable:
         """A table from plain arrays: 1-D (the same at every p) or 2-D (one row per size)."""
         f = np.atleast_2d(np.asarray(f, dtype=np.float64))
@@ -109,7 +113,7 @@ class CostTable:
                 raise ValueError("a CostTable with several rows needs the micro-batch `sizes`")
             sizes = [1.0]
         return cls(f, b, cf, cb, np.asarray(sizes, float), batch, params, (), param_bytes,
-                   activation_bytes)
+                   activation_bytes, peak_bytes)
 
     @property
     def units(self) -> int:
@@ -119,6 +123,12 @@ class CostTable:
         """(K,) bytes each unit saves for backward per micro-batch, at micro-batch count p."""
         return np.maximum(self._interpolation(np.array([float(p)]))[0] @ self.activation_bytes,
                           0.0)
+
+    def transient_bytes(self, p: int) -> np.ndarray:
+        """(K,) bytes each unit allocates at its peak beyond what it keeps for backward (its
+        workspace, outputs and gradients), per micro-batch at micro-batch count p."""
+        weights = self._interpolation(np.array([float(p)]))[0]
+        return np.maximum(weights @ self.peak_bytes - weights @ self.activation_bytes, 0.0)
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -191,12 +201,13 @@ class Partition:
         """Score `bounds` with the closed-form model of ALGORITHMS §1.
 
         The memory estimate per stage counts weights, gradients and `optimizer_slots` more
-        copies (2: Adam's moments), plus the activations of the micro-batches in flight: p for
-        gpipe, at most N − s on stage s for the 1F1B schedules.
+        copies (2: Adam's moments), plus the activations of the micro-batches in flight (p for
+        gpipe, at most N − s on stage s for the 1F1B schedules), plus the largest measured
+        transient allocation of one of its units.
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
-        saved = cost.saved_bytes(p)
+        saved, transient = cost.saved_bytes(p), cost.transient_bytes(p)
         starts = (0, *bounds[:-1])
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
@@ -210,7 +221,8 @@ class Partition:
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
-                weights + in_flight * float(saved[start:end].sum()),
+                weights + in_flight * float(saved[start:end].sum())
+                + float(transient[start:end].max()),
             ))
         time, rho_f, rho_b = _closed_form(stages, p)
         busy = p * sum(s.f + s.b for s in stages)
@@ -252,7 +264,8 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray]) -> CostT
     return dataclasses.replace(
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
-        activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0))
+        activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
+        peak_bytes=np.maximum(links @ cost.peak_bytes, 0.0))
 
 
 def _affine_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

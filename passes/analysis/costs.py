@@ -23,4 +23,5 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         names=tuple(names),
         param_bytes=profile.param_bytes,
         activation_bytes=profile.activation_bytes,
+        peak_bytes=profile.peak_bytes,
     )

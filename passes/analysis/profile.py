@@ -3,7 +3,8 @@
 Each unit runs alone, as the rewrite pass cuts it when every unit is a stage of its own, on the
 outputs of the units before it: warm-up runs, then repeats, and the median counts. Inputs that
 carry gradients in training get them here too, so a unit's backward includes its input gradient
-as it will in a pipeline stage. Nothing is left behind on the model: gradients accumulate into
+as it will in a pipeline stage. One more, untimed, repetition measures each unit's peak memory
+(`memory.PeakMemory`). Nothing is left behind on the model: gradients accumulate into
 zeroed .grad (as in a stage) and the parameters' own .grad, buffers and random number
 generators are restored afterwards. Results are cached on disk by (model signature, device,
 micro-batch sizes, repeats), so compiling the same model twice measures it once.
@@ -31,6 +32,7 @@ from torch import fx
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
 from fxpipe.meta import PROFILE
+from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.passes.analysis.shape import preserved_state
 from fxpipe.units import Unit
 
@@ -44,7 +46,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 4  # bump when the cached record changes (or how it is measured)
+_FORMAT = 5  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,7 +59,7 @@ class UnitProfile:
     boundary_bytes: np.ndarray  # (M, K): values crossing the cut after unit i
     boundary_grad_bytes: np.ndarray  # (M, K): their gradients (floating values only)
     activation_bytes: np.ndarray  # (M, K): tensors the unit saves for its backward
-    peak_bytes: np.ndarray  # (M, K): CUDA's peak allocation during the unit; NaN on the CPU
+    peak_bytes: np.ndarray  # (M, K): most allocated above the start of its forward or backward
     param_bytes: np.ndarray  # (K,)
     params: np.ndarray  # (K,) parameter counts (a tied weight counts in its first unit)
     device: str
@@ -84,7 +86,7 @@ class UnitTiming:
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     activation_bytes: tuple[float, ...]
-    peak_bytes: tuple[float, ...]  # NaN on the CPU
+    peak_bytes: tuple[float, ...]  # most allocated above the start of its forward or backward
 
 
 def annotate_profile(gm: fx.GraphModule, units: Sequence[Unit], profile: UnitProfile) -> None:
@@ -170,11 +172,15 @@ def profile_units(
                 _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads):
             rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
                              device, warmup, repeats) for size in sizes]
+        with preserved_state(graph), _gradients_set_aside(graph):
+            peaks = [_peak_bytes(graph, table, _on(resize(flat_inputs, dims, size), device),
+                                 device) for size in sizes]
     finally:
         torch.set_num_threads(previous_threads)
-    forward, backward, crossing, crossing_grad, saved, peak = (np.array(r, dtype=float)
-                                                               for r in zip(*rows))
-    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, peak,
+    forward, backward, crossing, crossing_grad, saved = (np.array(r, dtype=float)
+                                                         for r in zip(*rows))
+    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
+                          np.array(peaks, dtype=float),
                           param_bytes, params, device)
     if cache is not None:
         cache.put(key, profile)
@@ -225,8 +231,19 @@ class _Load:
             thread.join()
 
 
-def _measure(graph, table, inputs, device, warmup, repeats):
-    """One micro-batch size: per-unit forward, backward, crossing and saved bytes.
+def _peak_bytes(graph, table, inputs, device) -> list[float]:
+    """One untimed repetition measuring each unit's peak memory, the larger of its forward's
+    and its backward's (the memory profiler slows what it watches, so it times nothing)."""
+    with PeakMemory(device) as peaks:
+        _measure(graph, table, inputs, device, 0, 1, peaks)
+    units = range(len(table.stages))
+    forward = [peaks.result.get(f"{i}.forward", float("nan")) for i in units]
+    return [max(f, peaks.result.get(f"{i}.backward", 0.0)) for i, f in zip(units, forward)]
+
+
+def _measure(graph, table, inputs, device, warmup, repeats, peaks=None):
+    """One micro-batch size: per-unit forward, backward, crossing and saved bytes; with
+    `peaks` (a PeakMemory), each unit's forward and backward also run in its named spans.
 
     Each repetition runs the units as training does, all forwards in order, then all backwards
     in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
@@ -239,20 +256,15 @@ def _measure(graph, table, inputs, device, warmup, repeats):
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
     saved = [0] * units
-    peak = [float("nan")] * units
-    cuda = torch.device(device).type == "cuda"
+    span = peaks.span if peaks is not None else lambda name: contextlib.nullcontext()
     for rep in range(warmup + repeats):
         env = dict(zip(table.graph_inputs, inputs))
         pending = []
         for i, (io, module) in enumerate(zip(table.stages, modules)):
             args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            with _SavedBytes(module) as counted:
+            with _SavedBytes(module) as counted, span(f"{i}.forward"):
                 outputs, seconds = timer(module, *args)
             saved[i] = counted.nbytes
-            if cuda:
-                peak[i] = float(torch.cuda.max_memory_allocated(device))
             wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             wants += [p for p in module.parameters() if p.requires_grad]
             pending.append((outputs, wants))
@@ -267,13 +279,14 @@ def _measure(graph, table, inputs, device, warmup, repeats):
             if grads_for and wants:
                 ones = [torch.ones_like(o) for o in grads_for]
                 # accumulate into .grad as a pipeline stage does (the adds cost memory traffic)
-                _, b_seconds = timer(torch.autograd.backward, grads_for, ones, inputs=wants)
+                with span(f"{i}.backward"):
+                    _, b_seconds = timer(torch.autograd.backward, grads_for, ones, inputs=wants)
             if rep >= warmup:
                 b_times[i].append(b_seconds)
     forward = [statistics.median(t) for t in f_times]
     backward = [statistics.median(t) for t in b_times]
     crossing, crossing_grad = _crossing_bytes(table, env, units)
-    return forward, backward, crossing, crossing_grad, saved, peak
+    return forward, backward, crossing, crossing_grad, saved
 
 
 def _on(values: list[Any], device: str) -> list[Any]:

@@ -106,3 +106,21 @@ def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, tmp_pa
             reduced = {e["tid"] for e in trace if e["ph"] == "X" and e["pid"] == pid
                        and e["cat"] == "ALLREDUCE"}
             assert reduced == {0, 1}, name
+
+
+def test_bench_under_torchrun_measures_each_ranks_peak_memory():
+    from fxpipe.bench import bench_under_torchrun
+    from fxpipe.models import MLP
+
+    rows = bench_under_torchrun(2, ["mlp", "--stages", "2", "--batch", "8", "--micro-batches",
+                                    "2", "--partitioners", "even", "--schedules", "gpipe,1f1b",
+                                    "--repeats", "1"])
+    assert [(r.partitioner, r.schedule) for r in rows] == [("even", "gpipe"), ("even", "1f1b")]
+    whole_model = sum(p.nbytes for p in MLP().parameters())
+    for row in rows:
+        assert row.memory_kind == "peak" and len(row.memory) == 2
+        assert all(m > 0 for m in row.memory)
+        # each rank holds its stage's weights and their gradients, never the whole model twice
+        assert sum(row.memory) > 2 * whole_model
+        assert all(m < 2 * whole_model + 10e6 for m in row.memory)
+        assert row.measured_ms > 0 and row.predicted_ms > 0
