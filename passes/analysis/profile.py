@@ -46,7 +46,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 5  # bump when the cached record changes (or how it is measured)
+_FORMAT = 6  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,14 +173,13 @@ def profile_units(
             rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
                              device, warmup, repeats) for size in sizes]
         with preserved_state(graph), _gradients_set_aside(graph):
-            peaks = [_peak_bytes(graph, table, _on(resize(flat_inputs, dims, size), device),
-                                 device) for size in sizes]
+            memory = [_memory(graph, table, _on(resize(flat_inputs, dims, size), device),
+                              device) for size in sizes]
     finally:
         torch.set_num_threads(previous_threads)
-    forward, backward, crossing, crossing_grad, saved = (np.array(r, dtype=float)
-                                                         for r in zip(*rows))
-    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
-                          np.array(peaks, dtype=float),
+    forward, backward, crossing, crossing_grad = (np.array(r, dtype=float) for r in zip(*rows))
+    saved, peak = (np.array(r, dtype=float) for r in zip(*memory))
+    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, peak,
                           param_bytes, params, device)
     if cache is not None:
         cache.put(key, profile)
@@ -231,19 +230,22 @@ class _Load:
             thread.join()
 
 
-def _peak_bytes(graph, table, inputs, device) -> list[float]:
-    """One untimed repetition measuring each unit's peak memory, the larger of its forward's
-    and its backward's (the memory profiler slows what it watches, so it times nothing)."""
+def _memory(graph, table, inputs, device) -> tuple[list[float], list[float]]:
+    """One untimed repetition measuring each unit's memory: the bytes its forward saves for
+    backward, and its peak, the larger of its forward's and its backward's. Apart from the
+    timed runs, as both hooks and the memory profiler slow what they watch."""
+    saved: list[float] = []
     with PeakMemory(device) as peaks:
-        _measure(graph, table, inputs, device, 0, 1, peaks)
+        _measure(graph, table, inputs, device, 0, 1, peaks, saved)
     units = range(len(table.stages))
     forward = [peaks.result.get(f"{i}.forward", float("nan")) for i in units]
-    return [max(f, peaks.result.get(f"{i}.backward", 0.0)) for i, f in zip(units, forward)]
+    return saved, [max(f, peaks.result.get(f"{i}.backward", 0.0)) for i, f in zip(units, forward)]
 
 
-def _measure(graph, table, inputs, device, warmup, repeats, peaks=None):
-    """One micro-batch size: per-unit forward, backward, crossing and saved bytes; with
-    `peaks` (a PeakMemory), each unit's forward and backward also run in its named spans.
+def _measure(graph, table, inputs, device, warmup, repeats, peaks=None, saved=None):
+    """One micro-batch size: per-unit forward and backward times and crossing bytes. With
+    `peaks` (a PeakMemory), each unit's forward and backward also run in its named spans; with
+    `saved` (a list), the bytes each unit's forward saves for backward are appended to it.
 
     Each repetition runs the units as training does, all forwards in order, then all backwards
     in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
@@ -255,16 +257,17 @@ def _measure(graph, table, inputs, device, warmup, repeats, peaks=None):
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
-    saved = [0] * units
     span = peaks.span if peaks is not None else lambda name: contextlib.nullcontext()
+    counter = _SavedBytes if saved is not None else lambda module: contextlib.nullcontext()
     for rep in range(warmup + repeats):
         env = dict(zip(table.graph_inputs, inputs))
         pending = []
         for i, (io, module) in enumerate(zip(table.stages, modules)):
             args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
-            with _SavedBytes(module) as counted, span(f"{i}.forward"):
+            with counter(module) as counted, span(f"{i}.forward"):
                 outputs, seconds = timer(module, *args)
-            saved[i] = counted.nbytes
+            if saved is not None and rep == warmup + repeats - 1:
+                saved.append(float(counted.nbytes))
             wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             wants += [p for p in module.parameters() if p.requires_grad]
             pending.append((outputs, wants))
@@ -286,7 +289,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, peaks=None):
     forward = [statistics.median(t) for t in f_times]
     backward = [statistics.median(t) for t in b_times]
     crossing, crossing_grad = _crossing_bytes(table, env, units)
-    return forward, backward, crossing, crossing_grad, saved
+    return forward, backward, crossing, crossing_grad
 
 
 def _on(values: list[Any], device: str) -> list[Any]:
