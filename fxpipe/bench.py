@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from fxpipe.compile import compile
+from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_table
 from fxpipe.passes.analysis.memory import PeakMemory
@@ -103,9 +105,11 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
                    "--nproc-per-node", str(nproc), "-m", "fxpipe", "bench", *args,
                    "--rows-json", out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        result = subprocess.run(command, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise FxpipeError(f"the torchrun benchmark failed:\n{result.stderr[-2000:]}")
+        job = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+        errors = _relay_progress(job.stderr)
+        if job.wait() != 0:
+            raise FxpipeError(f"the torchrun benchmark failed:\n{errors[-2000:]}")
         with open(out) as handle:
             return [BenchRow(**{**row, "sizes": tuple(row["sizes"]),
                                 "memory": tuple(row["memory"])}) for row in json.load(handle)]
@@ -187,8 +191,31 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _relay_progress(stream) -> str:
+    """Show rank 0's progress bar from the torchrun job's stderr as it arrives; return the
+    rest (warnings, a traceback) for the error message, should the job fail."""
+    rest, pending, shown = [], "", False
+    while chunk := stream.read(1):
+        pending += chunk
+        if chunk not in "\r\n":
+            continue
+        line, pending = pending, ""
+        if _PROGRESS.fullmatch(line.strip()):
+            print("\r" + line.strip(), end="", file=sys.stderr, flush=True)
+            shown = True
+        elif line.strip():
+            rest.append(line)
+    if shown:
+        print(file=sys.stderr)
+    return "".join(rest) + pending
+
+
+_PROGRESS = re.compile(r"\[[#.]+\] \d+/\d+ .*")
+
+
 def _progress(index: int, total: int, label: str) -> None:
     width = 24
     done = int(width * (index - 1) / total)
-    print(f"\r[{'#' * done}{'.' * (width - done)}] {index}/{total} {label:<24}", end="",
-          file=sys.stderr, flush=True)
+    # under torchrun each update is a line of its own, for the parent to relay at once
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {index}/{total} {label:<24}",
+          end="\n" if launched() else "", file=sys.stderr, flush=True)

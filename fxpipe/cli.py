@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -59,7 +60,10 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def dist_rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    """This process's rank: from the process group, or from torchrun before it is joined."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def _plan(args: argparse.Namespace) -> None:

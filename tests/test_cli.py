@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import subprocess
 import sys
 
@@ -82,3 +83,16 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in rows)
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_of_a_torchrun_bench_is_relayed_and_the_rest_kept_for_errors(capsys):
+    from fxpipe.bench import _relay_progress
+
+    stderr = io.StringIO("\r[........] 1/2 even/gpipe\nUserWarning: something\n"
+                         "\r[####....] 2/2 even/1f1b\nTraceback: boom\n")
+    rest = _relay_progress(stderr)
+    shown = capsys.readouterr().err
+    assert "1/2 even/gpipe" in shown and "2/2 even/1f1b" in shown
+    assert "UserWarning" not in shown and "boom" not in shown
+    assert "UserWarning: something" in rest and "Traceback: boom" in rest
+    assert "1/2" not in rest
