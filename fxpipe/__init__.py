@@ -1,7 +1,7 @@
 """fxpipe: automatic pipeline parallelism for PyTorch models, as inspectable torch.fx passes."""
 
 from fxpipe import models
-from fxpipe.compile import Replan, compile, replan, units_of
+from fxpipe.compile import Replan, compile, replan, retime, units_of
 from fxpipe.cost import CostTable, Partition
 from fxpipe.distributed import gather_state_dict
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
@@ -21,6 +21,7 @@ __all__ = [
     "gather_state_dict",
     "models",
     "replan",
+    "retime",
     "units_of",
 ]
 __version__ = "0.1.0"

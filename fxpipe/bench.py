@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.compile import compile
+from fxpipe.compile import compile, retime
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_table
@@ -53,13 +53,20 @@ class BenchRow:
 
 def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
-          repeats: int = 10, warmup: int = 2, progress: bool = True) -> list[BenchRow]:
+          repeats: int = 10, warmup: int = 2, progress: bool = True,
+          rounds: int = 5, profile_repeats: int = 5) -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
-    call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time. Each
-    configuration times its units afresh right before its steps (no disk cache): a shared
-    machine's speed drifts over minutes, and a prediction is only as good as its timings."""
+    call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
+
+    A shared machine's speed drifts over seconds, and a prediction is only as good as the
+    timings it was made from. So the `repeats` timed steps are split into `rounds`, each right
+    after the units are timed afresh (`fxpipe.retime`, no disk cache): the prediction is the
+    median of the rounds' predictions, the measurement the median of all timed steps, and both
+    sample the machine over the same stretch of time. `profile_repeats`: timed runs of each
+    unit per round."""
     rows = []
     configs = [(p, s) for p in partitioners for s in schedules]
+    rounds = max(1, min(rounds, repeats))
     for index, (partitioner, schedule) in enumerate(configs, 1):
         if progress:
             _progress(index, len(configs), f"{partitioner}/{schedule}")
@@ -73,14 +80,17 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
         for _ in range(warmup):
             pipe.step(x, y)
-        times = []
-        for _ in range(repeats):
-            _barrier()
-            start = time.perf_counter()
-            pipe.step(x, y)
-            _barrier()
-            times.append(time.perf_counter() - start)
-        predicted = pipe.predicted_timeline()
+        predictions, times = [], []
+        for steps in _split(repeats, rounds):
+            fresh = retime(pipe, (x,), warmup=1, repeats=profile_repeats)
+            predictions.append(pipe.predicted_timeline(fresh))
+            for _ in range(steps):
+                _barrier()
+                start = time.perf_counter()
+                pipe.step(x, y)
+                _barrier()
+                times.append(time.perf_counter() - start)
+        predicted = sorted(predictions, key=lambda t: t.makespan)[(len(predictions) - 1) // 2]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
         memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
         if on_cuda:
@@ -95,6 +105,11 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     if progress:
         print(file=sys.stderr)
     return rows
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """`total` as `parts` near-equal positive counts."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:

@@ -93,6 +93,9 @@ def _bench(args: argparse.Namespace) -> None:
         else int(args.micro_batches)
     partitioners = args.partitioners.split(",")
     schedules = args.schedules.split(",")
+    for option, value in (("--repeats", args.repeats), ("--rounds", args.rounds)):
+        if value < 1:
+            raise FxpipeError(f"{option} {value}: give at least 1")
     _factory(args.model)  # an unknown model fails here, before any progress is shown
     title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
              f"{args.micro_batches}")
@@ -113,7 +116,8 @@ def _bench(args: argparse.Namespace) -> None:
             return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
 
         rows = bench(build, args.stages, micro_batches, partitioners, schedules,
-                     args.repeats, progress=not launched() or dist_rank() == 0)
+                     args.repeats, progress=not launched() or dist_rank() == 0,
+                     rounds=args.rounds)
         if launched():
             if args.rows_json and dist_rank() == 0:
                 rows_to_json(args.rows_json, rows)
@@ -281,7 +285,11 @@ def _parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--micro-batches", default="4")
     bench_cmd.add_argument("--partitioners", default="even,params,balanced,ampa,imd,csimd")
     bench_cmd.add_argument("--schedules", default="gpipe,1f1b")
-    bench_cmd.add_argument("--repeats", type=int, default=10)
+    bench_cmd.add_argument("--repeats", type=int, default=10, help="timed steps per "
+                                                                   "configuration")
+    bench_cmd.add_argument("--rounds", type=int, default=5,
+                           help="the timed steps come in this many rounds, each right after "
+                                "the units are timed again for the prediction")
     bench_cmd.add_argument("--nproc", type=int, help="run every configuration under torchrun "
                                                      "with this many processes (one stage each)")
     bench_cmd.add_argument("--input-shape", action="append")

@@ -142,9 +142,10 @@ class CompiledPipeline(torch.nn.Module):
         in seconds from its beginning."""
         return self.executor.last_trace() if self.executor is not None else []
 
-    def predicted_timeline(self) -> Timeline:
-        """The event simulator's timeline of the last run's schedule (or the plan's)."""
-        stages = self.partition.stages
+    def predicted_timeline(self, partition: Partition | None = None) -> Timeline:
+        """The event simulator's timeline of the last run's schedule (or the plan's), with the
+        stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`)."""
+        stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
         return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages])

@@ -53,6 +53,8 @@ def test_plan_needs_an_input_description(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "nosuch", "--stages", "2"], "'nosuch' is neither a bundled model"),
+    (["bench", "mlp", "--repeats", "0"], "--repeats 0: give at least 1"),
+    (["bench", "mlp", "--rounds", "0"], "--rounds 0: give at least 1"),
     (["plan", "mlp", "--stages", "2", "--input-shape", "4"],
      "the bundled model 'mlp' makes its own inputs: drop the flag"),
     (["plan", "fxpipe.models:MLP", "--stages", "2", "--input-shape", "4,x"],

@@ -219,3 +219,15 @@ def test_costs_fit_times_two_sizes_and_models_time_by_flops():
     assert len(pipe.cost.sizes) > 2  # tabulated at every B/p
     assert pipe.partition.predicted_time > 0
     torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_retime_scores_the_compiled_partition_with_fresh_timings():
+    model, x = MLP(), torch.randn(16, 32)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=4), example_inputs=(x,),
+                          cache=False)
+    fresh = fxpipe.retime(pipe, x)
+    assert fresh.bounds == pipe.partition.bounds
+    assert fresh.micro_batches == pipe.partition.micro_batches == 4
+    assert all(s.f > 0 and s.b > 0 for s in fresh.stages)
+    assert fresh.stages != pipe.partition.stages  # timed again, not read back
+    assert pipe.predicted_timeline(fresh).makespan > 0

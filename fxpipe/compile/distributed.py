@@ -16,6 +16,7 @@ from fxpipe.compile.front import (
     whole_positions,
 )
 from fxpipe.compile.partitioning import choose_partition
+from fxpipe.compile.retime import Timing
 from fxpipe.cost import Partition
 from fxpipe.distributed import rank_device, rank_layout
 from fxpipe.errors import PlanError
@@ -54,6 +55,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     threads = torch.get_num_threads()
     # every rank times the units at once, so the times include the ranks' contention for the
     # host's caches and memory; rank 0's table (and partition) is the one every rank uses
+    timing = Timing((device,), threads, 1)
     cost = measure_costs(traced.gm, units, flat, plan, [device], link,
                          cache if layout.rank == 0 else None, threads, whole=whole)
     if layout.rank == 0:
@@ -72,7 +74,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
                             cost, link)
     stage = pipe.stages[layout.stage]
     stage.to(device)
-    pipe.state_dict_keys = list(model.state_dict())
+    pipe.state_dict_keys, pipe.timing = list(model.state_dict()), timing
     pipe.restrict_to_stage(layout.stage, layout.rank)
     pipeline = _pipeline_group(layout)
     hook = pipe.stage_hook(layout.stage)

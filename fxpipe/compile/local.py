@@ -25,6 +25,7 @@ from fxpipe.compile.front import (
 )
 from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
 from fxpipe.compile.partitioning import choose_partition
+from fxpipe.compile.retime import Timing
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.passes.rewrite.stages import split_stages
@@ -71,8 +72,9 @@ def compile(
     check_batched_inputs(traced, plan, args, kwargs, whole)
     link = stage_link(plan, devices)
     threads = threads_per_stage(devices)
-    cost = measure_costs(traced.gm, units, flat, plan, devices, link, profile_cache(cache),
-                         threads, busy_stages(devices), whole)
+    timing = Timing(tuple(devices[:1]), threads, busy_stages(devices))
+    cost = measure_costs(traced.gm, units, flat, plan, list(timing.devices), link,
+                         profile_cache(cache), timing.threads, timing.concurrency, whole)
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []
     if plan.intra_layer is not None:
@@ -81,7 +83,7 @@ def compile(
     graph, comm = split_stages(gm, units, partition.bounds, devices)
     pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
                             cost, link)
-    pipe.intra_layer = splits
+    pipe.intra_layer, pipe.timing = splits, timing
     for name, stages in pipe.shared_parameters().items():
         places = sorted({torch.device(devices[s]) for s in stages}, key=str)
         if len(places) > 1:
