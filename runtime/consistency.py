@@ -197,29 +197,36 @@ class PredictPolicy(WeightPolicy):
 
 def predicted_update(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter,
                      last_grad: torch.Tensor | None = None) -> torch.Tensor:
-    """ΔW of PipeOptim's Table I from the optimizer's own state, as PyTorch computes it.
+    """ΔW of PipeOptim's Table I from the optimizer's own state, as PyTorch computes it (the
+    step is W -= lr·ΔW).
 
-    SGD: the momentum buffer (the last gradient without momentum), plus weight decay·W.
-    Adam: m̂ / (√v̂ + eps) (coupled weight decay is already in its moments).
-    AdamW: m̂ / (√v̂ + eps) + weight decay·W (decoupled). Others: the last gradient, warned once.
+    SGD: the momentum buffer, which already holds weight decay, dampening and `maximize`; with
+    `nesterov`, the gradient (weight decay added) plus momentum·buffer; without momentum, that
+    gradient. Adam: m̂ / (√v̂ + eps), with v̂ from the running maximum under `amsgrad` (coupled
+    weight decay and `maximize` are already in the moments). AdamW: the same, plus weight
+    decay·W (decoupled). Others: the last gradient, warned once.
     """
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     state = optimizer.state.get(param, {})
     if isinstance(optimizer, torch.optim.AdamW | torch.optim.Adam) and "exp_avg" in state:
         beta1, beta2 = group["betas"]
         steps = float(state["step"])
+        second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
         m_hat = state["exp_avg"] / (1 - beta1 ** steps)
-        v_hat = state["exp_avg_sq"] / (1 - beta2 ** steps)
+        v_hat = second / (1 - beta2 ** steps)
         update = m_hat / (v_hat.sqrt() + group["eps"])
         if isinstance(optimizer, torch.optim.AdamW) and group["weight_decay"]:
             update = update + group["weight_decay"] * param
         return update
     if isinstance(optimizer, torch.optim.SGD):
         buffer = state.get("momentum_buffer")
-        if buffer is not None:  # already holds weight decay and dampening, as SGD applies it
+        if buffer is not None and not group.get("nesterov"):
             return buffer
-        update = last_grad if last_grad is not None else torch.zeros_like(param)
-        return update + group["weight_decay"] * param if group["weight_decay"] else update
+        grad = last_grad if last_grad is not None else torch.zeros_like(param)
+        grad = -grad if group.get("maximize") else grad
+        if group["weight_decay"]:
+            grad = grad + group["weight_decay"] * param
+        return grad if buffer is None else grad + group["momentum"] * buffer
     _warn_fallback(type(optimizer).__name__)
     return last_grad if last_grad is not None else torch.zeros_like(param)
 

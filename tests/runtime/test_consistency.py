@@ -45,6 +45,51 @@ def test_momentum_prediction_uses_the_momentum_buffer():
     assert torch.equal(predicted_update(optimizer, param, grad), buffer)
 
 
+@pytest.mark.parametrize("kind, options", [
+    (torch.optim.SGD, {"lr": 0.1, "maximize": True, "weight_decay": 0.01}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5, "maximize": True}),
+    (torch.optim.Adam, {"lr": 0.01, "maximize": True}),
+])
+def test_maximize_predicts_the_step_the_optimizer_takes(kind, options):
+    """Under a constant gradient the optimizer's state settles; ΔW is then its next step
+    (exactly so without momentum), in the direction `maximize` gives it."""
+    grad = torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
+    param, optimizer = _optimizer_after_steps(kind, 2000, grad, **options)
+    update = predicted_update(optimizer, param, grad)
+    before = param.detach().clone()
+    param.grad = grad.clone()
+    optimizer.step()
+    torch.testing.assert_close(update, (before - param.detach()) / options["lr"], rtol=1e-3,
+                               atol=1e-9)
+
+
+def test_nesterov_prediction_adds_the_gradient_to_the_momentum_buffer():
+    grad = torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
+    param, optimizer = _optimizer_after_steps(torch.optim.SGD, 3, grad, lr=0.1, momentum=0.9,
+                                              nesterov=True, weight_decay=0.01)
+    buffer = optimizer.state[param]["momentum_buffer"]
+    expected = grad + 0.01 * param.detach() + 0.9 * buffer  # PyTorch's nesterov step
+    torch.testing.assert_close(predicted_update(optimizer, param, grad), expected)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_amsgrad_prediction_reads_the_running_maximum(kind):
+    param = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+    optimizer = kind([param], lr=0.01, betas=(0.9, 0.5), amsgrad=True)
+    for scale in (1.0, 0.5, 0.1, 0.05):  # shrinking gradients: the maximum outlives them
+        param.grad = scale * torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
+        optimizer.step()
+    state, (beta1, beta2) = optimizer.state[param], optimizer.param_groups[0]["betas"]
+    m_hat = state["exp_avg"] / (1 - beta1 ** 4)
+    eps = optimizer.param_groups[0]["eps"]
+    expected = m_hat / ((state["max_exp_avg_sq"] / (1 - beta2 ** 4)).sqrt() + eps)
+    without_max = m_hat / ((state["exp_avg_sq"] / (1 - beta2 ** 4)).sqrt() + eps)
+    assert not torch.allclose(expected, without_max)
+    if kind is torch.optim.AdamW:  # decoupled weight decay (0.01 by default)
+        expected = expected + optimizer.param_groups[0]["weight_decay"] * param.detach()
+    torch.testing.assert_close(predicted_update(optimizer, param, param.grad), expected)
+
+
 @pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
 def test_adam_prediction_follows_the_bias_corrected_moments(kind):
     grad = torch.tensor([0.3, -0.1, 0.7], dtype=torch.float64)
