@@ -79,6 +79,9 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "mlp: 2 stages, batch 8" in out and "memory per stage (estimate)" in out
+    for schedule in ("gpipe", "1f1b"):  # the best automatic partition against even, each
+        assert f"{schedule}: best automatic partition csimd (" in out
+    assert out.count("the speed of even") == 2
     rows = list(csv.DictReader(csv_path.open()))
     assert [(r["partitioner"], r["schedule"]) for r in rows] == [
         ("even", "gpipe"), ("even", "1f1b"), ("csimd", "gpipe"), ("csimd", "1f1b")]
