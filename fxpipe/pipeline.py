@@ -60,7 +60,7 @@ class CompiledPipeline(torch.nn.Module):
         vars(self).update(
             plan=plan, traced=traced, units=tuple(units), partition=partition, graph=graph,
             comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
-            link=link, executor=None, intra_layer=[],
+            link=link, executor=None, intra_layer=[], timing=None,  # timing: set by compile
         )
 
     @property

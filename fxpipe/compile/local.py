@@ -72,8 +72,8 @@ def compile(
     check_batched_inputs(traced, plan, args, kwargs, whole)
     link = stage_link(plan, devices)
     threads = threads_per_stage(devices)
-    timing = Timing(tuple(devices[:1]), threads, busy_stages(devices))
-    cost = measure_costs(traced.gm, units, flat, plan, list(timing.devices), link,
+    timing = Timing(devices[0], threads, busy_stages(devices))
+    cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          profile_cache(cache), timing.threads, timing.concurrency, whole)
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []

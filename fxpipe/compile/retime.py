@@ -19,9 +19,10 @@ __all__ = ["Timing", "retime"]
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """How compile timed the units: where, with how many threads, beside how many busy stages."""
+    """How compile timed the units: on which device, with how many threads, beside how many
+    busy stages."""
 
-    devices: tuple[str, ...]
+    device: str
     threads: int
     concurrency: int
 
@@ -35,7 +36,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     machine's speed drifts over seconds, so a prediction meant to be compared with measured
     steps is best made from timings taken right beside them. `warmup`, `repeats`: runs of
     each unit, the median of the repeats counts."""
-    timing: Timing | None = getattr(pipe, "timing", None)
+    timing: Timing | None = pipe.timing
     if timing is None:
         raise ValueError("retime() needs a pipeline made by fxpipe.compile")
     args, kwargs = example_args(example_inputs, example_kwargs)
@@ -43,7 +44,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     whole = pipe.executor.whole if pipe.executor is not None else ()
     plan = dataclasses.replace(pipe.plan, costs="measure") if pipe.plan.costs == "none" \
         else pipe.plan
-    cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, list(timing.devices),
+    cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, [timing.device],
                          pipe.link, None, timing.threads, timing.concurrency, whole, warmup,
                          repeats)
     if launched():

@@ -173,12 +173,11 @@ def profile_units(
             rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
                              device, warmup, repeats) for size in sizes]
         with preserved_state(graph), _gradients_set_aside(graph):
-            memory = [_memory(graph, table, _on(resize(flat_inputs, dims, size), device),
-                              device) for size in sizes]
+            saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
+                                                 for size in sizes], device)
     finally:
         torch.set_num_threads(previous_threads)
     forward, backward, crossing, crossing_grad = (np.array(r, dtype=float) for r in zip(*rows))
-    saved, peak = (np.array(r, dtype=float) for r in zip(*memory))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, peak,
                           param_bytes, params, device)
     if cache is not None:
@@ -230,22 +229,29 @@ class _Load:
             thread.join()
 
 
-def _memory(graph, table, inputs, device) -> tuple[list[float], list[float]]:
-    """One untimed repetition measuring each unit's memory: the bytes its forward saves for
-    backward, and its peak, the larger of its forward's and its backward's. Apart from the
-    timed runs, as both hooks and the memory profiler slow what they watch."""
-    saved: list[float] = []
+def _memory(graph, table, inputs_per_size, device) -> tuple[np.ndarray, np.ndarray]:
+    """One untimed repetition per micro-batch size measuring each unit's memory, in one memory
+    profiler session: the bytes its forward saves for backward, and its peak, the larger of
+    its forward's and its backward's. Apart from the timed runs, as both hooks and the memory
+    profiler slow what they watch. Returns (saved, peak), each (sizes, units)."""
+    saved: list[list[float]] = []
     with PeakMemory(device) as peaks:
-        _measure(graph, table, inputs, device, 0, 1, peaks, saved)
-    units = range(len(table.stages))
-    forward = [peaks.result.get(f"{i}.forward", float("nan")) for i in units]
-    return saved, [max(f, peaks.result.get(f"{i}.backward", 0.0)) for i, f in zip(units, forward)]
+        for m, inputs in enumerate(inputs_per_size):
+            saved.append([])
+            _measure(graph, table, inputs, device, 0, 1,
+                     lambda name, m=m: peaks.span(f"{m}.{name}"), saved[-1])
+    nan = float("nan")
+    peak = [[max(peaks.result.get(f"{m}.{i}.forward", nan),
+                 peaks.result.get(f"{m}.{i}.backward", 0.0)) for i in range(len(table.stages))]
+            for m in range(len(saved))]
+    return np.array(saved, dtype=float), np.array(peak, dtype=float)
 
 
-def _measure(graph, table, inputs, device, warmup, repeats, peaks=None, saved=None):
+def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None):
     """One micro-batch size: per-unit forward and backward times and crossing bytes. With
-    `peaks` (a PeakMemory), each unit's forward and backward also run in its named spans; with
-    `saved` (a list), the bytes each unit's forward saves for backward are appended to it.
+    `span` (name -> context manager, e.g. a PeakMemory's), unit i's forward and backward run
+    inside span("i.forward") and span("i.backward"); with `saved` (a list), the bytes each
+    unit's forward saves for backward are appended to it.
 
     Each repetition runs the units as training does, all forwards in order, then all backwards
     in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
@@ -257,7 +263,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, peaks=None, saved=No
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
-    span = peaks.span if peaks is not None else lambda name: contextlib.nullcontext()
+    span = span or (lambda name: contextlib.nullcontext())
     counter = _SavedBytes if saved is not None else lambda module: contextlib.nullcontext()
     for rep in range(warmup + repeats):
         env = dict(zip(table.graph_inputs, inputs))

@@ -76,6 +76,17 @@ def train_plainly(model, data, loss_fn):
     return model.state_dict(), losses
 
 
+def train_pipelined(pipe, data):
+    """SGD on `data` through the compiled pipeline, as train_plainly does: the losses."""
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y).item())
+        optimizer.step()
+    return losses
+
+
 def async_pipeline(name, stages, policy, micro_batches):
     """An async-1f1b pipeline with per-stage optimizers (the same in one process or several)."""
     model, data, loss_fn = build(name)
@@ -96,12 +107,7 @@ def train(name, stages, schedule, micro_batches, out):
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
                            loss_fn=loss_fn, costs="none")
         pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
-        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-        losses = []
-        for x, y in data:
-            optimizer.zero_grad()
-            losses.append(pipe.step(x, y).item())
-            optimizer.step()
+        losses = train_pipelined(pipe, data)
     shared = [p for _, p, _ in pipe.shared_parameter_objects()]
     tied = {name: p.detach().clone() for name, p in pipe.named_parameters()
             if any(p is q for q in shared)}
@@ -121,12 +127,7 @@ def hybrid(mode, out):
     plan = fxpipe.Plan(stages=2, groups=2, micro_batches=2, loss_fn=loss_fn, costs="none",
                        dp_sync=mode)
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        losses.append(pipe.step(x, y).item())
-        optimizer.step()
+    losses = train_pipelined(pipe, data)
     events = [(str(e.action), e.action.kind.name, pipe.executor.trace_origin + e.start,
                pipe.executor.trace_origin + e.end) for e in pipe.last_trace()]
     pipe.save_trace(str(out).removesuffix(".pt") + ".json")  # every rank of the job takes part

@@ -257,7 +257,12 @@ def test_one_stage_async_is_plain_sgd(policy, micro_batches):
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
     pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     pipe.step_many(data)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    _assert_trained_like_plainly(model, reference, data,
+                                 torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
+
+
+def _assert_trained_like_plainly(model, reference, data, optimizer):
+    """`reference` trained on `data` without a pipeline ends with `model`'s parameters."""
     for x, y in data:
         optimizer.zero_grad()
         F.cross_entropy(reference(x), y).backward()
@@ -297,13 +302,8 @@ def test_sync_step_many_equals_step_then_optimizer():
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
     pipe.attach_optimizer(lambda params: torch.optim.Adam(params, lr=0.01))
     pipe.step_many(data)
-    optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
-    for x, y in data:
-        optimizer.zero_grad()
-        F.cross_entropy(reference(x), y).backward()
-        optimizer.step()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    _assert_trained_like_plainly(model, reference, data,
+                                 torch.optim.Adam(reference.parameters(), lr=0.01))
 
 
 def test_async_needs_an_optimizer_and_step_many():
