@@ -137,6 +137,8 @@ def _bench(args: argparse.Namespace) -> None:
         if launched():
             if args.rows_json and dist_rank() == 0:
                 rows_to_json(args.rows_json, rows)
+            torch.distributed.barrier()  # every rank is done communicating before teardown
+            torch.distributed.destroy_process_group()
             return
     print(title)
     print(format_rows(rows))

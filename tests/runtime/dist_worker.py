@@ -183,6 +183,7 @@ def main() -> None:
             name, stages, schedule, micro_batches = case.split(":")
             train(name, int(stages), schedule, int(micro_batches), f"{out}.{index}")
     if dist.is_initialized():
+        dist.barrier()  # every rank is done communicating before any tears gloo down
         dist.destroy_process_group()
 
 
