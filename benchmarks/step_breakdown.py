@@ -1,0 +1,84 @@
+"""Benchmark: where a pipelined step's time goes beyond the schedule the simulator times.
+
+Compiles a bundled model into 2 stages (one per rank under torchrun) and times steps, each
+beside its measured trace: the step on the wall clock, the span of the schedule's actions,
+the difference (the runtime's work outside the schedule: splitting the batch, starting the
+stage workers, and under torchrun the per-step size and loss broadcasts and tied-weight
+all-reduces), and the time a stage spends in its SEND actions (the simulator counts none).
+
+    python benchmarks/step_breakdown.py --model gpt
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \
+        benchmarks/step_breakdown.py --model gpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import fxpipe
+from fxpipe.distributed import launched
+from fxpipe.models import bundled
+from fxpipe.schedules import ActionKind
+
+SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    distributed = launched()  # compile joins the process group torchrun describes
+    if distributed:
+        torch.set_num_threads(1)
+
+    model = bundled(args.model)
+    torch.manual_seed(0)
+    net = model.build()
+    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=2, partitioner="balanced", micro_batches=args.micro_batches,
+                       schedule=args.schedule, loss_fn=model.loss_fn)
+    pipe = fxpipe.compile(net, plan, example_inputs=(x,), cache=False)
+    for _ in range(3):
+        pipe.step(x, y)
+    walls, spans, sends, counts = [], [], [], []
+    for _ in range(args.steps):
+        if distributed:
+            dist.barrier()
+        start = time.perf_counter()
+        pipe.step(x, y)
+        walls.append(time.perf_counter() - start)
+        events = pipe.full_trace("timing the step")  # every rank's, on one time axis
+        spans.append(max(e.end for e in events) - min(e.start for e in events))
+        mine = [e for e in events if e.action.kind in SENDS]
+        sends.append(sum(e.end - e.start for e in mine) / max(len(mine), 1))
+        counts.append(len(mine))
+    if distributed:
+        dist.barrier()  # every rank is done communicating before any tears gloo down
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return
+    wall, span = statistics.median(walls) * 1e3, statistics.median(spans) * 1e3
+    where = "2 ranks under torchrun" if distributed else "2 stage threads in one process"
+    print(f"{args.model}, {where}, {args.schedule}, {args.micro_batches} micro-batches, "
+          f"split {list(pipe.partition.sizes)}; medians of {args.steps} steps")
+    print(f"step on the wall clock      {wall:8.2f} ms")
+    print(f"span of the schedule        {span:8.2f} ms")
+    print(f"outside the schedule        {wall - span:8.2f} ms ({(wall - span) / wall:.0%})")
+    print(f"per SEND, the sender's time {statistics.median(sends) * 1e6:8.0f} us "
+          f"({statistics.median(counts)} sends per step over both stages)")
+
+
+if __name__ == "__main__":
+    main()
