@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import datetime
 import sys
 
 import torch
@@ -161,10 +162,18 @@ def fail(out):
         def explode(module, inputs):
             raise ValueError("injected failure on stage 1")
         model.layers[3].register_forward_pre_hook(explode)
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         pipe.step(*data[0])
     except Exception as error:
-        print(f"rank {dist.get_rank()} stopped: {type(error).__name__}: {error}", flush=True)
+        print(f"rank {rank} stopped: {type(error).__name__}: {error}", flush=True)
+        # torchrun kills the other ranks as soon as one exits with an error, which could cut
+        # a slower rank short before it prints; so each rank closes its connections (what
+        # exiting does, and what wakes its peers) but exits only once every rank has reported
+        store = dist.distributed_c10d._get_default_store()
+        dist.destroy_process_group()
+        store.set(f"stopped/{rank}", "1")
+        store.wait([f"stopped/{r}" for r in range(world)], datetime.timedelta(seconds=60))
         sys.exit(3)
 
 
