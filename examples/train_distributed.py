@@ -2,8 +2,10 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train_distributed.py
 
-Every rank runs this same script: each builds the model, fxpipe.compile gives it its own stage,
-and pipe.step(x, y) runs the schedule across the ranks and returns the loss on all of them.
+Every rank runs this same script: each builds the model on the meta device (shapes, no
+storage), fxpipe.compile makes only that rank's stage real on its device, and pipe.step(x, y)
+runs the schedule across the ranks and returns the loss on all of them. `--real` builds the
+whole model on every rank instead (as most scripts written for one process do).
 """
 
 import argparse
@@ -22,12 +24,14 @@ parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--micro-batches", type=int, default=4)
 parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
 parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--real", action="store_true", help="build the whole model on every rank")
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # one core per rank; more would oversubscribe a small machine
 torch.manual_seed(0)  # every rank builds the same model and reads the same data
 spec = bundled(args.model)
-model = spec.build()
+with torch.device("cpu" if args.real else "meta"):
+    model = spec.build()  # on meta: each stage starts from its modules' reset_parameters()
 data = torch.Generator().manual_seed(0)
 x, y = spec.batch(args.batch, data)
 
@@ -39,6 +43,10 @@ pipe = fxpipe.compile(model, plan, example_inputs=(x,))
 rank = dist.get_rank()
 if rank == 0:
     print(pipe)
+held = sum(p.numel() for p in pipe.parameters())  # this rank's stage
+real = sum(p.numel() for p in {id(p): p for p in model.parameters() if not p.is_meta}.values())
+print(f"rank {rank}: stage {rank} holds {held:,} of the model's "
+      f"{sum(p.numel() for p in model.parameters()):,} parameters; {real:,} have storage here")
 optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)  # this rank's stage
 
 times = []

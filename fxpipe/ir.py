@@ -148,6 +148,11 @@ class StageHook(torch.nn.Module):
         self._callbacks: OrderedDict[int, Callable[[int], None]] = OrderedDict()  # weakref-able
         self.finishing = False  # set by the runtime: the mini-batch's last backward is running
 
+    def rebind(self, weights: Mapping[str, torch.nn.Parameter]) -> None:
+        """Pass these parameters through instead (the stage's, once a meta model's stage has
+        been made real)."""
+        self._weights = dict(weights)
+
     def register(self, callback: Callable[[int], None]) -> RemovableHandle:
         """Call `callback(stage)` after each backward of this stage; returns a removable handle."""
         handle = RemovableHandle(self._callbacks)

@@ -16,6 +16,7 @@ from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
 from fxpipe.ir import CommTable, Stage, StageHook
+from fxpipe.materialize import materialize
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.report import format_report, step_time
@@ -305,6 +306,13 @@ class CompiledPipeline(torch.nn.Module):
                 entry[2].append(stage.index)
         return sorted((entry for entry in found.values() if len(entry[2]) > 1),
                       key=lambda entry: entry[0])
+
+    def materialize_stage(self, stage: int, device: str, model: torch.nn.Module) -> None:
+        """Give a meta model's stage `stage` storage on `device` (fxpipe.materialize), under
+        every name the model, this pipeline and its graphs have for its tensors."""
+        module = self.stages[stage].module
+        if materialize(module, device, holders=(model, self, self.graph, self.traced.gm)):
+            self.stage_hook(stage).rebind(dict(module.named_parameters()))
 
     def restrict_to_stage(self, stage: int, rank: int) -> None:
         """Hold only `stage`'s parameters and buffers (one rank's share under torchrun):

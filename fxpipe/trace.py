@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.batching import input_dims, resize
 from fxpipe.errors import FxpipeTraceError
 from fxpipe.graph_io import CallConvention
+from fxpipe.materialize import has_meta_tensors, on_meta
 from fxpipe.plan import Plan
 
 __all__ = ["Traced", "trace"]
@@ -154,6 +155,8 @@ def _reads_training(model, plan, leaf_paths, recorder, gm) -> bool:
 
 def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:
     args, kwargs = _at_least_two_rows(model, args, kwargs, plan.whole_inputs)
+    if has_meta_tensors(model):  # export runs the model on fake tensors of the inputs' device
+        args, kwargs = on_meta((tuple(args), dict(kwargs)))
     exported = torch.export.export(
         model, tuple(args), dict(kwargs), strict=False,
         dynamic_shapes=_dynamic_shapes(model, args, kwargs, plan.whole_inputs))

@@ -74,6 +74,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
                             cost, link)
     stage = pipe.stages[layout.stage]
+    pipe.materialize_stage(layout.stage, device, model)  # of a meta model, only this one
     stage.to(device)
     pipe.state_dict_keys, pipe.timing = list(model.state_dict()), timing
     pipe.restrict_to_stage(layout.stage, layout.rank)

@@ -16,6 +16,7 @@ from fxpipe.batching import input_dims, resize
 from fxpipe.cost import CostTable, Link, fit_to_flops
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.ir import ValueRef
+from fxpipe.materialize import has_meta_tensors, on_meta
 from fxpipe.meta import SHAPE, ValueInfo
 from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
@@ -59,10 +60,11 @@ def example_args(example_inputs: Any, example_kwargs: Mapping[str, Any] | None):
 
 
 def stage_devices(model: torch.nn.Module, plan: Plan) -> list[str]:
-    """One device per stage: the plan's, or the device the model's parameters are on."""
+    """One device per stage: the plan's, or the device the model's parameters are on (the
+    CPU for a model on the meta device)."""
     if plan.devices is None:
         first = next(iter(model.parameters()), None)
-        device = str(first.device) if first is not None else "cpu"
+        device = str(first.device) if first is not None and not first.is_meta else "cpu"
         return [device] * plan.stages
     for name in plan.devices:
         device = torch.device(name)
@@ -100,6 +102,8 @@ def trace_and_cut(model, plan, args, kwargs):
 
 def check_example_runs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> None:
     """The model runs on its example inputs (run without side effects)."""
+    if has_meta_tensors(model):
+        args, kwargs = on_meta((args, kwargs))
     try:
         with preserved_state(model), torch.no_grad():
             model(*args, **kwargs)

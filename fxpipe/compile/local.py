@@ -28,6 +28,7 @@ from fxpipe.compile.partitioning import choose_partition
 from fxpipe.compile.retime import Timing
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.materialize import check_meta_model, has_meta_tensors
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
@@ -50,6 +51,11 @@ def compile(
     arguments); it fixes the shapes, and the units are timed on slices of it. The model's
     parameters stay the same objects: the compiled module and the model train the same weights.
     `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path; False: off).
+
+    A model built on the meta device (`with torch.device("meta"): model = Net()`) has each
+    stage made real only on its own device (under torchrun: only this rank's stage), its
+    values from the modules' reset_parameters(); load the weights with
+    `pipe.load_state_dict(state_dict)`. Its units are timed one at a time on real copies.
     """
     if not isinstance(model, torch.nn.Module):
         raise FxpipeError(f"compile() takes an nn.Module, got {type(model).__name__}.")
@@ -57,6 +63,8 @@ def compile(
         raise FxpipeError(f"compile() takes an fxpipe.Plan, got {type(plan).__name__}; "
                           "e.g. fxpipe.Plan(stages=2).")
     args, kwargs = example_args(example_inputs, example_kwargs)
+    if has_meta_tensors(model):
+        check_meta_model(model, plan)
     if launched():
         return compile_distributed(model, plan, args, kwargs, profile_cache(cache))
     if plan.groups > 1:
@@ -95,7 +103,8 @@ def compile(
             )
     hooks = [pipe.stage_hook(s) for s in range(plan.stages)]
     outline_split_stages(pipe.stages, hooks, splits)
-    for stage, device in zip(pipe.stages, devices):
+    for index, (stage, device) in enumerate(zip(pipe.stages, devices)):
+        pipe.materialize_stage(index, device, model)  # a meta model's, where each will run
         stage.to(device)
     pipe.executor = PipelineExecutor.local(
         pipe.stages, hooks, comm, devices, output_names(gm), plan.schedule,

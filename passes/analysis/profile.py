@@ -31,6 +31,7 @@ from torch import fx
 
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
+from fxpipe.materialize import has_meta_tensors, materialized_copy
 from fxpipe.meta import PROFILE
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.passes.analysis.shape import preserved_state
@@ -255,47 +256,58 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
 
     Each repetition runs the units as training does, all forwards in order, then all backwards
     in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
-    own would find its weights hot and look faster than it is inside a stage)."""
+    own would find its weights hot and look faster than it is inside a stage). A model on the
+    meta device is timed unit by unit instead, each on a real copy made just for its forward
+    and backward, so no more than one unit's weights ever exist at once."""
     needs_grad = {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
                   for e in table.edges}
     timer = _timer(torch.device(device))
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
+    alone = any(has_meta_tensors(m) for m in modules)
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
     span = span or (lambda name: contextlib.nullcontext())
     counter = _SavedBytes if saved is not None else lambda module: contextlib.nullcontext()
+
+    def backward(i, outputs, wants, timed):
+        grads_for = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        seconds = 0.0
+        if grads_for and wants:
+            ones = [torch.ones_like(o) for o in grads_for]
+            # accumulate into .grad as a pipeline stage does (the adds cost memory traffic)
+            with span(f"{i}.backward"):
+                _, seconds = timer(torch.autograd.backward, grads_for, ones, inputs=wants)
+        if timed:
+            b_times[i].append(seconds)
+
     for rep in range(warmup + repeats):
         env = dict(zip(table.graph_inputs, inputs))
         pending = []
-        for i, (io, module) in enumerate(zip(table.stages, modules)):
+        for i, (io, unit) in enumerate(zip(table.stages, modules)):
             args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
-            with counter(module) as counted, span(f"{i}.forward"):
-                outputs, seconds = timer(module, *args)
-            if saved is not None and rep == warmup + repeats - 1:
-                saved.append(float(counted.nbytes))
-            wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            wants += [p for p in module.parameters() if p.requires_grad]
-            pending.append((outputs, wants))
+            with materialized_copy(unit, device) if alone else contextlib.nullcontext(unit) \
+                    as module:
+                with counter(module) as counted, span(f"{i}.forward"):
+                    outputs, seconds = timer(module, *args)
+                if saved is not None and rep == warmup + repeats - 1:
+                    saved.append(float(counted.nbytes))
+                wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+                wants += [p for p in module.parameters() if p.requires_grad]
+                if alone:
+                    backward(i, outputs, wants, rep >= warmup)
+                else:
+                    pending.append((outputs, wants))
             if rep >= warmup:
                 f_times[i].append(seconds)
             for value, out in zip(io.outputs, outputs):
                 env[value] = out.detach() if isinstance(out, torch.Tensor) else out
-        for i in reversed(range(units)):
-            outputs, wants = pending.pop()
-            grads_for = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-            b_seconds = 0.0
-            if grads_for and wants:
-                ones = [torch.ones_like(o) for o in grads_for]
-                # accumulate into .grad as a pipeline stage does (the adds cost memory traffic)
-                with span(f"{i}.backward"):
-                    _, b_seconds = timer(torch.autograd.backward, grads_for, ones, inputs=wants)
-            if rep >= warmup:
-                b_times[i].append(b_seconds)
+        for i in reversed(range(len(pending))):
+            backward(i, *pending.pop(), rep >= warmup)
     forward = [statistics.median(t) for t in f_times]
-    backward = [statistics.median(t) for t in b_times]
+    backward_times = [statistics.median(t) for t in b_times]
     crossing, crossing_grad = _crossing_bytes(table, env, units)
-    return forward, backward, crossing, crossing_grad
+    return forward, backward_times, crossing, crossing_grad
 
 
 def _on(values: list[Any], device: str) -> list[Any]:
@@ -399,5 +411,6 @@ def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in flat_inputs],
         "threads": threads, "concurrency": concurrency,
+        "alone": has_meta_tensors(graph),  # a meta model's units are timed one at a time
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]

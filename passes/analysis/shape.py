@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxpipe.materialize import has_meta_tensors, meta_twin, on_meta
 from fxpipe.meta import SHAPE, ValueInfo
 
 __all__ = ["annotate_shapes", "preserved_state", "record_values"]
@@ -26,7 +27,10 @@ class _ShapeRecorder(fx.Interpreter):
 
 
 def record_values(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, ValueInfo]:
-    """Run `gm` on placeholder values (without side effects) and return every node's ValueInfo."""
+    """Run `gm` on placeholder values (without side effects) and return every node's ValueInfo.
+    A graph with weights on the meta device runs on meta inputs (shapes and dtypes only)."""
+    if has_meta_tensors(gm):
+        gm, flat_inputs = meta_twin(gm), on_meta(list(flat_inputs))
     recorder = _ShapeRecorder(gm)
     with preserved_state(gm):
         recorder.run(*flat_inputs, enable_io_processing=False)

@@ -103,6 +103,17 @@ def train(name, stages, schedule, micro_batches, out):
         pipe, data = async_pipeline(name, stages, schedule.removeprefix("async-"),
                                     micro_batches)
         losses = [loss.item() for loss in pipe.step_many(data)]
+    elif name.endswith("-meta"):  # built on the meta device, timed, then its weights loaded
+        with torch.device("meta"):
+            model = build(name.removesuffix("-meta"))[0]
+        initial, data, loss_fn = build(name.removesuffix("-meta"))
+        plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
+                           loss_fn=loss_fn, partitioner="balanced")
+        pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],), cache=False)
+        pipe.load_state_dict(initial.state_dict())
+        losses = train_pipelined(pipe, data)
+        retimed = fxpipe.retime(pipe, data[0][0])  # other stages' units timed on real copies
+        assert retimed.bounds == pipe.partition.bounds and retimed.predicted_time > 0
     else:
         model, data, loss_fn = build(name)
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
@@ -115,9 +126,24 @@ def train(name, stages, schedule, micro_batches, out):
     state = fxpipe.gather_state_dict(pipe)
     every_rank_tied: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_tied, tied)
+    every_rank_bytes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank_bytes, _bytes_held(pipe))
     if dist.get_rank() == 0:
         torch.save({"state": state, "losses": losses, "tied": every_rank_tied,
-                    "own_keys": sorted(pipe.state_dict())}, out)
+                    "own_keys": sorted(pipe.state_dict()), "bytes": every_rank_bytes}, out)
+
+
+def _bytes_held(pipe):
+    """Bytes of the model's tensors that have storage on this rank, of this rank's stage, and
+    of the whole model (each tensor once)."""
+    def size(tensors):
+        unique = {id(t): t for t in tensors}.values()
+        return sum(t.numel() * t.element_size() for t in unique)
+
+    everything = [*pipe.graph.parameters(), *pipe.graph.buffers()]
+    return {"real": size(t for t in everything if not t.is_meta),
+            "stage": size([*pipe.parameters(), *pipe.buffers()]),
+            "model": size(everything)}
 
 
 def hybrid(mode, out):

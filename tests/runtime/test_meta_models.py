@@ -1,0 +1,118 @@
+"""Models built on the meta device: stages made real where they run, weights loaded after."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import PlanError
+from fxpipe.materialize import materialize, materialized_copy
+from fxpipe.models import GPT, ResNet
+
+
+def _tokens_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+@settings(max_examples=6, deadline=None)
+@given(stages=st.integers(1, 3), micro_batches=st.integers(1, 3),
+       schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_a_meta_model_with_loaded_weights_trains_like_the_plain_model(stages, micro_batches,
+                                                                       schedule):
+    torch.manual_seed(0)
+    reference = GPT(layers=2).double()
+    with torch.device("meta"):
+        model = GPT(layers=2).double()
+    idx, target = torch.randint(0, 128, (4, 12)), torch.randint(0, 128, (4, 12))
+    plan = fxpipe.Plan(stages=stages, micro_batches=micro_batches, schedule=schedule,
+                       loss_fn=_tokens_loss, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(idx,))
+    assert not any(t.is_meta for t in [*pipe.parameters(), *pipe.buffers()])
+    pipe.load_state_dict(reference.state_dict())
+    torch.testing.assert_close(pipe.step(idx, target), _tokens_loss(reference(idx), target))
+    _tokens_loss(reference(idx), target).backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_materialize_keeps_ties_reaches_every_holder_and_runs_reset_parameters():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(10, 4), nn.BatchNorm1d(4), nn.Linear(4, 10))
+    model[2].weight = model[0].weight
+    other = nn.Module()  # another tree naming the same tensor, as a GraphModule does
+    other.register_parameter("w", model[0].weight)
+    made = materialize(model, "cpu", holders=[other])
+    assert model[2].weight is model[0].weight is other.w  # still one tensor
+    assert not model[0].weight.is_meta and isinstance(model[2].weight, nn.Parameter)
+    assert torch.equal(model[1].running_var, torch.ones(4))  # BatchNorm's own reset
+    assert model[1].num_batches_tracked.item() == 0
+    assert made == sum(t.numel() * t.element_size()
+                       for t in [*model.parameters(), *model.buffers()])
+    assert materialize(model, "cpu") == 0  # nothing left on meta
+
+
+def test_materialize_only_touches_meta_tensors():
+    linear = nn.Linear(3, 3)
+    before = linear.weight.detach().clone()
+    with torch.device("meta"):
+        linear.bias = nn.Parameter(torch.empty(3))
+    materialize(linear, "cpu")
+    assert torch.equal(linear.weight, before) and not linear.bias.is_meta
+
+
+def test_a_materialized_copy_leaves_the_module_on_meta_and_frees_its_copy():
+    with torch.device("meta"):
+        linear = nn.Linear(64, 64)
+    with materialized_copy(linear, "cpu") as twin:
+        out = twin(torch.randn(2, 64))
+        out.sum().backward()
+        assert twin.weight.untyped_storage().nbytes() == 64 * 64 * 4
+    assert linear.weight.is_meta and twin.weight.untyped_storage().nbytes() == 0
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_meta_model_is_timed_unit_by_unit_on_real_copies(tracer):
+    with torch.device("meta"):
+        model = ResNet()
+    real = ResNet()
+    x = torch.randn(8, 3, 32, 32)
+    plan = fxpipe.Plan(stages=2, micro_batches=2, partitioner="balanced", tracer=tracer)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
+    twin = fxpipe.compile(real, plan, example_inputs=(x,), cache=False)
+    assert (pipe.cost.f > 0).all()  # every unit timed on a real copy
+    np.testing.assert_array_equal(pipe.cost.params, twin.cost.params)
+    np.testing.assert_array_equal(pipe.cost.activation_bytes, twin.cost.activation_bytes)
+    pipe.load_state_dict(real.state_dict())
+    torch.testing.assert_close(pipe.run_sequential(x), real(x))  # the whole batch, in training
+
+
+def test_a_non_persistent_meta_buffer_is_refused():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("mask", torch.ones(4), persistent=False)
+
+        def forward(self, x):
+            return self.linear(x) * self.mask
+
+    with torch.device("meta"):
+        model = Masked()
+    with pytest.raises(PlanError, match=r"non-persistent buffers \['mask'\] have no values"):
+        fxpipe.compile(model, fxpipe.Plan(stages=1, costs="none"),
+                       example_inputs=(torch.randn(2, 4),))
+
+
+def test_intra_layer_splits_need_a_real_model():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(PlanError, match="intra_layer"):
+        fxpipe.compile(model, fxpipe.Plan(stages=2, devices=["cpu", "cpu"],
+                                          intra_layer=["0"], costs="none"),
+                       example_inputs=(torch.randn(2, 4),))
