@@ -26,6 +26,7 @@ from fxpipe.models import bundled
 from fxpipe.schedules import ActionKind
 
 SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+COMPUTE = (ActionKind.F, ActionKind.B)
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
     pipe = fxpipe.compile(net, plan, example_inputs=(x,), cache=False)
     for _ in range(3):
         pipe.step(x, y)
-    walls, spans, sends, counts = [], [], [], []
+    walls, spans, sends, counts, busy = [], [], [], [], []
     for _ in range(args.steps):
         if distributed:
             dist.barrier()
@@ -63,6 +64,10 @@ def main() -> None:
         mine = [e for e in events if e.action.kind in SENDS]
         sends.append(sum(e.end - e.start for e in mine) / max(len(mine), 1))
         counts.append(len(mine))
+        busy.append(max(sum(e.end - e.start for e in events if e.stage == s
+                            and e.action.kind in COMPUTE) for s in range(2)))
+    predicted = pipe.predicted_timeline(fxpipe.retime(pipe, x))  # units timed afresh
+    overhead = pipe.measure_step_overhead(x) * 1e3
     if distributed:
         dist.barrier()  # every rank is done communicating before any tears gloo down
         rank = dist.get_rank()
@@ -73,11 +78,18 @@ def main() -> None:
     where = "2 ranks under torchrun" if distributed else "2 stage threads in one process"
     print(f"{args.model}, {where}, {args.schedule}, {args.micro_batches} micro-batches, "
           f"split {list(pipe.partition.sizes)}; medians of {args.steps} steps")
+    predicted_busy = max(predicted.busy) * 1e3
+    print(f"link between the stages     {pipe.link}")
+    print(f"predicted schedule          {predicted.makespan * 1e3:8.2f} ms (units timed after "
+          "the steps)")
+    print(f"predicted outside it        {overhead:8.2f} ms (the runtime with no compute)")
     print(f"step on the wall clock      {wall:8.2f} ms")
     print(f"span of the schedule        {span:8.2f} ms")
     print(f"outside the schedule        {wall - span:8.2f} ms ({(wall - span) / wall:.0%})")
     print(f"per SEND, the sender's time {statistics.median(sends) * 1e6:8.0f} us "
           f"({statistics.median(counts)} sends per step over both stages)")
+    print(f"busier stage's F+B time     {statistics.median(busy) * 1e3:8.2f} ms measured, "
+          f"{predicted_busy:.2f} ms predicted")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ class BenchRow:
     schedule: str
     sizes: tuple[int, ...]
     micro_batches: int
-    predicted_ms: float  # the event simulator's step under the schedule
+    predicted_ms: float  # the event simulator's schedule, plus the runtime's time per step
     measured_ms: float  # median of the timed steps
     predicted_bubble: float
     measured_bubble: float
@@ -60,10 +60,11 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
 
     A shared machine's speed drifts over seconds, and a prediction is only as good as the
     timings it was made from. So the `repeats` timed steps are split into `rounds`, each right
-    after the units are timed afresh (`fxpipe.retime`, no disk cache): the prediction is the
-    median of the rounds' predictions, the measurement the median of all timed steps, and both
-    sample the machine over the same stretch of time. `profile_repeats`: timed runs of each
-    unit per round."""
+    after the units are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's own
+    time per step is measured (`pipe.measure_step_overhead`): the prediction (the simulated
+    schedule plus that time) is the median of the rounds' predictions, the measurement the
+    median of all timed steps, and both sample the machine over the same stretch of time.
+    `profile_repeats`: timed runs of each unit per round."""
     rows = []
     configs = [(p, s) for p in partitioners for s in schedules]
     rounds = max(1, min(rounds, repeats))
@@ -83,7 +84,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         predictions, times = [], []
         for steps in _split(repeats, rounds):
             fresh = retime(pipe, (x,), warmup=1, repeats=profile_repeats)
-            predictions.append(pipe.predicted_timeline(fresh))
+            overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
+            predictions.append((pipe.predicted_timeline(fresh), overhead))
             for _ in range(steps):
                 # the ranks start together; a step ends on every rank once the loss is
                 # shared, so no barrier is timed after it (a round trip no training loop pays)
@@ -91,7 +93,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 start = time.perf_counter()
                 pipe.step(x, y)
                 times.append(time.perf_counter() - start)
-        predicted = sorted(predictions, key=lambda t: t.makespan)[(len(predictions) - 1) // 2]
+        predicted, overhead = sorted(predictions, key=lambda t: t[0].makespan + t[1]
+                                     )[(len(predictions) - 1) // 2]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
         memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
         if on_cuda:
@@ -100,7 +103,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         elif 1 < _world_size() == stages:  # one stage per process: a process's memory is a stage's
             memory, kind = _rank_peaks(pipe, x, y), "peak"
         rows.append(BenchRow(partitioner, schedule, tuple(pipe.partition.sizes),
-                             pipe.partition.micro_batches, predicted.makespan * 1e3,
+                             pipe.partition.micro_batches,
+                             (predicted.makespan + overhead) * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
                              memory, kind))
     if progress:

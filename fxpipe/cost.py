@@ -23,6 +23,7 @@ class Link:
     latency: float  # seconds per message
     bandwidth: float  # bytes per second (math.inf: no copy at all)
     source: str = "configured"  # where the figures come from: configured, default, measured
+    post: float = 0.0  # the sender's own seconds to hand over one tensor (e.g. isend's call)
 
     def time(self, nbytes: np.ndarray | float) -> np.ndarray:
         """Seconds to send `nbytes` (0 bytes cost nothing: no message is sent)."""
@@ -33,8 +34,9 @@ class Link:
     def __str__(self) -> str:
         if math.isinf(self.bandwidth) and self.latency == 0:
             return f"free (same device, no copy; {self.source})"
-        return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s "
-                f"({self.source})")
+        posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
+        return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"
+                f"{posting} ({self.source})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

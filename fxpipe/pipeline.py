@@ -62,6 +62,7 @@ class CompiledPipeline(torch.nn.Module):
             plan=plan, traced=traced, units=tuple(units), partition=partition, graph=graph,
             comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
             link=link, executor=None, intra_layer=[], timing=None,  # timing: set by compile
+            step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
         )
 
     @property
@@ -148,8 +149,29 @@ class CompiledPipeline(torch.nn.Module):
         stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
+        post_f, post_b = self._posting()
         return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
-                        [s.cf for s in stages], [s.cb for s in stages])
+                        [s.cf for s in stages], [s.cb for s in stages],
+                        post_f=post_f, post_b=post_b)
+
+    def _posting(self) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        """The sender's time per SEND on each edge, forward and backward: the link's time to
+        post one tensor, times the tensors the message holds."""
+        carries = self.comm.carries_grad()
+        forward = {(e.src, e.dst): 0.0 for e in self.comm.edges}
+        backward = dict(forward)
+        for e in self.comm.edges:
+            forward[e.src, e.dst] += self.link.post
+            backward[e.src, e.dst] += self.link.post if carries[e.value] else 0.0
+        return forward, backward
+
+    def measure_step_overhead(self, *inputs: Any, **kwargs: Any) -> float:
+        """Seconds a step spends outside its schedule here, with no compute (see
+        PipelineExecutor.step_overhead), measured now on `inputs` (a mini-batch) and kept as
+        `step_overhead`. Under torchrun every rank of the pipeline must call it."""
+        flat = self.traced.bind(inputs, kwargs)
+        vars(self)["step_overhead"] = self.executor.step_overhead(flat)
+        return self.step_overhead
 
     def report(self, file: Any = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
@@ -160,7 +182,8 @@ class CompiledPipeline(torch.nn.Module):
         stages = self.plan.stages
         text = format_report(step_time(measured, stages),
                              step_time(self.predicted_timeline().events, stages),
-                             (self.executor.last_schedule or self.executor.schedule).name)
+                             (self.executor.last_schedule or self.executor.schedule).name,
+                             self.step_overhead)
         if self._speaks():
             print(text, file=file)
         return text

@@ -65,7 +65,9 @@ class Plan:
     concrete_args: Mapping[str, Any] | None = None
     unit_depth: int | None = None
     costs: str = "measure"  # measure: profile units; fit: and model α·FLOPs+β; none: no times
-    link: tuple[float, float] | str | None = None  # (latency s, bandwidth B/s), or "measure"
+    # (latency s, bandwidth B/s), or "measure"; None: measured between ranks under torchrun
+    # (a ping-pong costs little), defaults per device pair kind in one process
+    link: tuple[float, float] | str | None = None
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
 

@@ -76,8 +76,10 @@ def step_time(events: Sequence[Event], stages: int) -> StepTime:
     return StepTime(makespan, tuple(rows))
 
 
-def format_report(measured: StepTime, predicted: StepTime, schedule: str) -> str:
-    """Predicted against measured, per stage and in total, and what bounds the pipeline."""
+def format_report(measured: StepTime, predicted: StepTime, schedule: str,
+                  overhead: float = 0.0) -> str:
+    """Predicted against measured, per stage and in total, and what bounds the pipeline;
+    `overhead`: the runtime's own seconds per step outside the schedule, if measured."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
     rows = []
     for m, p in zip(measured.stages, predicted.stages):
@@ -98,7 +100,9 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str) -> str
         f"{measured.share('idle'):.0%} of all stage time",
         f"bounding stage: {bound} (computes {_ms(measured.stages[bound].compute)} ms of the "
         f"{_ms(measured.makespan)} ms step)",
-    ])
+    ] + ([f"outside the schedule: the runtime's own work (splitting, starting the stages, "
+          f"sharing sizes and the loss) adds a predicted {_ms(overhead)} ms to a step"]
+         if overhead > 0 else []))
 
 
 def _ms(seconds: float) -> str:

@@ -123,6 +123,8 @@ def simulate(
     step: Costs = 0.0,
     allreduce: Costs = 0.0,
     edges: Iterable[tuple[int, int]] | None = None,
+    post_f: LinkCosts = 0.0,
+    post_b: LinkCosts = 0.0,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -130,19 +132,22 @@ def simulate(
     runs its list one action at a time, in order, each as soon as the stage is free and the
     action's dependencies are met. F(s, m) waits for the activations of every producer of stage
     s, B(s, m) for the gradients of every consumer and for F(s, m) on s (W(s, m) for B(s, m)).
-    A SEND takes no stage time: it hands its message to the link from the stage to its peer,
-    which carries one message at a time in send order; every directed stage pair is a link of
-    its own, so a forward and a backward transfer between two stages never block each other
-    (full duplex). A RECV blocks its stage until its message has arrived. A compute-only
-    schedule is lowered with `add_communication(schedule, edges)` first, so both forms time the
-    same; a lowered one is checked with `check_communication`.
+    A SEND takes its stage the time to post its message (post_f / post_b: a transport's
+    per-tensor work; 0 by default) and then hands the message to the link from the stage to
+    its peer, which carries one message at a time in send order; every directed stage pair is
+    a link of its own, so a forward and a backward transfer between two stages never block
+    each other (full duplex). A RECV takes its stage the same time to post the receive, then
+    blocks it until the message has arrived. A compute-only schedule is lowered with
+    `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
+    checked with `check_communication`.
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
     (N, p * minibatches). step, allreduce: a scalar or one per stage.
     send_f, send_b: link times of an edge (src, dst), src < dst: activations src -> dst and their
     gradient dst -> src. A scalar (every edge), one per producing stage src (N,) like the cost
-    model's CF_s / CB_s, or a mapping {(src, dst): time}.
+    model's CF_s / CB_s, or a mapping {(src, dst): time}. post_f, post_b: the sender's time per
+    SEND of those messages, given the same ways.
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -166,7 +171,9 @@ def simulate(
              ActionKind.ALLREDUCE: _per_stage("allreduce", allreduce, n)}
     link = {ActionKind.SEND_F: _link("send_f", send_f, n, forward=True),
             ActionKind.SEND_B: _link("send_b", send_b, n, forward=False)}
-    return _run(lowered, compute, other, link)
+    post = {ActionKind.SEND_F: _link("post_f", post_f, n, forward=True),
+            ActionKind.SEND_B: _link("post_b", post_b, n, forward=False)}
+    return _run(lowered, compute, other, link, post)
 
 
 def _run(
@@ -174,6 +181,7 @@ def _run(
     compute: dict[ActionKind, np.ndarray],
     other: dict[ActionKind, np.ndarray],
     link: dict[ActionKind, Callable[[int, int], float]],
+    post: dict[ActionKind, Callable[[int, int], float]],
 ) -> Timeline:
     n = schedule.stages
     pc, free, busy = [0] * n, [0.0] * n, [0.0] * n
@@ -191,14 +199,14 @@ def _run(
                 if needs is not None and needs not in finished:
                     break
                 start = free[s]
-                if a.kind.is_recv:
-                    end = max(start, finished[needs])
+                if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
+                    end = max(start + post[needs.kind](a.peer, s), finished[needs])
                 elif a.kind.is_compute:
                     end = start + float(compute[a.kind][s, a.mb])
                     busy[s] += end - start
                 elif a.kind.is_send:
-                    end = start
-                    wire = max(start, link_free.get((s, a.peer), 0.0))
+                    end = start + post[a.kind](s, a.peer)
+                    wire = max(end, link_free.get((s, a.peer), 0.0))
                     arrival = wire + link[a.kind](s, a.peer)
                     link_free[s, a.peer] = finished[a] = arrival
                     transfers.append(Event(s, a, wire, arrival))

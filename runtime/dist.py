@@ -132,6 +132,13 @@ class DistCoordinator:
         events, self.sync.events = self.sync.events, []
         return events
 
+    def rehearse(self) -> None:
+        for param, group in self.tied:
+            dist.all_reduce(torch.zeros_like(param), group=group)
+
+    def barrier(self) -> None:
+        dist.barrier(self.group)
+
     def after_backward(self) -> None:
         if self.sync is not None:
             self.sync.finish()

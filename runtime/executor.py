@@ -12,6 +12,8 @@ one rank knows (the micro-batch sizes, the loss).
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -24,7 +26,7 @@ from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.runtime.bridge import Call, Pipelined, inputs_wanting_grad, output_values
 from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.driver import Driver, Run
-from fxpipe.runtime.microbatch import batch_size, merge, rows, split
+from fxpipe.runtime.microbatch import batch_size, merge, rows, split, split_sizes
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import LocalTransport, Transport
 from fxpipe.schedules import (
@@ -62,6 +64,12 @@ class Coordinator(Protocol):
     def after_backward(self) -> None:
         """Gradient work once the backward of a mini-batch is complete (tied weights)."""
 
+    def rehearse(self) -> None:
+        """The exchanges after_backward makes, on zeros, touching no gradient (to time them)."""
+
+    def barrier(self) -> None:
+        """Wait for every rank of the pipeline (to start something timed together)."""
+
     def drain_events(self) -> list[Event]:
         """Timed work it did (all-reduces), in wall-clock seconds, since the last call."""
 
@@ -87,6 +95,12 @@ class LocalCoordinator:
         return loss
 
     def after_backward(self) -> None:
+        return None
+
+    def rehearse(self) -> None:
+        return None
+
+    def barrier(self) -> None:
         return None
 
     def drain_events(self) -> list[Event]:
@@ -154,7 +168,7 @@ class PipelineExecutor:
             return self._forward_only_distributed(flat_inputs)
         chunks = split(flat_inputs, self.micro_batches, self.whole)
         call = Call(next(self._calls), chunks, self.comm.graph_inputs,
-                    [rows(c) for c in split(self._batched(flat_inputs), self.micro_batches)])
+                    split_sizes(batch_size(flat_inputs, self.whole), self.micro_batches))
         if not torch.is_grad_enabled():
             run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
                             schedule=self.forward_schedule)
@@ -246,6 +260,24 @@ class PipelineExecutor:
             losses.append(self.coordinator.loss(mine))
         return losses
 
+    def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 7) -> float:
+        """Seconds a step spends outside its schedule's actions, measured with no compute
+        (median of `repeats`): splitting the inputs and the target and agreeing on the
+        micro-batch sizes, starting and joining the stage workers, the tied-weight all-reduces
+        and sharing the loss. Every rank of the pipeline must call it."""
+        seconds = []
+        for _ in range(repeats):
+            self.coordinator.barrier()
+            start = time.perf_counter()
+            call = self._call(flat_inputs if self.first else None)
+            if self.last:  # the target is split as the inputs are (a stand-in of its rows)
+                split([torch.empty(sum(call.sizes))], self.micro_batches)
+            self.driver.run([[] for _ in self.comm.stages], Run(call.feeds), call.key)
+            self.coordinator.rehearse()
+            self.coordinator.loss(torch.zeros(()) if self.last else None)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
     def _targets(self, targets: Sequence[Any], calls: Sequence[Call]) -> list[Any]:
         """Each mini-batch's target cut like its inputs; one clear error per kind of mismatch."""
         pieces = []
@@ -306,7 +338,7 @@ class PipelineExecutor:
             total = batch_size(flat_inputs, self.whole)
             flat_inputs = self.coordinator.shard(list(flat_inputs), self.whole)
             chunks = split(flat_inputs, self.micro_batches, self.whole)
-            sizes = [rows(c) for c in split(self._batched(flat_inputs), self.micro_batches)]
+            sizes = split_sizes(batch_size(flat_inputs, self.whole), self.micro_batches)
             seq = input_dims(flat_inputs, self.whole).seq
         else:
             chunks = [[] for _ in range(self.micro_batches)]
@@ -339,10 +371,6 @@ class PipelineExecutor:
         events = [Event(e.stage, e.action, e.start + offset, e.end + offset) for e in run.events]
         self._trace = (self._trace + events) if append else events
         return run
-
-    def _batched(self, flat_inputs: Sequence[Any]) -> list[Any]:
-        """The inputs that carry the batch (sizes are counted on these)."""
-        return [x for i, x in enumerate(flat_inputs) if i not in self.whole]
 
     def _output(self, values: dict[str, Any]) -> Any:
         flat = output_values(self.output_leaves, values)

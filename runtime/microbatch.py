@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -48,8 +49,7 @@ def split(flat_inputs: Sequence[Any], chunks: int, whole: Collection[int] = ()
     along it (inside tuples, lists and dicts too); anything else, and the inputs at positions in
     `whole`, is passed to every micro-batch."""
     batch = batch_size(flat_inputs, whole)
-    sizes = split_sizes(batch, chunks)
-    ends = torch.tensor(sizes).cumsum(0)[:-1].tolist()
+    ends = list(itertools.accumulate(split_sizes(batch, chunks)))[:-1]
 
     def pieces(leaf: Any) -> list[Any]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch:

@@ -97,3 +97,17 @@ def test_report_before_any_run():
         pipe.report()
     with pytest.raises(fxpipe.FxpipeError, match=r"nothing has run yet"):
         pipe.save_trace("unused.json")
+
+
+def test_compile_measures_the_runtimes_own_time_per_step_without_touching_gradients():
+    torch.manual_seed(0)
+    model = fxpipe.models.GPT(layers=2)  # a weight tied across the stages
+    idx = torch.randint(0, 128, (8, 16))
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=lambda out, t: out.mean())
+    pipe = fxpipe.compile(model, plan, example_inputs=(idx,), cache=False)
+    assert pipe.step_overhead > 0
+    assert all(p.grad is None for p in pipe.parameters())  # nothing ran backward
+    again = pipe.measure_step_overhead(idx)
+    assert again == pipe.step_overhead > 0
+    none = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,))
+    assert none.step_overhead == 0.0  # not measured without costs

@@ -413,6 +413,34 @@ def test_links_are_full_duplex_and_serialise_each_direction():
     assert (forward.start, forward.end, backward.start, backward.end) == (4.0, 7.0, 6.0, 9.0)
 
 
+@given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.0, 2.0), st.floats(0.0, 2.0))
+def test_posting_takes_sender_and_receiver_time_and_never_speeds_a_step(
+        schedule: Schedule, seed: int, post_f: float, post_b: float):
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    free = simulate(schedule, fwd, bwd, 0.5, 0.5)
+    posted = simulate(schedule, fwd, bwd, 0.5, 0.5, post_f=post_f, post_b=post_b)
+    for e in posted.events:
+        post = post_f if e.action.kind in (K.SEND_F, K.RECV_F) else post_b
+        if e.action.kind.is_send:
+            assert e.duration == pytest.approx(post)
+        elif e.action.kind.is_recv:  # posted, then waiting for the message
+            assert e.duration >= post - 1e-9
+            assert e.end >= posted.event(e.action.partner).end + 0.5 - 1e-9
+    assert posted.makespan >= free.makespan - 1e-9
+    assert posted.busy == pytest.approx(free.busy)  # posting is not compute
+
+
+def test_posting_costs_by_edge_example():
+    # 2 stages, one micro-batch: post 0.25 per SEND and RECV forward, 0.5 backward
+    timeline = simulate(gpipe(2, 1), 1.0, 1.0, 0.0, 0.0, post_f=0.25, post_b={(0, 1): 0.5})
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["0SF0>1"] == (1.0, 1.25)  # posted after the forward; arrives at 1.25
+    assert at["1RF0<0"] == (0.0, 1.25)  # the receive was posted at 0.25, waited until 1.25
+    assert at["1SB0>0"] == (3.25, 3.75) and at["0RB0<1"] == (1.25, 3.75)
+    assert timeline.makespan == 4.75
+
+
 def test_deadlocked_schedules_raise_instead_of_hanging():
     # stage 0 waits for gradient 0 before sending activation 1, which stage 1 needs first
     crossed = Schedule.from_lists([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]])

@@ -20,7 +20,7 @@ from fxpipe.compile.retime import Timing
 from fxpipe.cost import Partition
 from fxpipe.distributed import rank_device, rank_layout
 from fxpipe.errors import PlanError
-from fxpipe.passes.analysis.comm import measure_rank_link
+from fxpipe.passes.analysis.comm import default_link, measure_rank_link
 from fxpipe.passes.analysis.symbolic import annotate_symbolic
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
@@ -48,10 +48,11 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     whole = whole_positions(traced, plan, args, kwargs)
     check_batched_inputs(traced, plan, args, kwargs, whole)
     _agree(layout, plan, units)
-    if plan.link == "measure" and plan.stages > 1:  # ping-pong between the first two stages
-        link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), device=device)
-    else:
-        link = stage_link(plan, [device, device])
+    given = isinstance(plan.link, tuple)
+    link = stage_link(plan, [device, device]) if given else default_link(device, device, True)
+    if not given and plan.stages > 1:  # a ping-pong between the first two stages' ranks
+        link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0),
+                                 device=device) or link  # others take rank 0's, below
     threads = torch.get_num_threads()
     # every rank times the units at once, so the times include the ranks' contention for the
     # host's caches and memory; rank 0's table (and partition) is the one every rank uses
@@ -98,6 +99,8 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         micro_batches, traced.bind.unflatten, threads, coordinator,
     )
     pipe.executor.whole = whole
+    if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
+        pipe.measure_step_overhead(*args, **kwargs)
     return pipe
 
 

@@ -111,4 +111,6 @@ def compile(
         partition.micro_batches, traced.bind.unflatten, threads=threads,
     )
     pipe.executor.whole = whole
+    if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
+        pipe.measure_step_overhead(*args, **kwargs)
     return pipe

@@ -101,12 +101,13 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
                       repeats: int = 10) -> Link | None:
     """Ping-pong between ranks `peer_a` and `peer_b` over torch.distributed (every rank of the
     group calls this; only the two peers exchange). Returns the fitted link on the two peers,
-    None elsewhere. One-way time = half the round trip, median of `repeats` per size."""
+    None elsewhere. One-way time = half the round trip, median of `repeats` per size; `post`:
+    the median time peer_a's isend call takes to hand over a small tensor."""
     rank = dist.get_rank()
     if rank not in (peer_a, peer_b):
         return None
     other = peer_b if rank == peer_a else peer_a
-    seconds = []
+    seconds, posts = [], []
     for size in _PROBE_BYTES:
         tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
         times = []
@@ -120,7 +121,22 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
                 dist.send(tensor, other, group)
             times.append((time.perf_counter() - start) / 2)
         seconds.append(statistics.median(times[1:]))
-    return fit_link(_PROBE_BYTES, seconds, f"measured ping-pong rank {peer_a} <-> {peer_b}")
+    for index in range(repeats + 1):  # the sender's own time to post a small tensor
+        tensor = torch.zeros(_PROBE_BYTES[0] // 4, dtype=torch.float32, device=device)
+        if rank == peer_a:
+            start = time.perf_counter()
+            work = dist.isend(tensor.detach().contiguous(), other, group, tag=index)
+            posts.append(time.perf_counter() - start)
+            work.wait()
+        else:
+            dist.recv(tensor, other, group, tag=index)
+    shared = torch.tensor([statistics.median(posts[1:]) if posts else 0.0], dtype=torch.float64)
+    if rank == peer_a:  # both peers return the same link
+        dist.send(shared, other, group)
+    else:
+        dist.recv(shared, other, group)
+    link = fit_link(_PROBE_BYTES, seconds, f"measured ping-pong rank {peer_a} <-> {peer_b}")
+    return dataclasses.replace(link, post=float(shared))
 
 
 def _synchronize(*devices: torch.device) -> None:

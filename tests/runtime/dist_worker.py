@@ -113,6 +113,8 @@ def train(name, stages, schedule, micro_batches, out):
         pipe.load_state_dict(initial.state_dict())
         losses = train_pipelined(pipe, data)
         retimed = fxpipe.retime(pipe, data[0][0])  # other stages' units timed on real copies
+        assert pipe.link.source.startswith("measured ping-pong") and pipe.link.post > 0
+        assert pipe.step_overhead > 0
         assert retimed.bounds == pipe.partition.bounds and retimed.predicted_time > 0
     else:
         model, data, loss_fn = build(name)
