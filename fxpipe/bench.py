@@ -26,8 +26,8 @@ from fxpipe.plan import Plan
 from fxpipe.report import step_time
 
 __all__ = [
-    "BenchRow", "bench", "bench_under_torchrun", "format_rows", "rows_to_json", "write_csv",
-    "write_png",
+    "BenchRow", "StealMeter", "bench", "bench_under_torchrun", "format_rows", "rows_to_json",
+    "write_csv", "write_png",
 ]
 
 
@@ -110,6 +110,32 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     if progress:
         print(file=sys.stderr)
     return rows
+
+
+class StealMeter:
+    """The share of this machine's CPU time its hypervisor took while the block ran ("steal"
+    in /proc/stat; None where there is no /proc/stat). On a virtual machine it is what makes
+    timings drift: a few percent already spreads them."""
+
+    def __enter__(self) -> StealMeter:
+        self.start, self.share = _cpu_times(), None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = _cpu_times()
+        if self.start is not None and end is not None:
+            spent = [b - a for a, b in zip(self.start, end)]
+            total = sum(spent)
+            self.share = spent[7] / total if total > 0 and len(spent) > 7 else None
+
+
+def _cpu_times() -> list[int] | None:
+    try:
+        with open("/proc/stat") as handle:
+            fields = handle.readline().split()
+    except OSError:
+        return None
+    return [int(v) for v in fields[1:]] if fields and fields[0] == "cpu" else None
 
 
 def _split(total: int, parts: int) -> list[int]:

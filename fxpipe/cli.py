@@ -13,6 +13,7 @@ import torch
 
 from fxpipe.bench import (
     BenchRow,
+    StealMeter,
     bench,
     bench_under_torchrun,
     format_rows,
@@ -115,41 +116,54 @@ def _bench(args: argparse.Namespace) -> None:
     _factory(args.model)  # an unknown model fails here, before any progress is shown
     title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
              f"{args.micro_batches}")
+    with StealMeter() as steal:
+        rows = _bench_rows(args, micro_batches, partitioners, schedules)
+    if rows is None:  # a rank under torchrun: rank 0 of the job reports
+        return
     if args.nproc:
-        forwarded = _without_option(sys.argv[2:], "--nproc")
-        forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
-        rows = bench_under_torchrun(args.nproc, forwarded)
         title += f", {args.nproc} processes under torchrun"
-    else:
-        if launched():
-            torch.set_num_threads(1)
-
-        def build():
-            torch.manual_seed(0)
-            model, inputs = _load_model(args.model, args.batch, args.input_shape,
-                                        args.input_dtype, args.input_high)
-            target, loss_fn = _target_and_loss(args.model, inputs, args.batch)
-            return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
-
-        rows = bench(build, args.stages, micro_batches, partitioners, schedules,
-                     args.repeats, progress=not launched() or dist_rank() == 0,
-                     rounds=args.rounds)
-        if launched():
-            if args.rows_json and dist_rank() == 0:
-                rows_to_json(args.rows_json, rows)
-            torch.distributed.barrier()  # every rank is done communicating before teardown
-            torch.distributed.destroy_process_group()
-            return
     print(title)
     print(format_rows(rows))
     for line in _against_even(rows):
         print(f"{line} (medians of {args.repeats} steps)")
+    if steal.share is not None:
+        print(f"CPU steal during the run: {steal.share:.0%} of this machine's CPU time went to "
+              "other guests of its host (timings drift with it; rerun when it is near 0%)")
     if args.csv:
         write_csv(args.csv, rows)
         print(f"rows written to {args.csv}")
     if args.png:
         write_png(args.png, rows, title)
         print(f"chart written to {args.png}")
+
+
+def _bench_rows(args: argparse.Namespace, micro_batches: int | str,
+                partitioners: Sequence[str], schedules: Sequence[str]) -> list | None:
+    """The benchmark's rows: run here, or under torchrun with --nproc (None on the ranks
+    of that job, whose rank 0 hands its rows back as JSON)."""
+    if args.nproc:
+        forwarded = _without_option(sys.argv[2:], "--nproc")
+        forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
+        return bench_under_torchrun(args.nproc, forwarded)
+    if launched():
+        torch.set_num_threads(1)
+
+    def build():
+        torch.manual_seed(0)
+        model, inputs = _load_model(args.model, args.batch, args.input_shape,
+                                    args.input_dtype, args.input_high)
+        target, loss_fn = _target_and_loss(args.model, inputs, args.batch)
+        return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
+
+    rows = bench(build, args.stages, micro_batches, partitioners, schedules, args.repeats,
+                 progress=not launched() or dist_rank() == 0, rounds=args.rounds)
+    if not launched():
+        return rows
+    if args.rows_json and dist_rank() == 0:
+        rows_to_json(args.rows_json, rows)
+    torch.distributed.barrier()  # every rank is done communicating before teardown
+    torch.distributed.destroy_process_group()
+    return None
 
 
 def _without_option(argv: Sequence[str], option: str) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import re
 import subprocess
 import sys
 
@@ -82,6 +84,8 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     for schedule in ("gpipe", "1f1b"):  # the best automatic partition against even, each
         assert f"{schedule}: best automatic partition csimd (" in out
     assert out.count("the speed of even") == 2
+    if os.path.exists("/proc/stat"):  # Linux: how much CPU the hypervisor took meanwhile
+        assert re.search(r"CPU steal during the run: \d+% of this machine's CPU time", out)
     rows = list(csv.DictReader(csv_path.open()))
     assert [(r["partitioner"], r["schedule"]) for r in rows] == [
         ("even", "gpipe"), ("even", "1f1b"), ("csimd", "gpipe"), ("csimd", "1f1b")]
