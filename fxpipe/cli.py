@@ -127,7 +127,7 @@ def _bench(args: argparse.Namespace) -> None:
     for line in _against_even(rows):
         print(f"{line} (medians of {args.repeats} steps)")
     if steal.share is not None:
-        print(f"CPU steal during the run: {steal.share:.0%} of this machine's CPU time went to "
+        print(f"CPU steal during the run: {steal.share:.1%} of this machine's CPU time went to "
               "other guests of its host (timings drift with it; rerun when it is near 0%)")
     if args.csv:
         write_csv(args.csv, rows)
