@@ -125,7 +125,7 @@ class StealMeter:
         end = _cpu_times()
         if self.start is not None and end is not None:
             spent = [b - a for a, b in zip(self.start, end)]
-            total = sum(spent)
+            total = sum(spent[:8])  # guest time (fields 9-10) is counted in user time already
             self.share = spent[7] / total if total > 0 and len(spent) > 7 else None
 
 

@@ -12,8 +12,8 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import PlanError
 
-__all__ = ["check_meta_model", "has_meta_tensors", "materialize", "materialized_copy",
-           "meta_twin", "on_meta"]
+__all__ = ["check_meta_model", "has_meta_tensors", "kept_from", "materialize",
+           "materialized_copy", "meta_twin", "on_meta"]
 
 
 def has_meta_tensors(module: torch.nn.Module) -> bool:
@@ -29,9 +29,19 @@ def on_meta(values: Any) -> Any:
 def meta_twin(module: torch.nn.Module) -> torch.nn.Module:
     """`module` itself when all its tensors are on meta, else a copy moved there (a rank's
     pipeline holds its own stage real and the others on meta; shapes run on the meta twin)."""
-    if all(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+    real = [t for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
+    if not real:
         return module
-    return copy.deepcopy(module).to("meta")
+    # the copy gets meta stand-ins for the real tensors straight away: never a second real copy
+    memo: dict[int, Any] = {id(t): _meta_like(t) for t in real}
+    return copy.deepcopy(module, memo)
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty_like(tensor, device="meta")
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+    return empty
 
 
 def check_meta_model(model: torch.nn.Module, plan: Any) -> None:
@@ -84,11 +94,18 @@ def materialize(module: torch.nn.Module, device: str | torch.device,
                 for name, tensor in table.items():
                     if tensor is not None and id(tensor) in made:
                         table[name] = made[id(tensor)]
+    # initialise with the modules' own reset_parameters(), looked up in every tree: an
+    # exported stage holds its weights on plain containers, the model on its real modules
     new = {id(t) for t in made.values()}
-    for sub in module.modules():
-        own = [t for t in [*sub._parameters.values(), *sub._buffers.values()] if t is not None]
-        if own and hasattr(sub, "reset_parameters") and all(id(t) in new for t in own):
-            sub.reset_parameters()
+    reset: set[int] = set()
+    for root in (module, *holders):
+        for sub in root.modules():
+            own = [t for t in [*sub._parameters.values(), *sub._buffers.values()]
+                   if t is not None]
+            if (id(sub) not in reset and own and hasattr(sub, "reset_parameters")
+                    and all(id(t) in new for t in own)):
+                reset.add(id(sub))
+                sub.reset_parameters()
     return sum(t.numel() * t.element_size() for t in made.values())
 
 
@@ -102,9 +119,19 @@ def materialized_copy(module: torch.nn.Module, device: str | torch.device
     twin = copy.deepcopy(module)
     materialize(twin, device)
     try:
-        yield twin
+        yield twin  # what is kept from it must not alias its tensors: see kept_from
     finally:
         for tensor in [*twin.parameters(), *twin.buffers()]:
             if tensor.grad is not None:
                 tensor.grad.untyped_storage().resize_(0)
             tensor.untyped_storage().resize_(0)
+
+
+def kept_from(module: torch.nn.Module, value: Any) -> Any:
+    """`value` detached, copied if it shares storage with one of `module`'s tensors (an
+    output such as `self.pos[:T]` is a view of a weight, which a materialized copy frees)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    owned = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    return value.clone() if value.untyped_storage().data_ptr() in owned else value

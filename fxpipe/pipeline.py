@@ -334,8 +334,10 @@ class CompiledPipeline(torch.nn.Module):
         """Give a meta model's stage `stage` storage on `device` (fxpipe.materialize), under
         every name the model, this pipeline and its graphs have for its tensors."""
         module = self.stages[stage].module
-        if materialize(module, device, holders=(model, self, self.graph, self.traced.gm)):
-            self.stage_hook(stage).rebind(dict(module.named_parameters()))
+        materialize(module, device, holders=(model, self, self.graph, self.traced.gm))
+        # rebound even when nothing here was meta: a tied weight another stage made real is
+        # a new tensor too
+        self.stage_hook(stage).rebind(dict(module.named_parameters()))
 
     def restrict_to_stage(self, stage: int, rank: int) -> None:
         """Hold only `stage`'s parameters and buffers (one rank's share under torchrun):

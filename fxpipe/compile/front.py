@@ -164,6 +164,12 @@ def check_batched_inputs(traced, plan: Plan, args: tuple, kwargs: Mapping[str, A
         consistent, problem = False, f"fails ({type(error).__name__}: {error})"
     if consistent:
         return
+    if has_meta_tensors(traced.gm) and not problem.startswith("changes"):
+        raise FxpipeError(
+            f"the model is on the meta device, and its graph cannot run on meta tensors to "
+            f"check how it splits into micro-batches ({problem.removeprefix('fails ')}); "
+            "build the model on a real device."
+        )
     shared = sorted({owners[i] for i in dims.batched[1:]} - {owners[dims.batched[0]]})
     shapes = ", ".join(f"{owners[i]} {tuple(leaves[i].shape)}" for i in dims.batched)
     raise PlanError(

@@ -56,6 +56,9 @@ def compile(
     stage made real only on its own device (under torchrun: only this rank's stage), its
     values from the modules' reset_parameters(); load the weights with
     `pipe.load_state_dict(state_dict)`. Its units are timed one at a time on real copies.
+    Its stage tensors are new objects, put in the model's place under every name (a weight
+    tied across modules gets the reset of the module that comes last); build optimizers
+    after compile.
     """
     if not isinstance(model, torch.nn.Module):
         raise FxpipeError(f"compile() takes an nn.Module, got {type(model).__name__}.")

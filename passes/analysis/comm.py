@@ -130,7 +130,8 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
             work.wait()
         else:
             dist.recv(tensor, other, group, tag=index)
-    shared = torch.tensor([statistics.median(posts[1:]) if posts else 0.0], dtype=torch.float64)
+    shared = torch.tensor([statistics.median(posts[1:]) if posts else 0.0], dtype=torch.float64,
+                          device=device)  # NCCL sends device tensors only
     if rank == peer_a:  # both peers return the same link
         dist.send(shared, other, group)
     else:

@@ -31,7 +31,7 @@ from torch import fx
 
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
-from fxpipe.materialize import has_meta_tensors, materialized_copy
+from fxpipe.materialize import has_meta_tensors, kept_from, materialized_copy
 from fxpipe.meta import PROFILE
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.passes.analysis.shape import preserved_state
@@ -298,10 +298,11 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
                     backward(i, outputs, wants, rep >= warmup)
                 else:
                     pending.append((outputs, wants))
+                for value, out in zip(io.outputs, outputs):  # before a copy's weights go
+                    env[value] = kept_from(module, out) if alone else (
+                        out.detach() if isinstance(out, torch.Tensor) else out)
             if rep >= warmup:
                 f_times[i].append(seconds)
-            for value, out in zip(io.outputs, outputs):
-                env[value] = out.detach() if isinstance(out, torch.Tensor) else out
         for i in reversed(range(len(pending))):
             backward(i, *pending.pop(), rep >= warmup)
     forward = [statistics.median(t) for t in f_times]

@@ -12,7 +12,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.errors import PlanError
-from fxpipe.materialize import materialize, materialized_copy
+from fxpipe.materialize import kept_from, materialize, materialized_copy
 from fxpipe.models import GPT, ResNet
 
 
@@ -116,3 +116,82 @@ def test_intra_layer_splits_need_a_real_model():
         fxpipe.compile(model, fxpipe.Plan(stages=2, devices=["cpu", "cpu"],
                                           intra_layer=["0"], costs="none"),
                        example_inputs=(torch.randn(2, 4),))
+
+
+class Positions(nn.Module):
+    """Its output is a view of its weight (`self.pos[:T]`, as GPT-2's positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1024, 1024))  # big: freed memory is unmapped
+
+    def forward(self, x):
+        return self.pos[: x.shape[1]]
+
+
+class PositionNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.positions = Positions()
+        self.proj = nn.Linear(1024, 3)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(x + self.positions(x)))
+
+
+def test_what_is_kept_from_a_copy_outlives_it_even_a_view_of_its_weight():
+    with torch.device("meta"):
+        unit = Positions()
+    x = torch.randn(2, 10, 1024)
+    with materialized_copy(unit, "cpu") as twin:
+        out = twin(x)
+        kept, plain = kept_from(twin, out), out.detach()
+        other = kept_from(twin, out * 2)  # not a view: kept as it is, no copy
+        expected = twin.pos[:10].detach().clone()
+    assert plain.untyped_storage().nbytes() == 0  # the copy's weights are gone ...
+    assert torch.equal(kept, expected)  # ... but what was kept from it is intact
+    assert torch.equal(other, 2 * expected)
+
+
+def test_a_unit_whose_output_views_its_weight_is_timed_on_a_copy_without_reading_freed_memory():
+    torch.manual_seed(0)
+    real = PositionNet().double()
+    with torch.device("meta"):
+        model = PositionNet().double()
+    x = torch.randn(4, 10, 1024, dtype=torch.float64)
+    plan = fxpipe.Plan(stages=2, micro_batches=2, leaf_modules=[Positions])  # a unit of its own
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
+    assert (pipe.cost.f > 0).all()
+    pipe.load_state_dict(real.state_dict())
+    torch.testing.assert_close(pipe(x), real(x))
+
+
+def test_a_stage_holding_only_a_tied_weight_runs_on_the_real_one():
+    torch.manual_seed(0)
+    reference = GPT(layers=2).double()
+    with torch.device("meta"):
+        model = GPT(layers=2).double()
+    idx = torch.randint(0, 128, (4, 12))
+    plan = fxpipe.Plan(stages=2, partitioner=[17, 1], costs="none")  # stage 1: lm_head only
+    pipe = fxpipe.compile(model, plan, example_inputs=(idx,))
+    pipe.load_state_dict(reference.state_dict())
+    out = pipe.run_sequential(idx)  # through the stage hooks, gradients on
+    torch.testing.assert_close(out, reference(idx))
+    out.sum().backward()
+    reference(idx).sum().backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_stages_start_from_the_modules_own_reset_parameters(tracer):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.LayerNorm(8),
+                              nn.Linear(8, 2))
+    plan = fxpipe.Plan(stages=2, costs="none", tracer=tracer)
+    fxpipe.compile(model, plan, example_inputs=(torch.randn(6, 4),))
+    assert torch.equal(model[1].running_var, torch.ones(8))
+    assert torch.equal(model[2].weight, torch.ones(8)) and torch.equal(model[2].bias,
+                                                                        torch.zeros(8))
+    bound = 1 / 4 ** 0.5  # nn.Linear's own init: U(-1/sqrt(in), 1/sqrt(in))
+    assert model[0].weight.abs().max() <= bound and model[0].weight.std() > 0.1
