@@ -162,10 +162,12 @@ class DistTransport:
     """Moves values between this rank's stage and the stages of other ranks."""
 
     def __init__(self, comm: CommTable, ranks: Sequence[int], device: str, *,
-                 group: Any = None, timeout: float = 300.0, rank: int = 0) -> None:
+                 group: Any = None, links: Mapping[tuple[int, int], Any] | None = None,
+                 timeout: float = 300.0, rank: int = 0) -> None:
         self.ranks = list(ranks)  # rank of each stage in this pipeline
         self.device = torch.device(device)
         self.group = group
+        self.links = dict(links or {})  # (sending stage, receiving stage) -> its own group
         self.timeout = timeout
         self.rank = rank
         self.board = ErrorBoard()
@@ -187,7 +189,7 @@ class DistTransport:
              values: Mapping[str, Any]) -> None:
         for index, tensor in enumerate(self._encode(src, dst, direction, mb, values)):
             tag = _tag(direction, mb, index)
-            self._pending.append(dist.isend(tensor, self.ranks[dst], self.group, tag))
+            self._pending.append(dist.isend(tensor, self.ranks[dst], self._group(src, dst), tag))
 
     def prefetch(self, src: int, dst: int, direction: str, mb: Any) -> None:
         """Post the receive of a message the stage will wait for later, so the transfer
@@ -201,7 +203,7 @@ class DistTransport:
         for index, slot in enumerate(slots):
             buffer = torch.empty(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
             received.append(buffer)
-            works.append(dist.irecv(buffer, self.ranks[src], self.group,
+            works.append(dist.irecv(buffer, self.ranks[src], self._group(src, dst),
                                     _tag(direction, mb, index)))
         self._posted[key] = (slots, received, works)
 
@@ -230,6 +232,9 @@ class DistTransport:
             self._wait(work, "a send")
 
     # --- internals ----------------------------------------------------------------------------
+
+    def _group(self, src: int, dst: int) -> Any:
+        return self.links.get((src, dst), self.group)
 
     def _slots(self, src: int, dst: int, direction: str) -> list[_Slot]:
         if direction == "F":

@@ -50,9 +50,11 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     _agree(layout, plan, units)
     given = isinstance(plan.link, tuple)
     link = stage_link(plan, [device, device]) if given else default_link(device, device, True)
+    links = _LinkGroups(layout)
     if not given and plan.stages > 1:  # a ping-pong between the first two stages' ranks
-        link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0),
-                                 device=device) or link  # others take rank 0's, below
+        link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), links.get(0, 1),
+                                 device, reply_group=links.get(1, 0)) or link  # the others
+        # take rank 0's, below
     threads = torch.get_num_threads()
     # every rank times the units at once, so the times include the ranks' contention for the
     # host's caches and memory; rank 0's table (and partition) is the one every rank uses
@@ -83,7 +85,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     hook = pipe.stage_hook(layout.stage)
     runner = StageRunner(stage, hook, comm.stages[layout.stage], device, comm.carries_grad())
     transport = DistTransport(comm, layout.pipeline_ranks, device, group=pipeline,
-                              rank=layout.rank)
+                              links=links.of_edges(comm), rank=layout.rank)
     data_parallel = _data_parallel_group(layout, stage)
     sync = None
     if data_parallel is not None:
@@ -129,6 +131,33 @@ def _pipeline_group(layout):
         if layout.rank in ranks:
             mine = handle
     return mine
+
+
+class _LinkGroups:
+    """A process group for each direction between two stages, keyed by (sending stage,
+    receiving stage), made on first use by every rank in the same order. A gloo connection
+    carrying data both ways has its event thread spin while a sender holds the connection (it
+    only try-locks it), which on a busy host takes a core from compute; one-way connections
+    cut that: 1 ms of compute and an exchange per iteration went from 2.2 ms to 1.25 ms per
+    iteration on 2 cores, and the small MLP's 1F1B step under torchrun from 7.2 to 4.6 ms."""
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+        self.made: dict[tuple[int, int], Any] = {}  # this rank's pipeline's, by stage pair
+
+    def get(self, src: int, dst: int) -> Any:
+        if (src, dst) not in self.made:
+            for group in range(self.layout.groups):  # all ranks make all groups' handles
+                ranks = [self.layout.rank_of(src, group), self.layout.rank_of(dst, group)]
+                handle = torch.distributed.new_group(ranks)
+                if group == self.layout.group:
+                    self.made[src, dst] = handle
+        return self.made[src, dst]
+
+    def of_edges(self, comm) -> dict[tuple[int, int], Any]:
+        """The groups of every direction the comm table's edges use (gradients flow back)."""
+        pairs = sorted({(e.src, e.dst) for e in comm.edges} | {(e.dst, e.src) for e in comm.edges})
+        return {pair: self.get(*pair) for pair in pairs}
 
 
 def _data_parallel_group(layout, stage) -> Any:

@@ -98,15 +98,18 @@ def measure_local_link(src: str, dst: str, repeats: int = 10) -> Link:
 
 
 def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str = "cpu",
-                      repeats: int = 10) -> Link | None:
+                      repeats: int = 10, reply_group: Any = None) -> Link | None:
     """Ping-pong between ranks `peer_a` and `peer_b` over torch.distributed (every rank of the
     group calls this; only the two peers exchange). Returns the fitted link on the two peers,
     None elsewhere. One-way time = half the round trip, median of `repeats` per size; `post`:
-    the median time peer_a's isend call takes to hand over a small tensor."""
+    the median time peer_a's isend call takes to hand over a small tensor. Messages from
+    peer_a travel in `group`, replies in `reply_group` (default: `group`), as the pipeline's
+    one-way groups carry them."""
     rank = dist.get_rank()
     if rank not in (peer_a, peer_b):
         return None
     other = peer_b if rank == peer_a else peer_a
+    reply = group if reply_group is None else reply_group
     seconds, posts = [], []
     for size in _PROBE_BYTES:
         tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
@@ -115,10 +118,10 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
             start = time.perf_counter()
             if rank == peer_a:
                 dist.send(tensor, other, group)
-                dist.recv(tensor, other, group)
+                dist.recv(tensor, other, reply)
             else:
                 dist.recv(tensor, other, group)
-                dist.send(tensor, other, group)
+                dist.send(tensor, other, reply)
             times.append((time.perf_counter() - start) / 2)
         seconds.append(statistics.median(times[1:]))
     for index in range(repeats + 1):  # the sender's own time to post a small tensor
