@@ -155,9 +155,11 @@ class _LinkGroups:
         return self.made[src, dst]
 
     def of_edges(self, comm) -> dict[tuple[int, int], Any]:
-        """The groups of every direction the comm table's edges use (gradients flow back)."""
+        """The groups of the directions to and from this rank's stage that the comm table's
+        edges use (gradients flow back along them); made for every pair, kept for ours."""
         pairs = sorted({(e.src, e.dst) for e in comm.edges} | {(e.dst, e.src) for e in comm.edges})
-        return {pair: self.get(*pair) for pair in pairs}
+        handles = {pair: self.get(*pair) for pair in pairs}
+        return {pair: handle for pair, handle in handles.items() if self.layout.stage in pair}
 
 
 def _data_parallel_group(layout, stage) -> Any:

@@ -130,9 +130,25 @@ def train(name, stages, schedule, micro_batches, out):
     dist.all_gather_object(every_rank_tied, tied)
     every_rank_bytes: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_bytes, _bytes_held(pipe))
+    every_rank_links: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank_links, _links(pipe))
     if dist.get_rank() == 0:
         torch.save({"state": state, "losses": losses, "tied": every_rank_tied,
-                    "own_keys": sorted(pipe.state_dict()), "bytes": every_rank_bytes}, out)
+                    "own_keys": sorted(pipe.state_dict()), "bytes": every_rank_bytes,
+                    "links": every_rank_links}, out)
+
+
+def _links(pipe):
+    """This rank's one-way groups: (sending stage, receiving stage) -> the group's ranks, and
+    the directions the comm table's edges need to and from this rank's stage."""
+    transport = pipe.executor.transport
+    stage = dist.get_rank() % len(pipe.stages)
+    needed = {pair for e in pipe.comm.edges for pair in ((e.src, e.dst), (e.dst, e.src))
+              if stage in pair}
+    groups = {pair: dist.get_process_group_ranks(handle)
+              for pair, handle in transport.links.items()}
+    distinct = len({id(handle) for handle in transport.links.values()}) == len(transport.links)
+    return {"groups": groups, "needed": needed, "distinct": distinct}
 
 
 def _bytes_held(pipe):

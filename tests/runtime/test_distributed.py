@@ -49,6 +49,9 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
     assert all(torch.equal(c, copies[0]) for c in copies)  # tied copies stay identical
     model, _, _ = dist_worker.build(name)
     model.load_state_dict(result["state"])  # the gathered state dict loads into the plain model
+    for links in result["links"]:  # one group per direction, of its two ranks
+        assert set(links["groups"]) == links["needed"] and links["distinct"], links
+        assert all(ranks == sorted(pair) for pair, ranks in links["groups"].items()), links
 
 
 @pytest.mark.parametrize("ranks, scenarios", [
