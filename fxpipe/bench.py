@@ -64,7 +64,10 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     time per step is measured (`pipe.measure_step_overhead`): the prediction (the simulated
     schedule plus that time) is the median of the rounds' predictions, the measurement the
     median of all timed steps, and both sample the machine over the same stretch of time.
-    `profile_repeats`: timed runs of each unit per round."""
+    Each round's timed steps follow `warmup` untimed ones: the first steps after a pause run
+    up to half again as long on a virtual machine (its idle cores are slow to come back), and
+    a training loop runs its steps back to back. `profile_repeats`: timed runs of each unit
+    per round."""
     rows = []
     configs = [(p, s) for p in partitioners for s in schedules]
     rounds = max(1, min(rounds, repeats))
@@ -79,13 +82,13 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         plan = Plan(stages=stages, partitioner=partitioner, schedule=schedule,
                     micro_batches=count, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
-        for _ in range(warmup):
-            pipe.step(x, y)
         predictions, times = [], []
         for steps in _split(repeats, rounds):
             fresh = retime(pipe, (x,), warmup=1, repeats=profile_repeats)
             overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
             predictions.append((pipe.predicted_timeline(fresh), overhead))
+            for _ in range(warmup):
+                pipe.step(x, y)
             for _ in range(steps):
                 # the ranks start together; a step ends on every rank once the loss is
                 # shared, so no barrier is timed after it (a round trip no training loop pays)
