@@ -112,6 +112,9 @@ class Driver:
         receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
         try:
             with context:
+                if _forwards_first(program):  # GPipe: post every receive now (see below)
+                    for ahead in (program[i] for i in receives):
+                        self.transport.prefetch(ahead.peer, s, _direction(ahead), (key, ahead.mb))
                 upcoming = iter(receives)
                 following = next(upcoming, None)
                 for i, action in enumerate(program):
@@ -119,8 +122,7 @@ class Driver:
                         following = next(upcoming, None)
                     if following is not None and action.kind in (K.F, K.B):
                         ahead = program[following]  # start its transfer during this compute
-                        direction = "F" if ahead.kind is K.RECV_F else "B"
-                        self.transport.prefetch(ahead.peer, s, direction, (key, ahead.mb))
+                        self.transport.prefetch(ahead.peer, s, _direction(ahead), (key, ahead.mb))
                     began = time.perf_counter()
                     self._execute(s, action, run, key, state)
                     run.events.append(Event(s, action, began - start,
@@ -184,6 +186,22 @@ class Driver:
             for table in (state.values, state.grads, state.input_grads):
                 for mb in [mb for mb in table if mb[0] == key]:
                     del table[mb]
+
+
+def _direction(receive: Action) -> str:
+    return "F" if receive.kind is K.RECV_F else "B"
+
+
+def _forwards_first(program: Sequence[Action]) -> bool:
+    """Whether the stage runs every forward before its first backward (GPipe), so it holds
+    every micro-batch's inputs until its backward anyway. Such a stage posts all its receives
+    at the start (its gradient buffers, one per micro-batch like its inputs, then exist from
+    the start too): over gloo, a receive posted on a connection while data arrives on it stalls
+    for milliseconds, and GPipe's messages come back to back (the small MLP's GPipe step on 2
+    ranks: 6.7 ms to 4.2 ms). Under 1F1B only the next receive is posted ahead, which keeps
+    its bound on micro-batches in flight (and posting them all gained nothing measurable)."""
+    kinds = [a.kind for a in program]
+    return K.B not in kinds or K.F not in kinds[kinds.index(K.B):]
 
 
 def _error_of(fn: Callable[..., Any], *args: Any) -> BaseException | None:
