@@ -51,10 +51,10 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     given = isinstance(plan.link, tuple)
     link = stage_link(plan, [device, device]) if given else default_link(device, device, True)
     links = _LinkGroups(layout)
-    if not given and plan.stages > 1:  # a ping-pong between the first two stages' ranks
+    if not given and plan.stages > 1:
+        # a ping-pong between the first two stages' ranks; the others take rank 0's, below
         link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), links.get(0, 1),
-                                 device, reply_group=links.get(1, 0)) or link  # the others
-        # take rank 0's, below
+                                 device, reply_group=links.get(1, 0)) or link
     threads = torch.get_num_threads()
     # every rank times the units at once, so the times include the ranks' contention for the
     # host's caches and memory; rank 0's table (and partition) is the one every rank uses
