@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 import fxpipe
 from fxpipe.models import GPT, VGG
+from fxpipe.passes.analysis import profile as profile_module
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.passes.analysis.profile import profile_units
 from fxpipe.passes.rewrite.stages import split_stages
@@ -110,3 +112,32 @@ def test_peak_memory_inside_a_users_profiler_is_unknown_not_a_crash():
     with profile(), PeakMemory("cpu") as peaks, peaks.span("inner"):
         torch.empty(1000)
     assert np.isnan(peaks.result["inner"])  # profilers do not nest: nothing measured, no error
+
+
+def test_the_background_load_runs_the_units_as_one_stage():
+    """Its forwards feed each other and one backward runs through all of them: the weights get
+    the plain model's gradients for an all-ones output gradient."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double(), \
+        torch.randn(5, 4, dtype=torch.float64)
+    _, graph, table = _per_unit(model, x)
+    profile_module._as_a_stage(table, [graph.get_submodule(f"stage{io.stage}").module
+                                       for io in table.stages], [x])
+    split = {name.split(".", 2)[-1]: p.grad for name, p in graph.named_parameters()}
+    model.zero_grad()
+    model(x).backward(torch.ones(5, 3, dtype=torch.float64))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(split[name], param.grad, msg=name)
+
+
+def test_a_failing_background_load_fails_the_timing(monkeypatch):
+    model, x = VGG(), torch.randn(4, 3, 32, 32)
+    _, graph, table = _per_unit(model, x)
+
+    def broken(*args):
+        raise ValueError("load broke")
+
+    monkeypatch.setattr(profile_module, "_as_a_stage", broken)
+    with pytest.raises(RuntimeError, match="background load") as failure:
+        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=2)
+    assert isinstance(failure.value.__cause__, ValueError)
