@@ -278,6 +278,18 @@ class PipelineExecutor:
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds)
 
+    def posting_time(self, flat_inputs: Sequence[Any] | None) -> float | None:
+        """The transport's seconds per tensor to hand a message over, measured on the
+        micro-batches of `flat_inputs` (None where the transport has no such measure, or this
+        rank sends and receives none of the measured message). Every rank of the pipeline
+        must call it."""
+        measure = getattr(self.transport, "measure_posting", None)
+        if measure is None:
+            return None
+        call = self._call(flat_inputs if self.first else None)
+        self.transport.prepare(call.key, call.sizes, call.seq)
+        return measure(call.key)
+
     def _targets(self, targets: Sequence[Any], calls: Sequence[Call]) -> list[Any]:
         """Each mini-batch's target cut like its inputs; one clear error per kind of mismatch."""
         pieces = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,6 +102,11 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         micro_batches, traced.bind.unflatten, threads, coordinator,
     )
     pipe.executor.whole = whole
+    if not given and plan.stages > 1:  # the runtime's own time to post a tensor, not isend's
+        shared = [pipe.executor.posting_time(traced.bind(args, kwargs))]
+        torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
+        if shared[0] is not None:
+            vars(pipe)["link"] = dataclasses.replace(link, post=shared[0])
     if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
     return pipe
