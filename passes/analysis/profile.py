@@ -219,12 +219,13 @@ class _Load:
             inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
             alone = any(has_meta_tensors(m) for m in modules)  # timed on copies, one at a time
+            needs_grad = _needs_grad(table)
             while not self.stop.is_set():
                 for values in inputs:
                     if alone:
                         _measure(graph, table, values, device, 0, 1)
                     else:
-                        _as_a_stage(table, modules, values)
+                        _as_a_stage(table, modules, values, needs_grad)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
             self.errors.append(error)
 
@@ -245,10 +246,14 @@ class _Load:
                 from self.errors[0]
 
 
-def _as_a_stage(table, modules, values) -> None:
+def _needs_grad(table) -> dict[str, bool]:
+    """Whether each crossing value carries a gradient in training."""
+    return {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
+            for e in table.edges}
+
+
+def _as_a_stage(table, modules, values, needs_grad: dict[str, bool]) -> None:
     """The units' forwards in a row on connected values, then one backward from the outputs."""
-    needs_grad = {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
-                  for e in table.edges}
     env = {v: _as_input(x, needs_grad.get(v, False)) for v, x in zip(table.graph_inputs, values)}
     for io, module in zip(table.stages, modules):
         env.update(zip(io.outputs, module(*[env[v] for v in io.inputs])))
@@ -287,8 +292,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     own would find its weights hot and look faster than it is inside a stage). A model on the
     meta device is timed unit by unit instead, each on a real copy made just for its forward
     and backward, so no more than one unit's weights ever exist at once."""
-    needs_grad = {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
-                  for e in table.edges}
+    needs_grad = _needs_grad(table)
     timer = _timer(torch.device(device))
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     alone = any(has_meta_tensors(m) for m in modules)

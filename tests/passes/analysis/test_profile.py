@@ -122,7 +122,8 @@ def test_the_background_load_runs_the_units_as_one_stage():
         torch.randn(5, 4, dtype=torch.float64)
     _, graph, table = _per_unit(model, x)
     profile_module._as_a_stage(table, [graph.get_submodule(f"stage{io.stage}").module
-                                       for io in table.stages], [x])
+                                       for io in table.stages], [x],
+                               profile_module._needs_grad(table))
     split = {name.split(".", 2)[-1]: p.grad for name, p in graph.named_parameters()}
     model.zero_grad()
     model(x).backward(torch.ones(5, 3, dtype=torch.float64))
