@@ -65,8 +65,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     schedule plus that time) is the median of the rounds' predictions, the measurement the
     median of all timed steps, and both sample the machine over the same stretch of time.
     Each round's timed steps follow `warmup` untimed ones: the first steps after a pause run
-    up to half again as long on a virtual machine (its idle cores are slow to come back), and
-    a training loop runs its steps back to back. `profile_repeats`: timed runs of each unit
+    slower on a virtual machine (benchmarks/after_pause.py), and a training loop runs its
+    steps back to back. `profile_repeats`: timed runs of each unit
     per round."""
     rows = []
     configs = [(p, s) for p in partitioners for s in schedules]

@@ -237,8 +237,8 @@ class DistTransport:
         """Seconds this transport spends per tensor handing a message over, measured on the
         first stage pair's forward message of run `key` (prepared): the sender's time in
         send() and the receiver's in posting the receive, averaged. The raw isend call that
-        the link's ping-pong times misses the runtime's own work around it (about half, on the
-        small MLP). The two peers return the same figure; other ranks None."""
+        the link's ping-pong times misses the runtime's own work around it. The two peers
+        return the same figure; other ranks None."""
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None

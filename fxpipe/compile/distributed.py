@@ -144,8 +144,7 @@ class _LinkGroups:
     receiving stage), made on first use by every rank in the same order. A gloo connection
     carrying data both ways has its event thread spin while a sender holds the connection (it
     only try-locks it), which on a busy host takes a core from compute; one-way connections
-    cut that: 1 ms of compute and an exchange per iteration went from 2.2 ms to 1.25 ms per
-    iteration on 2 cores, and the small MLP's 1F1B step under torchrun from 7.2 to 4.6 ms."""
+    cut that (benchmarks/gloo_links.py compares the two)."""
 
     def __init__(self, layout) -> None:
         self.layout = layout
