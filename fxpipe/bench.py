@@ -66,8 +66,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     median of all timed steps, and both sample the machine over the same stretch of time.
     Each round's timed steps follow `warmup` untimed ones: the first steps after a pause run
     slower on a virtual machine (benchmarks/after_pause.py), and a training loop runs its
-    steps back to back. `profile_repeats`: timed runs of each unit
-    per round."""
+    steps back to back. `profile_repeats`: timed runs of each unit per round."""
     rows = []
     configs = [(p, s) for p in partitioners for s in schedules]
     rounds = max(1, min(rounds, repeats))
