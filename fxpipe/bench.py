@@ -45,10 +45,21 @@ class BenchRow:
     measured_bubble: float
     memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the measured peak
     memory_kind: str = "estimate"  # or "peak" (measured: per device, or per rank on the CPU)
+    # the smallest and largest of the rounds' predictions (predicted_ms is their median)
+    predicted_low_ms: float = float("nan")
+    predicted_high_ms: float = float("nan")
 
     @property
     def ratio(self) -> float:
         return self.measured_ms / self.predicted_ms if self.predicted_ms > 0 else float("nan")
+
+    @property
+    def predicted_spread(self) -> float:
+        """How far the rounds' predictions spread (largest / smallest - 1). Each round times
+        the units afresh, so this is how much the machine's speed moved during the row."""
+        if not self.predicted_low_ms > 0:
+            return float("nan")
+        return self.predicted_high_ms / self.predicted_low_ms - 1
 
 
 def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
@@ -95,6 +106,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 start = time.perf_counter()
                 pipe.step(x, y)
                 times.append(time.perf_counter() - start)
+        totals = sorted(timeline.makespan + overhead for timeline, overhead in predictions)
         predicted, overhead = sorted(predictions, key=lambda t: t[0].makespan + t[1]
                                      )[(len(predictions) - 1) // 2]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
@@ -108,7 +120,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              pipe.partition.micro_batches,
                              (predicted.makespan + overhead) * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
-                             memory, kind))
+                             memory, kind, totals[0] * 1e3, totals[-1] * 1e3))
     if progress:
         print(file=sys.stderr)
     return rows
@@ -169,10 +181,10 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
               frozenset({"estimate"}): "memory per stage (estimate)"}.get(
         frozenset(kinds), "memory per stage (peak or estimate)")
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
-              "meas/pred", "bubble pred", "bubble meas", memory]
+              "meas/pred", "pred spread", "bubble pred", "bubble meas", memory]
     table = [[r.partitioner, r.schedule, "+".join(map(str, r.sizes)), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
-              f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
+              f"{r.predicted_spread:.0%}", f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
               " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
     return format_table(header, table)
 
@@ -180,10 +192,11 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
 def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow([f.name for f in dataclasses.fields(BenchRow)] + ["ratio"])
+        writer.writerow([f.name for f in dataclasses.fields(BenchRow)]
+                        + ["ratio", "predicted_spread"])
         for r in rows:
             writer.writerow([*(getattr(r, f.name) for f in dataclasses.fields(BenchRow)),
-                             r.ratio])
+                             r.ratio, r.predicted_spread])
 
 
 def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
@@ -196,8 +209,12 @@ def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
     labels = [f"{r.partitioner}\n{r.schedule}" for r in rows]
     positions = range(len(rows))
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
+    # the whisker spans the rounds' predictions: how far the machine's speed moved meanwhile
+    spans = [[r.predicted_ms - r.predicted_low_ms for r in rows],
+             [r.predicted_high_ms - r.predicted_ms for r in rows]]
     axis.bar([i - 0.2 for i in positions], [r.predicted_ms for r in rows], 0.4,
-             label="predicted", color="#9ecae1")
+             yerr=spans, capsize=3, ecolor="#636363",
+             label="predicted (median; whisker: the rounds' range)", color="#9ecae1")
     axis.bar([i + 0.2 for i in positions], [r.measured_ms for r in rows], 0.4,
              label="measured (median)", color="#3182bd")
     axis.set_xticks(list(positions), labels, fontsize=8)

@@ -126,6 +126,9 @@ def _bench(args: argparse.Namespace) -> None:
     print(format_rows(rows))
     for line in _against_even(rows):
         print(f"{line} (medians of {args.repeats} steps)")
+    print("pred spread: how far a row's predictions moved between its rounds, each made from "
+          "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
+          "than that may be drift alone")
     if steal.share is not None:
         print(f"CPU steal during the run: {steal.share:.1%} of this machine's CPU time went to "
               "other guests of its host (timings drift with it; rerun when it is near 0%)")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fxpipe.cli import main
 
@@ -90,6 +91,9 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert [(r["partitioner"], r["schedule"]) for r in rows] == [
         ("even", "gpipe"), ("even", "1f1b"), ("csimd", "gpipe"), ("csimd", "1f1b")]
     assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in rows)
+    assert all(float(r["predicted_low_ms"]) <= float(r["predicted_ms"])
+               <= float(r["predicted_high_ms"]) for r in rows)
+    assert "pred spread" in out
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -105,3 +109,38 @@ def test_progress_of_a_torchrun_bench_is_relayed_and_the_rest_kept_for_errors(ca
     assert "UserWarning" not in shown and "boom" not in shown
     assert "UserWarning: something" in rest and "Traceback: boom" in rest
     assert "1/2" not in rest
+
+
+def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
+    import dataclasses
+
+    import fxpipe.bench
+    from fxpipe.cost import Partition
+    from fxpipe.models import bundled
+    from fxpipe.pipeline import CompiledPipeline
+
+    spec = bundled("mlp")
+    scales, scored = iter([1.0, 1.6, 1.2]), []
+
+    def retime(pipe, inputs, **_):  # the machine slows down by 60%, then recovers halfway
+        scale = next(scales)
+        cost = dataclasses.replace(pipe.cost, f=pipe.cost.f * scale, b=pipe.cost.b * scale)
+        part = Partition.evaluate(cost, pipe.partition.bounds, pipe.partition.micro_batches,
+                                  pipe.partition.partitioner, schedule=pipe.plan.schedule)
+        scored.append(pipe.predicted_timeline(part).makespan)
+        return part
+
+    monkeypatch.setattr(fxpipe.bench, "retime", retime)
+    monkeypatch.setattr(CompiledPipeline, "measure_step_overhead", lambda self, x: 0.0)
+
+    def build():
+        x, y = spec.batch(8, torch.Generator().manual_seed(0))
+        return spec.build(), x, y, spec.loss_fn
+
+    [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=3, rounds=3,
+                               progress=False)
+    assert len(scored) == 3
+    assert (row.predicted_low_ms, row.predicted_ms, row.predicted_high_ms) == pytest.approx(
+        [t * 1e3 for t in sorted(scored)])
+    assert row.predicted_spread == pytest.approx(max(scored) / min(scored) - 1)
+    assert row.predicted_spread > 0.3  # the compute scaled by 1.6; the links did not
