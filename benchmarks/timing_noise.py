@@ -2,11 +2,14 @@
 
 A prediction is only as good as the unit timings it was made from. This script compiles a
 bundled model into 2 stages once, then alternates, round by round: re-time the units
-(`fxpipe.retime`, as compile times them) and record the predicted step; run a few steps and
-record the measured one. It prints both per round and their spread (max / min), so a user can
-see how far apart two identical timings land here before reading a measured/predicted ratio.
+(`fxpipe.retime`, as compile times them) and record the predicted step (the schedule plus the
+runtime's time per step, as `fxpipe bench` predicts it); run two untimed steps, then a few
+timed ones, and record the measured step. It prints both per round and their spread
+(max / min), so a user can see how far apart two identical timings land here before reading a
+measured/predicted ratio.
 
     python benchmarks/timing_noise.py --model vgg --rounds 8
+    python benchmarks/timing_noise.py --model mlp --batch 32 --rounds 8 --steps 10
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--profile-repeats", type=int, default=5,
+                        help="timed runs of each unit per re-timing (the median counts)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
@@ -46,7 +51,11 @@ def main() -> None:
           f"{args.micro_batches} micro-batches, gpipe")
     print("round  predicted ms  measured ms  meas/pred")
     for r in range(args.rounds):
-        predicted.append(pipe.predicted_timeline(fxpipe.retime(pipe, (x,))).makespan * 1e3)
+        # predicted as fxpipe bench predicts: the schedule plus the runtime's time per step
+        timeline = pipe.predicted_timeline(fxpipe.retime(pipe, (x,), repeats=args.profile_repeats))
+        predicted.append((timeline.makespan + pipe.measure_step_overhead(x)) * 1e3)
+        for _ in range(2):  # untimed, as in fxpipe bench: the first steps after a pause are slow
+            pipe.step(x, y)
         steps = []
         for _ in range(args.steps):
             start = time.perf_counter()
