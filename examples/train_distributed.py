@@ -1,6 +1,8 @@
 """Train a bundled model as a pipeline over several processes (one stage per rank), on the CPU.
 
     torchrun --standalone --nproc-per-node 2 examples/train_distributed.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/train_distributed.py \
+        --model vgg --batch 64 --steps 6 --timeline step.png
 
 Every rank runs this same script: each builds the model on the meta device (shapes, no
 storage), fxpipe.compile makes only that rank's stage real on its device, and pipe.step(x, y)
@@ -25,6 +27,10 @@ parser.add_argument("--micro-batches", type=int, default=4)
 parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
 parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--real", action="store_true", help="build the whole model on every rank")
+parser.add_argument("--partitioner", help="default: the plan's (balanced when units are timed)")
+parser.add_argument("--timeline", metavar="PNG",
+                    help="after training, print pipe.report() and draw the last step's measured "
+                         "and predicted timelines (needs matplotlib)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # one core per rank; more would oversubscribe a small machine
@@ -38,6 +44,7 @@ x, y = spec.batch(args.batch, data)
 plan = fxpipe.Plan(
     stages=int(os.environ.get("WORLD_SIZE", "1")),  # one stage per rank
     micro_batches=args.micro_batches, schedule=args.schedule, loss_fn=spec.loss_fn,
+    partitioner=args.partitioner,
 )
 pipe = fxpipe.compile(model, plan, example_inputs=(x,))
 rank = dist.get_rank()
@@ -63,6 +70,9 @@ median = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
 if rank == 0:
     print(f"throughput: {args.batch / median:.1f} samples/s (median step {median * 1e3:.1f} ms "
           f"over steps 1..{args.steps - 1})")
+if args.timeline:  # every rank takes part: the ranks exchange their traces
+    pipe.report()
+    pipe.save_timeline(args.timeline)
 state = fxpipe.gather_state_dict(pipe)  # the whole model's state dict, on rank 0
 if rank == 0:
     spec.build().load_state_dict(state)

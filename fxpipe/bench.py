@@ -106,9 +106,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 start = time.perf_counter()
                 pipe.step(x, y)
                 times.append(time.perf_counter() - start)
-        totals = sorted(timeline.makespan + overhead for timeline, overhead in predictions)
-        predicted, overhead = sorted(predictions, key=lambda t: t[0].makespan + t[1]
-                                     )[(len(predictions) - 1) // 2]
+        totals = sorted((timeline.makespan + overhead, i)
+                        for i, (timeline, overhead) in enumerate(predictions))
+        predicted, overhead = predictions[totals[(len(totals) - 1) // 2][1]]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
         memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
         if on_cuda:
@@ -120,7 +120,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              pipe.partition.micro_batches,
                              (predicted.makespan + overhead) * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
-                             memory, kind, totals[0] * 1e3, totals[-1] * 1e3))
+                             memory, kind, totals[0][0] * 1e3, totals[-1][0] * 1e3))
     if progress:
         print(file=sys.stderr)
     return rows
