@@ -66,7 +66,7 @@ def main() -> None:
         counts.append(len(mine))
         busy.append(max(sum(e.end - e.start for e in events if e.stage == s
                             and e.action.kind in COMPUTE) for s in range(2)))
-    predicted = pipe.predicted_timeline(fxpipe.retime(pipe, x))  # units timed afresh
+    predicted = pipe.predicted_timeline(fxpipe.retime(pipe, x, target=y))  # timed afresh
     overhead = pipe.measure_step_overhead(x) * 1e3
     if distributed:
         dist.barrier()  # every rank is done communicating before any tears gloo down

@@ -52,7 +52,8 @@ def main() -> None:
     print("round  predicted ms  measured ms  meas/pred")
     for r in range(args.rounds):
         # predicted as fxpipe bench predicts: the schedule plus the runtime's time per step
-        timeline = pipe.predicted_timeline(fxpipe.retime(pipe, (x,), repeats=args.profile_repeats))
+        timeline = pipe.predicted_timeline(fxpipe.retime(pipe, (x,), target=y,
+                                                          repeats=args.profile_repeats))
         predicted.append((timeline.makespan + pipe.measure_step_overhead(x)) * 1e3)
         for _ in range(2):  # untimed, as in fxpipe bench: the first steps after a pause are slow
             pipe.step(x, y)

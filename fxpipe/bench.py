@@ -71,10 +71,11 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
 
     A shared machine's speed drifts over seconds, and a prediction is only as good as the
     timings it was made from. So the `repeats` timed steps are split into `rounds`, each right
-    after the units are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's own
-    time per step is measured (`pipe.measure_step_overhead`): the prediction (the simulated
-    schedule plus that time) is the median of the rounds' predictions, the measurement the
-    median of all timed steps, and both sample the machine over the same stretch of time.
+    after the units and the loss are timed afresh (`fxpipe.retime`, no disk cache) and the
+    runtime's own time per step is measured (`pipe.measure_step_overhead`): the prediction
+    (the simulated schedule plus that time) is the median of the rounds' predictions, the
+    measurement the median of all timed steps, and both sample the machine over the same
+    stretch of time.
     Each round's timed steps follow `warmup` untimed ones: the first steps after a pause run
     slower on a virtual machine (benchmarks/after_pause.py), and a training loop runs its
     steps back to back. `profile_repeats`: timed runs of each unit per round."""
@@ -94,7 +95,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
         predictions, times = [], []
         for steps in _split(repeats, rounds):
-            fresh = retime(pipe, (x,), warmup=1, repeats=profile_repeats)
+            fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
             overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
             predictions.append((pipe.predicted_timeline(fresh), overhead))
             for _ in range(warmup):

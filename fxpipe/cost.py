@@ -49,7 +49,9 @@ class CostTable:
     with one row is the same for every p (the synthetic tables planners are tested on).
 
     cf[i] / cb[i] are the times to send the values crossing the cut after unit i forward /
-    their gradients backward (0 for the last unit).
+    their gradients backward (0 for the last unit). `backward_call[m]` is what one stage's
+    backward costs beyond its units' `b` at size `sizes[m]` (the fixed cost of a backward call,
+    which a stage pays once whatever its units); 0 unless measured.
     """
 
     f: np.ndarray
@@ -63,6 +65,7 @@ class CostTable:
     param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
     peak_bytes: np.ndarray | None = None  # (M, K) most a unit's forward or backward allocates
+    backward_call: np.ndarray | None = None  # (M,) seconds per stage backward, beyond b
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -89,6 +92,12 @@ class CostTable:
         object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
         peak = saved if self.peak_bytes is None else np.nan_to_num(self.peak_bytes)  # unmeasured
         object.__setattr__(self, "peak_bytes", np.atleast_2d(np.asarray(peak, float)))
+        call = np.zeros(shape[0]) if self.backward_call is None else \
+            np.atleast_1d(np.asarray(self.backward_call, float))
+        if call.shape != (shape[0],) or np.any(call < 0) or not np.all(np.isfinite(call)):
+            raise ValueError(f"CostTable.backward_call must hold {shape[0]} finite non-negative "
+                             f"times, one per micro-batch size")
+        object.__setattr__(self, "backward_call", call)
 
     @classmethod
     def from_arrays(
@@ -140,6 +149,12 @@ class CostTable:
         result = tuple(weights @ table for table in (self.f, self.b, self.cf, self.cb))
         result = tuple(np.maximum(r, 0.0) for r in result)
         return tuple(r[0] for r in result) if scalar else result
+
+    def call_at(self, p: int | Sequence[int] | np.ndarray) -> np.ndarray | float:
+        """The per-stage backward call cost at micro-batch count(s) p (as `at`)."""
+        counts = np.atleast_1d(np.asarray(p, dtype=np.float64))
+        calls = np.maximum(self._interpolation(counts) @ self.backward_call, 0.0)
+        return float(calls[0]) if np.ndim(p) == 0 else calls
 
     def _interpolation(self, counts: np.ndarray) -> np.ndarray:
         """(P, M) weights so that weights @ rows interpolates at micro-batch size B/p."""
@@ -209,6 +224,7 @@ class Partition:
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
+        call = cost.call_at(p)
         saved, transient = cost.saved_bytes(p), cost.transient_bytes(p)
         starts = (0, *bounds[:-1])
         stages = []
@@ -219,7 +235,7 @@ class Partition:
             stages.append(StageCost(
                 (start, end),
                 float(f[start:end].sum()),
-                float(b[start:end].sum()),
+                float(b[start:end].sum()) + call,
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
@@ -266,6 +282,7 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray]) -> CostT
     return dataclasses.replace(
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
+        backward_call=np.maximum(links @ cost.backward_call, 0.0),
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
         peak_bytes=np.maximum(links @ cost.peak_bytes, 0.0))
 
@@ -293,7 +310,7 @@ def step_times(cost: CostTable, bounds: Sequence[int], counts: Sequence[int]) ->
     ends = np.asarray(bounds)
     starts = np.concatenate([[0], ends[:-1]])
     stage_f = np.add.reduceat(f, starts, axis=1)
-    stage_b = np.add.reduceat(b, starts, axis=1)
+    stage_b = np.add.reduceat(b, starts, axis=1) + cost.call_at(counts)[:, None]
     link_f = cf[:, ends[:-1] - 1]
     link_b = cb[:, ends[:-1] - 1]
     rho_f = np.maximum(stage_f.max(axis=1), link_f.max(axis=1, initial=0.0))

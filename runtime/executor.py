@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -238,7 +238,7 @@ class PipelineExecutor:
                    if self.last else [])
 
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
-            value = loss_fn(self._output(outputs), targets[mb])
+            value = loss_fn(self.model_output(outputs), targets[mb])
             if not isinstance(value, torch.Tensor) or value.dim() != 0:
                 raise FxpipeError("Plan(loss_fn=...) must return a scalar tensor (the mean "
                                   f"loss of a micro-batch), got {type(value).__name__}.")
@@ -384,7 +384,9 @@ class PipelineExecutor:
         self._trace = (self._trace + events) if append else events
         return run
 
-    def _output(self, values: dict[str, Any]) -> Any:
+    def model_output(self, values: Mapping[str, Any]) -> Any:
+        """The model's output, as its forward returns it, from the graph's output values by
+        name (what the loss function is given)."""
         flat = output_values(self.output_leaves, values)
         return self.unflatten(pytree.tree_unflatten(flat, self.output_spec))
 

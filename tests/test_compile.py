@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.errors import FxpipeError
 from fxpipe.models import GPT, MLP, ResNet
 
 
@@ -231,3 +234,31 @@ def test_retime_scores_the_compiled_partition_with_fresh_timings():
     assert all(s.f > 0 and s.b > 0 for s in fresh.stages)
     assert fresh.stages != pipe.partition.stages  # timed again, not read back
     assert pipe.predicted_timeline(fresh).makespan > 0
+
+
+def test_retime_with_a_target_times_the_loss_on_the_last_stage():
+    model, x, y = MLP(), torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+    def slow_loss(output, target):  # 20 ms a micro-batch: far above the units' timing noise
+        time.sleep(0.02)
+        return F.cross_entropy(output, target)
+
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=slow_loss)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
+    with_loss = fxpipe.retime(pipe, x, target=y, warmup=0, repeats=1)
+    assert with_loss.stages[-1].f >= 0.02 > with_loss.stages[0].f
+
+
+@pytest.mark.parametrize("plan, target, message", [
+    (fxpipe.Plan(stages=2, micro_batches=4), torch.zeros(16, dtype=torch.long),
+     r"needs the plan's loss: compile with Plan\(loss_fn=...\)"),
+    (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy),
+     torch.zeros(15, dtype=torch.long), "one row per sample of the inputs \\(16\\), got 15 rows"),
+    (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), [0] * 16,
+     "one row per sample of the inputs \\(16\\), got list"),
+])
+def test_retime_refuses_a_loss_it_cannot_time(plan, target, message):
+    model, x = MLP(), torch.randn(16, 32)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
+    with pytest.raises(FxpipeError, match=message):
+        fxpipe.retime(pipe, x, target=target)

@@ -4,14 +4,16 @@ it is now."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from fxpipe.batching import input_dims, resize
 from fxpipe.compile.front import example_args, measure_costs
 from fxpipe.cost import Partition
 from fxpipe.distributed import launched
+from fxpipe.errors import FxpipeError
 from fxpipe.pipeline import CompiledPipeline
 
 __all__ = ["Timing", "retime"]
@@ -28,25 +30,29 @@ class Timing:
 
 
 def retime(pipe: CompiledPipeline, example_inputs: Any,
-           example_kwargs: Mapping[str, Any] | None = None, *, warmup: int = 2,
-           repeats: int = 5) -> Partition:
+           example_kwargs: Mapping[str, Any] | None = None, *, target: Any = None,
+           warmup: int = 2, repeats: int = 5) -> Partition:
     """The pipeline's partition scored with its units timed again, exactly as compile timed them
     (same micro-batch sizes, threads and concurrent stages; no cache). Under torchrun every rank
     must call it: they time at once and rank 0's table counts, as in compile. A shared
     machine's speed drifts over seconds, so a prediction meant to be compared with measured
-    steps is best made from timings taken right beside them. `warmup`, `repeats`: runs of
-    each unit, the median of the repeats counts."""
+    steps is best made from timings taken right beside them. `target` (one row per sample of
+    the inputs): the plan's loss_fn is timed too, on the last stage, where pipe.step runs it
+    (compile has no target and leaves it out). `warmup`, `repeats`: runs of each unit, the
+    median of the repeats counts."""
     timing: Timing | None = pipe.timing
     if timing is None:
         raise ValueError("retime() needs a pipeline made by fxpipe.compile")
     args, kwargs = example_args(example_inputs, example_kwargs)
     flat = pipe.traced.bind(args, kwargs)
     whole = pipe.executor.whole if pipe.executor is not None else ()
+    loss = None if target is None else _loss(pipe, target, input_dims(flat, whole).batch,
+                                              timing.device)
     plan = dataclasses.replace(pipe.plan, costs="measure") if pipe.plan.costs == "none" \
         else pipe.plan
     cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, [timing.device],
                          pipe.link, None, timing.threads, timing.concurrency, whole, warmup,
-                         repeats)
+                         repeats, loss)
     if launched():
         shared: list[Any] = [cost]
         torch.distributed.broadcast_object_list(shared, src=0)
@@ -54,3 +60,24 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     part = pipe.partition
     return Partition.evaluate(cost, part.bounds, part.micro_batches, part.partitioner,
                               schedule=pipe.plan.schedule)
+
+
+def _loss(pipe: CompiledPipeline, target: Any, batch: int, device: str
+          ) -> Callable[[Mapping[str, Any], int], torch.Tensor]:
+    """loss(outputs, size): the plan's loss_fn on the model output built from the graph's
+    output values and the target's first `size` rows, as the last stage computes it."""
+    loss_fn = pipe.plan.loss_fn
+    if loss_fn is None:
+        raise FxpipeError("retime(target=...) times the loss, which needs the plan's loss: "
+                          "compile with Plan(loss_fn=...), or leave out target.")
+    if not isinstance(target, torch.Tensor) or target.dim() == 0 or len(target) != batch:
+        rows = len(target) if isinstance(target, torch.Tensor) and target.dim() else None
+        raise FxpipeError(f"retime(target=...) needs a tensor with one row per sample of the "
+                          f"inputs ({batch}), got "
+                          f"{f'{rows} rows' if rows is not None else type(target).__name__}.")
+    target = target.to(device)
+    dims = input_dims([target])
+
+    def loss(outputs: Mapping[str, Any], size: int) -> torch.Tensor:
+        return loss_fn(pipe.executor.model_output(outputs), resize([target], dims, size)[0])
+    return loss

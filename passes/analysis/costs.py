@@ -11,10 +11,15 @@ __all__ = ["cost_table"]
 
 
 def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str]) -> CostTable:
-    """Per-unit f, b from the profile; cf, cb from the bytes crossing each cut over `link`."""
+    """Per-unit f, b and a stage's backward call cost from the profile; cf, cb from the bytes
+    crossing each cut over `link`. The loss, where timed, counts in the last unit: the last
+    stage runs it, whatever the partition."""
+    f, b = profile.forward.copy(), profile.backward.copy()
+    f[:, -1] += profile.loss_forward
+    b[:, -1] += profile.loss_backward
     return CostTable(
-        f=profile.forward,
-        b=profile.backward,
+        f=f,
+        b=b,
         cf=link.time(profile.boundary_bytes),
         cb=link.time(profile.boundary_grad_bytes),
         sizes=profile.sizes,
@@ -24,4 +29,5 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         param_bytes=profile.param_bytes,
         activation_bytes=profile.activation_bytes,
         peak_bytes=profile.peak_bytes,
+        backward_call=profile.backward_call,
     )

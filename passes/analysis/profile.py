@@ -3,17 +3,24 @@
 Each unit runs alone, as the rewrite pass cuts it when every unit is a stage of its own, on the
 outputs of the units before it: warm-up runs, then repeats, and the median counts. Inputs that
 carry gradients in training get them here too, so a unit's backward includes its input gradient
-as it will in a pipeline stage. One more, untimed, repetition measures each unit's peak memory
-(`memory.PeakMemory`). Nothing is left behind on the model: gradients accumulate into
-zeroed .grad (as in a stage) and the parameters' own .grad, buffers and random number
-generators are restored afterwards. Results are cached on disk by (model signature, device,
-micro-batch sizes, repeats), so compiling the same model twice measures it once.
+as it will in a pipeline stage. A stage runs one backward call for all its units, and a call
+has a fixed cost (the autograd engine's start, the leaves' gradients) that timing each unit's
+backward on its own counts once per unit: each repetition also runs the units connected, with
+one backward call, and the difference gives that cost per call (`backward_call`), which the
+units' backward times then leave out. Given the loss (the plan's loss_fn with a target), its
+forward and backward on the model's outputs are timed too: the last stage runs them. One more,
+untimed, repetition measures each unit's peak memory (`memory.PeakMemory`). Nothing is left
+behind on the model: gradients accumulate into zeroed .grad (as in a stage) and the
+parameters' own .grad, buffers and random number generators are restored afterwards. Results
+are cached on disk by (model signature, device, micro-batch sizes, repeats), so compiling the
+same model twice measures it once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -21,7 +28,7 @@ import pathlib
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +54,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 6  # bump when the cached record changes (or how it is measured)
+_FORMAT = 7  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,6 +70,9 @@ class UnitProfile:
     peak_bytes: np.ndarray  # (M, K): most allocated above the start of its forward or backward
     param_bytes: np.ndarray  # (K,)
     params: np.ndarray  # (K,) parameter counts (a tied weight counts in its first unit)
+    backward_call: np.ndarray  # (M,) fixed cost of one backward call (0 on a meta model)
+    loss_forward: np.ndarray  # (M,) the loss on the outputs (0 when not timed)
+    loss_backward: np.ndarray  # (M,)
     device: str
     cached: bool = False
 
@@ -144,6 +154,7 @@ def profile_units(
     threads: int | None = None,
     concurrency: int = 1,
     whole: Sequence[int] = (),
+    loss: Callable[[Mapping[str, Any], int], torch.Tensor] | None = None,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
@@ -153,12 +164,15 @@ def profile_units(
     compute at once in the pipeline's steady state on this host; `concurrency - 1` background
     workers run the same units meanwhile, so the times include the slowdown that cores
     sharing caches and memory bandwidth cause (a unit alone on a quiet machine runs faster
-    than it will inside the pipeline).
+    than it will inside the pipeline). `loss(outputs, size)`: the loss of a micro-batch of
+    `size` samples from the graph's output values by name, timed forward and backward when
+    given (never cached).
     """
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                      (concurrency, tuple(whole)))
+    cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
@@ -172,15 +186,18 @@ def profile_units(
         with preserved_state(graph), _gradients_set_aside(graph), \
                 _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads):
             rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
-                             device, warmup, repeats) for size in sizes]
+                             device, warmup, repeats,
+                             loss=loss and functools.partial(loss, size=size))
+                    for size in sizes]
         with preserved_state(graph), _gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
                                                  for size in sizes], device)
     finally:
         torch.set_num_threads(previous_threads)
-    forward, backward, crossing, crossing_grad = (np.array(r, dtype=float) for r in zip(*rows))
+    forward, backward, crossing, crossing_grad, call, loss_f, loss_b = (
+        np.array(r, dtype=float) for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, peak,
-                          param_bytes, params, device)
+                          param_bytes, params, call, loss_f, loss_b, device)
     if cache is not None:
         cache.put(key, profile)
     return profile
@@ -255,13 +272,19 @@ def _needs_grad(table) -> dict[str, bool]:
 
 def _as_a_stage(table, modules, values, needs_grad: dict[str, bool]) -> None:
     """The units' forwards in a row on connected values, then one backward from the outputs."""
+    outputs = _connected_forward(table, modules, values, needs_grad)
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+
+
+def _connected_forward(table, modules, values, needs_grad: dict[str, bool]) -> list[Any]:
+    """The units' forwards in a row, each on the others' outputs (not cut from their graphs);
+    returns the graph's outputs that need a gradient."""
     env = {v: _as_input(x, needs_grad.get(v, False)) for v, x in zip(table.graph_inputs, values)}
     for io, module in zip(table.stages, modules):
         env.update(zip(io.outputs, module(*[env[v] for v in io.inputs])))
-    outputs = list({id(o): o for o in (env[v] for v in table.graph_outputs)
-                    if isinstance(o, torch.Tensor) and o.requires_grad}.values())
-    if outputs:
-        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    return list({id(o): o for o in (env[v] for v in table.graph_outputs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad}.values())
 
 
 def _memory(graph, table, inputs_per_size, device) -> tuple[np.ndarray, np.ndarray]:
@@ -282,8 +305,10 @@ def _memory(graph, table, inputs_per_size, device) -> tuple[np.ndarray, np.ndarr
     return np.array(saved, dtype=float), np.array(peak, dtype=float)
 
 
-def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None):
-    """One micro-batch size: per-unit forward and backward times and crossing bytes. With
+def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None):
+    """One micro-batch size: per-unit forward and backward times, crossing bytes, the fixed
+    cost of a backward call (`_without_call_cost`; 0 when measuring memory), and the forward
+    and backward times of `loss(outputs)` when given (else 0). With
     `span` (name -> context manager, e.g. a PeakMemory's), unit i's forward and backward run
     inside span("i.forward") and span("i.backward"); with `saved` (a list), the bytes each
     unit's forward saves for backward are appended to it.
@@ -300,6 +325,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
+    connect = not alone and span is None and saved is None  # not when measuring memory
     span = span or (lambda name: contextlib.nullcontext())
     counter = _SavedBytes if saved is not None else lambda module: contextlib.nullcontext()
 
@@ -307,6 +333,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
         grads_for = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
         seconds = 0.0
         if grads_for and wants:
+            called[i] = True
             ones = [torch.ones_like(o) for o in grads_for]
             # accumulate into .grad as a pipeline stage does (the adds cost memory traffic)
             with span(f"{i}.backward"):
@@ -314,7 +341,14 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
         if timed:
             b_times[i].append(seconds)
 
+    connected_times: list[float] = []
+    loss_times: list[tuple[float, float]] = []
+    called = [False] * units  # units whose backward is a call of its own
     for rep in range(warmup + repeats):
+        if connect:
+            seconds = _connected_backward(table, modules, inputs, needs_grad, timer)
+            if rep >= warmup:
+                connected_times.append(seconds)
         env = dict(zip(table.graph_inputs, inputs))
         pending = []
         for i, (io, unit) in enumerate(zip(table.stages, modules)):
@@ -336,12 +370,60 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
                         out.detach() if isinstance(out, torch.Tensor) else out)
             if rep >= warmup:
                 f_times[i].append(seconds)
+        if loss is not None:
+            seconds = _time_loss(loss, table, env, timer)
+            if rep >= warmup:
+                loss_times.append(seconds)
         for i in reversed(range(len(pending))):
             backward(i, *pending.pop(), rep >= warmup)
     forward = [statistics.median(t) for t in f_times]
-    backward_times = [statistics.median(t) for t in b_times]
+    backward_times = np.array([statistics.median(t) for t in b_times])
+    call = 0.0
+    if connected_times:
+        backward_times, call = _without_call_cost(backward_times, np.array(called),
+                                                  statistics.median(connected_times))
+    loss_f, loss_b = (statistics.median(t) for t in zip(*loss_times)) if loss_times else (0, 0)
     crossing, crossing_grad = _crossing_bytes(table, env, units)
-    return forward, backward_times, crossing, crossing_grad
+    return forward, list(backward_times), crossing, crossing_grad, call, loss_f, loss_b
+
+
+def _time_loss(loss, table, env, timer) -> tuple[float, float]:
+    """Seconds of the loss's forward and of its backward, on the outputs as the last stage
+    holds them (leaves needing gradients)."""
+    outputs = {v: _as_input(env[v], True) for v in table.graph_outputs}
+    value, forward = timer(loss, outputs)
+    if not (isinstance(value, torch.Tensor) and value.requires_grad):
+        return forward, 0.0
+    _, backward = timer(value.backward)
+    return forward, backward
+
+
+def _connected_backward(table, modules, inputs, needs_grad, timer) -> float:
+    """Seconds of one backward call through all the units run connected, as one stage runs
+    them (their forwards untimed)."""
+    outputs = _connected_forward(table, modules, inputs, needs_grad)
+    if not outputs:
+        return 0.0
+    _, seconds = timer(torch.autograd.backward, outputs, [torch.ones_like(o) for o in outputs])
+    return seconds
+
+
+def _without_call_cost(backward: np.ndarray, called: np.ndarray,
+                       connected: float) -> tuple[np.ndarray, float]:
+    """Per-unit backward times without the fixed cost of a backward call, and that cost.
+
+    n units timed one call each took Σ b; connected, one call took `connected`; so a call costs
+    (Σ b − connected) / (n − 1) beyond the units' work. That is taken off each called unit
+    (never below zero), and the rest scaled so the units' work still adds up to one connected
+    call less its fixed cost."""
+    n = int(called.sum())
+    if n < 2:
+        return backward, 0.0
+    call = max((float(backward[called].sum()) - connected) / (n - 1), 0.0)
+    work = np.where(called, np.maximum(backward - call, 0.0), 0.0)
+    if work.sum() > 0:
+        work = work * (max(connected - call, 0.0) / work.sum())
+    return work, call
 
 
 def _on(values: list[Any], device: str) -> list[Any]:

@@ -7,11 +7,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
 from fxpipe.models import GPT, VGG
 from fxpipe.passes.analysis import profile as profile_module
+from fxpipe.passes.analysis.comm import default_link
+from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.passes.analysis.profile import profile_units
 from fxpipe.passes.rewrite.stages import split_stages
@@ -142,3 +146,48 @@ def test_a_failing_background_load_fails_the_timing(monkeypatch):
     with pytest.raises(RuntimeError, match="background load") as failure:
         profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=2)
     assert isinstance(failure.value.__cause__, ValueError)
+
+
+@given(st.lists(st.floats(0.0, 1e-2), min_size=2, max_size=12), st.floats(0.0, 1e-3),
+       st.data())
+def test_the_fixed_cost_of_a_backward_call_is_recovered(work, call, data):
+    """Units timed one backward call each took their work plus the call's fixed cost; one
+    connected call took all the work plus one fixed cost: both come back out."""
+    called = np.array(data.draw(st.lists(st.booleans(), min_size=len(work),
+                                         max_size=len(work))))
+    work = np.where(called, work, 0.0)
+    timed = np.where(called, work + call, 0.0)
+    units, cost = profile_module._without_call_cost(timed, called, work.sum() + call)
+    if called.sum() < 2:  # nothing to compare the connected call with
+        assert cost == 0.0 and np.array_equal(units, timed)
+        return
+    assert cost == pytest.approx(call, abs=1e-12)
+    np.testing.assert_allclose(units, work, atol=1e-12)
+
+
+def test_a_backward_call_never_costs_less_than_nothing():
+    units, cost = profile_module._without_call_cost(np.array([1.0, 2.0]), np.array([True] * 2),
+                                                    5.0)  # connected slower than the parts
+    assert cost == 0.0 and units.sum() == pytest.approx(5.0)
+
+
+def test_the_loss_is_timed_and_counts_in_the_last_unit():
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
+    _, graph, table = _per_unit(model, x)
+    output = table.graph_outputs[0]
+
+    def loss(outputs, size):
+        time.sleep(0.01)
+        value = outputs[output].square().mean()
+        assert outputs[output].shape[0] == size  # the micro-batch's rows
+        return value
+
+    profile = profile_units(graph, table, [x], [2, 4], warmup=0, repeats=1, loss=loss)
+    assert np.all(profile.loss_forward >= 0.01) and np.all(profile.loss_backward > 0)
+    plain = profile_units(graph, table, [x], [2, 4], warmup=0, repeats=1)
+    assert np.all(plain.loss_forward == 0) and np.all(plain.loss_backward == 0)
+    cost = cost_table(profile, default_link("cpu", "cpu"), 8, ["a", "b", "c"])
+    np.testing.assert_allclose(cost.f[:, -1], profile.forward[:, -1] + profile.loss_forward)
+    np.testing.assert_allclose(cost.b[:, -1], profile.backward[:, -1] + profile.loss_backward)
+    np.testing.assert_allclose(cost.f[:, :-1], profile.forward[:, :-1])
+    np.testing.assert_array_equal(cost.backward_call, profile.backward_call)
