@@ -1,16 +1,19 @@
 """Benchmark: each stage's forward and backward in the pipeline against the cost model's.
 
 The step's prediction is a sum of stage times; this script checks those times one by one.
-It compiles a bundled model into 2 stages (threads in one process), then alternates, round
-by round: re-time the units and the loss (`fxpipe.retime` with the target), run two untimed
-steps, then a few timed ones, and record each stage's measured forward and backward per
-micro-batch (the trace's F and B actions) against the predicted ones. It prints the median
-measured/predicted per stage, for the backward also against a stage that paid the fixed cost
-of a backward call once per unit, as the units' own timings did before the profile took it
-out (stage backward + (units − 1) · backward_call, the call's cost as compile measured it).
+It compiles a bundled model into 2 stages (threads in one process, or one per rank under
+torchrun), then alternates, round by round: re-time the units and the loss (`fxpipe.retime`
+with the target), run two untimed steps, then a few timed ones, and record each stage's
+measured forward and backward per micro-batch (the trace's F and B actions) against the
+predicted ones. It prints the median measured/predicted per stage, for the backward also
+against a stage that paid the fixed cost of a backward call once per unit, as the units' own
+timings did before the profile took it out (stage backward + (units − 1) · backward_call, the
+call's cost as compile measured it).
 
     python benchmarks/stage_times.py --model vgg --batch 64
     python benchmarks/stage_times.py --model mlp --batch 32 --rounds 8
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \
+        benchmarks/stage_times.py --model gpt
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import argparse
 import statistics
 
 import torch
+import torch.distributed as dist
 
 import fxpipe
+from fxpipe.distributed import launched
 from fxpipe.models import bundled
 from fxpipe.report import step_time
 
@@ -36,6 +41,9 @@ def main() -> None:
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
 
+    distributed = launched()  # compile joins the process group torchrun describes
+    if distributed:
+        torch.set_num_threads(1)
     model = bundled(args.model)
     torch.manual_seed(0)
     x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
@@ -60,7 +68,12 @@ def main() -> None:
             ratios.setdefault((s, "F"), []).append(forward / stage.f)
             ratios.setdefault((s, "B"), []).append(backward / stage.b)
             ratios.setdefault((s, "B per-unit calls"), []).append(backward / per_unit_calls)
-    print(f"{args.model}, 2 stages {list(pipe.partition.sizes)}, batch {args.batch}, {p} "
+    if distributed:
+        dist.barrier()  # every rank is done communicating before any tears gloo down
+        if dist.get_rank() != 0:
+            return
+    where = "2 ranks under torchrun" if distributed else "2 stage threads"
+    print(f"{args.model}, {where}, 2 stages {list(pipe.partition.sizes)}, batch {args.batch}, {p} "
           f"micro-batches, gpipe; median measured / predicted over {args.rounds} rounds")
     for (s, what), values in sorted(ratios.items()):
         print(f"stage {s}  {what:17s} {statistics.median(values):.2f}  "
