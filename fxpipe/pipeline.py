@@ -173,15 +173,16 @@ class CompiledPipeline(torch.nn.Module):
         vars(self)["step_overhead"] = self.executor.step_overhead(flat)
         return self.step_overhead
 
-    def report(self, file: Any = None) -> str:
+    def report(self, file: Any = None, partition: Partition | None = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
         communication and idle shares, and the stage that bounds the pipeline. Printed (to
         `file`, default stdout; rank 0 under torchrun, where every rank must call it) and
-        returned."""
+        returned. `partition`: the stage costs to predict with (default: the compiled ones;
+        e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
         measured = self.full_trace("pipe.report()")
         stages = self.plan.stages
         text = format_report(step_time(measured, stages),
-                             step_time(self.predicted_timeline().events, stages),
+                             step_time(self.predicted_timeline(partition).events, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead)
         if self._speaks():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpipe
+from fxpipe.cost import Partition
 from fxpipe.models import MLP, VGG
 from fxpipe.report import step_time
 
@@ -34,6 +36,24 @@ def test_report_compares_measured_and_predicted(trained, capsys):
         parts = stage.compute + stage.communication + stage.reduction + stage.idle
         assert parts == pytest.approx(measured.makespan, rel=1e-6)  # a stage does one thing
         assert stage.compute > 0
+
+
+def test_report_predicts_with_the_partition_it_is_given(trained):
+    """E.g. one re-timed beside the run: here the compiled costs doubled, so the stages' predicted
+    times double and the measured ones stay."""
+    part = trained.partition
+    doubled = dataclasses.replace(trained.cost, f=trained.cost.f * 2, b=trained.cost.b * 2)
+    slower = Partition.evaluate(doubled, part.bounds, part.micro_batches, part.partitioner,
+                                schedule="1f1b")
+
+    def forward_ms(text):  # stage 0's "fwd ms meas/pred" cell
+        row = next(line for line in text.splitlines() if line.startswith("0 "))
+        measured, predicted = row.split()[1], row.split()[3]
+        return float(measured), float(predicted)
+
+    plain, given = forward_ms(trained.report()), forward_ms(trained.report(partition=slower))
+    assert given[0] == plain[0]
+    assert given[1] == pytest.approx(2 * plain[1], rel=0.02, abs=0.01)
 
 
 def test_step_time_of_a_simulated_timeline_matches_the_simulator(trained):
