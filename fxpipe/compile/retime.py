@@ -15,6 +15,7 @@ from fxpipe.cost import Partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.pipeline import CompiledPipeline
+from fxpipe.runtime.microbatch import rows
 
 __all__ = ["Timing", "retime"]
 
@@ -70,11 +71,11 @@ def _loss(pipe: CompiledPipeline, target: Any, batch: int, device: str
     if loss_fn is None:
         raise FxpipeError("retime(target=...) times the loss, which needs the plan's loss: "
                           "compile with Plan(loss_fn=...), or leave out target.")
-    if not isinstance(target, torch.Tensor) or target.dim() == 0 or len(target) != batch:
-        rows = len(target) if isinstance(target, torch.Tensor) and target.dim() else None
+    found = rows([target]) if isinstance(target, torch.Tensor) else 0  # as pipe.step cuts it
+    if found != batch:
         raise FxpipeError(f"retime(target=...) needs a tensor with one row per sample of the "
                           f"inputs ({batch}), got "
-                          f"{f'{rows} rows' if rows is not None else type(target).__name__}.")
+                          f"{f'{found} rows' if found else type(target).__name__}.")
     target = target.to(device)
     dims = input_dims([target])
 

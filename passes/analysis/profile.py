@@ -325,6 +325,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
+    called = [False] * units  # units whose backward is a call of its own
     connect = not alone and span is None and saved is None  # not when measuring memory
     span = span or (lambda name: contextlib.nullcontext())
     counter = _SavedBytes if saved is not None else lambda module: contextlib.nullcontext()
@@ -343,7 +344,6 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
 
     connected_times: list[float] = []
     loss_times: list[tuple[float, float]] = []
-    called = [False] * units  # units whose backward is a call of its own
     for rep in range(warmup + repeats):
         if connect:
             seconds = _connected_backward(table, modules, inputs, needs_grad, timer)

@@ -1,0 +1,63 @@
+"""Benchmark: what the profile measures for a model, alone and beside a busy stage.
+
+Times a bundled model's units as compile does (micro-batch size batch / micro-batches), with
+the plan's loss on a target, once with no other work (concurrency 1) and once beside a
+background worker running the units as a second stage does (concurrency 2, what the local
+runtime's 2 stage threads are timed with), `--rounds` times each, alternating. It prints the
+sums of the units' forward and backward times, the fixed cost of one backward call the profile
+takes out of them, and the loss's forward and backward: how much the stand-in for the other
+stage slows each part (for a small model, mostly through Python's global interpreter lock).
+
+    python benchmarks/profile_parts.py --model mlp
+    python benchmarks/profile_parts.py --model gpt
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import fxpipe
+from fxpipe.models import bundled
+from fxpipe.passes.analysis.profile import profile_units
+from fxpipe.passes.rewrite.stages import split_stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    torch.set_num_threads(1)
+
+    model = bundled(args.model)
+    torch.manual_seed(0)
+    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=2, micro_batches=args.micro_batches, loss_fn=model.loss_fn)
+    pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
+    k = len(pipe.units)
+    graph, table = split_stages(pipe.traced.gm, pipe.units, range(1, k + 1), ["cpu"] * k)
+    size = -(-args.batch // args.micro_batches)
+
+    def loss(outputs, size):
+        return model.loss_fn(pipe.executor.model_output(outputs), y[:size])
+
+    print(f"{args.model}: {k} units, micro-batch {size}; sums over the units, in µs")
+    print("concurrency  forward  backward  backward call  loss forward  loss backward")
+    for _ in range(args.rounds):
+        for concurrency in (1, 2):
+            prof = profile_units(graph, table, [x], [size], concurrency=concurrency, loss=loss)
+            us = [v * 1e6 for v in (prof.forward.sum(), prof.backward.sum(),
+                                    prof.backward_call[0], prof.loss_forward[0],
+                                    prof.loss_backward[0])]
+            print(f"{concurrency:11d}  {us[0]:7.0f}  {us[1]:8.0f}  {us[2]:13.0f}  "
+                  f"{us[3]:12.0f}  {us[4]:13.0f}")
+
+
+if __name__ == "__main__":
+    main()
