@@ -32,9 +32,11 @@ class Link:
         return np.where(nbytes > 0, self.latency + transfer, 0.0)
 
     def __str__(self) -> str:
-        if math.isinf(self.bandwidth) and self.latency == 0:
+        if math.isinf(self.bandwidth) and self.latency == 0 and self.post == 0:
             return f"free (same device, no copy; {self.source})"
         posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
+        if math.isinf(self.bandwidth):
+            return f"{self.latency * 1e6:.0f} us per message, no copy{posting} ({self.source})"
         return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"
                 f"{posting} ({self.source})")
 

@@ -8,7 +8,9 @@ keyed by (src, dst, direction, micro-batch), so their order on a link does not m
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -107,6 +109,43 @@ class LocalTransport:
 
     def prefetch(self, src: int, dst: int, direction: str, mb: Any) -> None:
         """Messages here are handed over, not transferred: nothing to start early."""
+
+    def measure_handoff(self, repeats: int = 50) -> tuple[float, float]:
+        """(latency, post) of handing a message from one stage thread to another through this
+        transport: the sender's seconds in send(), and the seconds beyond them until a
+        receiver blocked in recv() has it (waking a waiting thread is most of it). Medians of
+        a ping-pong between two threads, after as many warm-up round trips; it runs on its own
+        message keys, so call it between runs."""
+        sample = torch.zeros(1, device=self.devices[0])
+        rounds = 2 * repeats
+        one_way, posts, failed = [], [], []
+
+        def pong() -> None:
+            try:
+                for i in range(rounds):
+                    self.send(1, 0, "B", ("handoff", i), self.recv(0, 1, "F", ("handoff", i)))
+            except BaseException as error:  # re-raised below: a silent failure would hang ping
+                failed.append(error)
+                self.abort(error)
+
+        worker = threading.Thread(target=pong, name="fxpipe-handoff", daemon=True)
+        worker.start()
+        try:
+            for i in range(rounds):
+                start = time.perf_counter()
+                self.send(0, 1, "F", ("handoff", i), {"value": sample})
+                posted = time.perf_counter()
+                self.recv(1, 0, "B", ("handoff", i))
+                if i >= repeats:
+                    posts.append(posted - start)
+                    one_way.append((time.perf_counter() - start) / 2)
+        finally:
+            worker.join()
+            self.reset()
+        if failed:
+            raise failed[0]
+        post = statistics.median(posts)
+        return max(statistics.median(one_way) - post, 0.0), post
 
     def _to_device(self, values: Mapping[str, Any], device: torch.device):
         moved, event = {}, None

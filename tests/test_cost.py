@@ -75,15 +75,31 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert link.bandwidth == pytest.approx(3e9, rel=1e-6)
 
 
-def test_measured_link_between_cpu_stages_is_free():
+@pytest.mark.parametrize("link", [None, "measure"])
+def test_link_between_cpu_stage_threads_is_measured_with_no_copy(link):
     import torch
 
     import fxpipe
     from fxpipe.models import MLP
 
-    pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, link="measure", costs="none"),
+    pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, link=link, costs="none"),
                           example_inputs=(torch.randn(2, 32),))
-    assert pipe.link.time(1e6) == 0.0 and "measured" in pipe.link.source
+    # a reference changes threads: the cost per message is the same at any size, and > 0
+    assert pipe.link.bandwidth == math.inf and "measured" in pipe.link.source
+    assert pipe.link.post > 0 and pipe.link.time(1e9) == pipe.link.time(1) > 0
+    assert "per message, no copy" in str(pipe.link)
+    given = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, link=(0.0, 1e9), costs="none"),
+                           example_inputs=(torch.randn(2, 32),))
+    assert given.link.source == "plan" and given.link.post == 0
+
+
+def test_handoff_through_the_local_transport_costs_the_sender_and_the_receiver():
+    from fxpipe.runtime.transport import LocalTransport
+
+    transport = LocalTransport(["cpu", "cpu"])
+    latency, post = transport.measure_handoff(repeats=20)
+    assert post > 0 and latency >= 0
+    assert not transport._messages  # nothing of the ping-pong is left for a run to find
 
 
 @given(st.lists(st.tuples(st.floats(1e-9, 1e-6), st.floats(0, 1e-3), st.integers(0, 3)),

@@ -4,6 +4,7 @@ units, and its units timed into a CostTable."""
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from fxpipe.passes.analysis.shape import annotate_shapes, preserved_state, recor
 from fxpipe.passes.analysis.symbolic import flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
+from fxpipe.runtime.transport import LocalTransport
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units
 
@@ -260,12 +262,19 @@ def profile_sizes(batch: int, plan: Plan) -> list[int]:
 
 
 def stage_link(plan: Plan, devices: Sequence[str]) -> Link:
-    """The link between stages: the plan's figures, measured, or the default for the devices."""
-    if plan.link == "measure":
-        return measure_local_link(devices[0], devices[-1])
-    if plan.link is not None:
+    """The link between stages: the plan's figures, measured, or the default for the devices.
+    Stage threads on one CPU hand values over by reference, with no copy, but the hand-over
+    still costs the sender its send and the receiver the wake-up: measured through the local
+    transport, by default as with Plan(link="measure")."""
+    if isinstance(plan.link, tuple):
         return Link(plan.link[0], plan.link[1], "plan")
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed and len(devices) > 1 and all(torch.device(d).type == "cpu"
+                                                    for d in devices):
+        latency, post = LocalTransport(["cpu", "cpu"]).measure_handoff()
+        return Link(latency, math.inf, "measured: handed over between stage threads", post)
+    if plan.link == "measure":
+        return measure_local_link(devices[0], devices[-1])
     return default_link(devices[0], devices[-1], distributed)
 
 
