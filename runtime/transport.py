@@ -112,8 +112,8 @@ class LocalTransport:
 
     def measure_handoff(self, repeats: int = 50) -> tuple[float, float]:
         """(latency, post) of handing a message from one stage thread to another through this
-        transport: the sender's seconds in send(), and the seconds beyond them until a
-        receiver blocked in recv() has it (waking a waiting thread is most of it). Medians of
+        transport: `post`, the sender's seconds in send(); `latency`, the seconds beyond them
+        until a receiver blocked in recv() has it (mostly waking the thread). Medians of
         a ping-pong between two threads, after as many warm-up round trips; it runs on its own
         message keys, so call it between runs."""
         sample = torch.zeros(1, device=self.devices[0])
@@ -139,6 +139,9 @@ class LocalTransport:
                 if i >= repeats:
                     posts.append(posted - start)
                     one_way.append((time.perf_counter() - start) / 2)
+        except BaseException as error:  # wake the other thread, which may wait for a message
+            self.abort(error)
+            raise
         finally:
             worker.join()
             self.reset()
