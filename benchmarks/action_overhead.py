@@ -1,0 +1,70 @@
+"""Benchmark: what a forward action costs the local runtime beyond its stage module's call.
+
+The cost model predicts a stage's F action from its units' (and, on the last stage, the
+loss's) timed forwards; the runtime also detaches the stage's inputs, builds its value dicts
+and records the action. This script compiles a bundled model into 2 stage threads, times
+each stage module's call with forward hooks, and prints per stage the median F action (from
+the trace) against the median module call, over the timed steps. On the last stage the
+difference also holds the loss.
+
+    python benchmarks/action_overhead.py --model gpt
+    python benchmarks/action_overhead.py --model mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import fxpipe
+from fxpipe.models import bundled
+from fxpipe.schedules import ActionKind
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    torch.set_num_threads(1)
+    model = bundled(args.model)
+    torch.manual_seed(0)
+    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=model.loss_fn)
+    pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
+
+    started: dict[int, float] = {}
+    calls: dict[int, list[float]] = {0: [], 1: []}
+    for s, runner in pipe.executor.runners.items():
+        module = runner.stage.module
+        module.register_forward_pre_hook(
+            lambda m, a, s=s: started.__setitem__(s, time.perf_counter()))
+        module.register_forward_hook(
+            lambda m, a, o, s=s: calls[s].append(time.perf_counter() - started[s]))
+    for _ in range(3):
+        pipe.step(x, y)
+    for timed in calls.values():
+        timed.clear()
+    actions: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(args.steps):
+        pipe.step(x, y)
+        for e in pipe.last_trace():
+            if e.action.kind is ActionKind.F:
+                actions[e.stage].append(e.duration)
+    print(f"{args.model}, 2 stage threads {list(pipe.partition.sizes)}, batch {args.batch}, "
+          f"4 micro-batches; medians over {args.steps} steps, in µs")
+    print("stage  F action  module call  difference")
+    for s in (0, 1):
+        action, call = statistics.median(actions[s]) * 1e6, statistics.median(calls[s]) * 1e6
+        note = "  (includes the loss)" if s == 1 else ""
+        print(f"{s:5d}  {action:8.0f}  {call:11.0f}  {action - call:10.0f}{note}")
+
+
+if __name__ == "__main__":
+    main()
