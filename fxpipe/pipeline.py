@@ -19,7 +19,7 @@ from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.materialize import materialize
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
-from fxpipe.report import format_report, step_time
+from fxpipe.report import format_report, interference, step_time
 from fxpipe.simulate import Event, Timeline, simulate
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
@@ -184,7 +184,7 @@ class CompiledPipeline(torch.nn.Module):
         text = format_report(step_time(measured, stages),
                              step_time(self.predicted_timeline(partition).events, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
-                             self.step_overhead)
+                             self.step_overhead, interference(measured))
         if self._speaks():
             print(text, file=file)
         return text

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections import defaultdict
 from collections.abc import Sequence
 
 from fxpipe.inspect import format_table
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Event
 
-__all__ = ["StageTime", "StepTime", "format_report", "step_time"]
+__all__ = ["Interference", "StageTime", "StepTime", "format_report", "interference", "step_time"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
@@ -76,10 +77,49 @@ def step_time(events: Sequence[Event], stages: int) -> StepTime:
     return StepTime(makespan, tuple(rows))
 
 
+@dataclasses.dataclass(frozen=True)
+class Interference:
+    """How much longer one kind of compute action took while another stage computed than while
+    none did, in a measured timeline: the stages share the machine's cores (and, as threads of
+    one process, Python's interpreter lock), which a prediction from units timed one way
+    cannot follow both ways."""
+
+    kind: ActionKind
+    ratio: float  # per stage, median time beside / median time without; geometric mean
+    beside: int  # actions that spent over half their time beside another stage's compute
+    without: int  # actions that did not (on the stages counted in `ratio`)
+
+
+def interference(events: Sequence[Event]) -> list[Interference]:
+    """Per compute kind (F, B): the slowdown of the actions that ran beside another stage's
+    compute, from the stages that ran that kind both ways (none where no stage did)."""
+    compute = [e for e in events if e.action.kind in _COMPUTE]
+    beside: dict[tuple[int, ActionKind], list[float]] = defaultdict(list)
+    without: dict[tuple[int, ActionKind], list[float]] = defaultdict(list)
+    for e in compute:
+        if e.duration <= 0:
+            continue
+        shared = sum(max(0.0, min(e.end, o.end) - max(e.start, o.start))
+                     for o in compute if o.stage != e.stage)
+        into = beside if shared > e.duration / 2 else without
+        into[e.stage, e.action.kind].append(e.duration)
+    result = []
+    for kind in (ActionKind.F, ActionKind.B):
+        both = [key for key in beside if key[1] is kind and key in without]
+        if both:
+            ratios = [statistics.median(beside[key]) / statistics.median(without[key])
+                      for key in both]
+            result.append(Interference(kind, statistics.geometric_mean(ratios),
+                                       sum(len(beside[key]) for key in both),
+                                       sum(len(without[key]) for key in both)))
+    return result
+
+
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
-                  overhead: float = 0.0) -> str:
+                  overhead: float = 0.0, slowdowns: Sequence[Interference] = ()) -> str:
     """Predicted against measured, per stage and in total, and what bounds the pipeline;
-    `overhead`: the runtime's own seconds per step outside the schedule, if measured."""
+    `overhead`: the runtime's own seconds per step outside the schedule, if measured;
+    `slowdowns`: the measured timeline's `interference`."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
     rows = []
     for m, p in zip(measured.stages, predicted.stages):
@@ -102,7 +142,19 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         f"{_ms(measured.makespan)} ms step)",
     ] + ([f"outside the schedule: the runtime's own work (splitting, starting the stages, "
           f"sharing sizes and the loss) adds a predicted {_ms(overhead)} ms to a step"]
-         if overhead > 0 else []))
+         if overhead > 0 else []) + _interference_lines(slowdowns))
+
+
+def _interference_lines(slowdowns: Sequence[Interference]) -> list[str]:
+    if not slowdowns:
+        return []
+    names = {ActionKind.F: "forwards", ActionKind.B: "backwards"}
+    parts = [f"{names[i.kind]} {i.ratio:.2f}x ({i.beside} beside, {i.without} without)"
+             for i in slowdowns]
+    why = (". The stages share this machine's cores, and stage threads of one process share "
+           "Python's interpreter lock" if any(i.ratio > 1 for i in slowdowns) else "")
+    return [f"beside another stage's compute, actions took this many times as long as without "
+            f"it: {'; '.join(parts)} (median per stage){why}"]
 
 
 def _ms(seconds: float) -> str:

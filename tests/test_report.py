@@ -8,11 +8,15 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fxpipe
 from fxpipe.cost import Partition
 from fxpipe.models import MLP, VGG
-from fxpipe.report import step_time
+from fxpipe.report import interference, step_time
+from fxpipe.schedules import Action, ActionKind
+from fxpipe.simulate import Event
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,34 @@ def test_report_compares_measured_and_predicted(trained, capsys):
         parts = stage.compute + stage.communication + stage.reduction + stage.idle
         assert parts == pytest.approx(measured.makespan, rel=1e-6)  # a stage does one thing
         assert stage.compute > 0
+
+
+def test_report_names_the_slowdown_beside_other_stages_when_it_can_measure_it(trained):
+    text = trained.report()
+    found = interference(trained.last_trace())
+    assert ("beside another stage's compute" in text) == bool(found)
+    for slowdown in found:
+        assert slowdown.ratio > 0 and slowdown.beside > 0 and slowdown.without > 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(base=st.floats(1e-4, 1e-2), slow=st.floats(0.5, 5.0), beside=st.integers(1, 5),
+       without=st.integers(1, 5))
+def test_interference_is_the_slowdown_of_actions_beside_another_stages_compute(
+        base, slow, beside, without):
+    """Stage 0 runs `beside` forwards, each `slow` times `base`, inside one backward of stage 1,
+    then `without` forwards of `base` alone: its forwards slowed by `slow`. Stage 1's only
+    backward has nothing to compare with, so no backward slowdown is reported."""
+    events, t = [], 0.0
+    for mb in range(beside + without):
+        duration = base * slow if mb < beside else base
+        events.append(Event(0, Action(0, ActionKind.F, mb), t, t + duration))
+        t += duration
+    events.append(Event(1, Action(1, ActionKind.B, 0), 0.0, beside * base * slow))
+    (found,) = interference(events)
+    assert found.kind is ActionKind.F
+    assert found.ratio == pytest.approx(slow)
+    assert (found.beside, found.without) == (beside, without)
 
 
 def test_report_predicts_with_the_partition_it_is_given(trained):
