@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
 from collections import defaultdict
@@ -92,17 +93,21 @@ class Interference:
 
 def interference(events: Sequence[Event]) -> list[Interference]:
     """Per compute kind (F, B): the slowdown of the actions that ran beside another stage's
-    compute, from the stages that ran that kind both ways (none where no stage did)."""
+    compute (over half their time while at least one other stage computed), from the stages
+    that ran that kind both ways (none where no stage did)."""
     compute = [e for e in events if e.action.kind in _COMPUTE]
     beside: dict[tuple[int, ActionKind], list[float]] = defaultdict(list)
     without: dict[tuple[int, ActionKind], list[float]] = defaultdict(list)
-    for e in compute:
-        if e.duration <= 0:
-            continue
-        shared = sum(max(0.0, min(e.end, o.end) - max(e.start, o.start))
-                     for o in compute if o.stage != e.stage)
-        into = beside if shared > e.duration / 2 else without
-        into[e.stage, e.action.kind].append(e.duration)
+    for stage in {e.stage for e in compute}:
+        others = _union([(o.start, o.end) for o in compute if o.stage != stage])
+        starts = [start for start, _ in others]
+        for e in (e for e in compute if e.stage == stage and e.duration > 0):
+            first = max(bisect.bisect_right(starts, e.start) - 1, 0)
+            shared = 0.0
+            for start, end in others[first:bisect.bisect_left(starts, e.end)]:
+                shared += max(0.0, min(e.end, end) - max(e.start, start))
+            into = beside if shared > e.duration / 2 else without
+            into[stage, e.action.kind].append(e.duration)
     result = []
     for kind in (ActionKind.F, ActionKind.B):
         both = [key for key in beside if key[1] is kind and key in without]
@@ -113,6 +118,17 @@ def interference(events: Sequence[Event]) -> list[Interference]:
                                        sum(len(beside[key]) for key in both),
                                        sum(len(without[key]) for key in both)))
     return result
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time covered by `spans`, as sorted disjoint intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,

@@ -70,6 +70,18 @@ def test_interference_is_the_slowdown_of_actions_beside_another_stages_compute(
     assert (found.beside, found.without) == (beside, without)
 
 
+def test_interference_counts_time_beside_several_stages_once():
+    """Stage 0's first forward has two other stages computing over the same 30% of it: beside
+    them for 30% of its time, not 60%, so it counts as without."""
+    events = [Event(0, Action(0, ActionKind.F, 0), 0.0, 1.0),
+              Event(0, Action(0, ActionKind.F, 1), 1.0, 3.0),
+              Event(1, Action(1, ActionKind.F, 0), 0.0, 0.3),
+              Event(2, Action(2, ActionKind.F, 0), 0.0, 0.3),
+              Event(1, Action(1, ActionKind.B, 0), 1.0, 3.0)]
+    (found,) = interference(events)
+    assert (found.kind, found.ratio, found.beside, found.without) == (ActionKind.F, 2.0, 1, 1)
+
+
 def test_report_predicts_with_the_partition_it_is_given(trained):
     """E.g. one re-timed beside the run: here the compiled costs doubled, so the stages' predicted
     times double and the measured ones stay."""
