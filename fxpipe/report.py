@@ -101,11 +101,12 @@ def interference(events: Sequence[Event]) -> list[Interference]:
     for stage in {e.stage for e in compute}:
         others = _union([(o.start, o.end) for o in compute if o.stage != stage])
         starts = [start for start, _ in others]
-        for e in (e for e in compute if e.stage == stage and e.duration > 0):
-            first = max(bisect.bisect_right(starts, e.start) - 1, 0)
-            shared = 0.0
-            for start, end in others[first:bisect.bisect_left(starts, e.end)]:
-                shared += max(0.0, min(e.end, end) - max(e.start, start))
+        for e in compute:
+            if e.stage != stage or e.duration <= 0:
+                continue
+            first = max(bisect.bisect_right(starts, e.start) - 1, 0)  # may reach into e
+            shared = sum(max(0.0, min(e.end, end) - max(e.start, start))
+                         for start, end in others[first:bisect.bisect_left(starts, e.end)])
             into = beside if shared > e.duration / 2 else without
             into[stage, e.action.kind].append(e.duration)
     result = []
