@@ -1,12 +1,14 @@
-"""Benchmark: what the profile measures for a model, alone and beside a busy stage.
+"""Benchmark: what the profile measures for a model, alone and beside a busy neighbour.
 
 Times a bundled model's units as compile does (micro-batch size batch / micro-batches), with
-the plan's loss on a target, once with no other work (concurrency 1) and once beside a
-background worker running the units as a second stage does (concurrency 2, what the local
-runtime's 2 stage threads are timed with), `--rounds` times each, alternating. It prints the
-sums of the units' forward and backward times, the fixed cost of one backward call the profile
-takes out of them, and the loss's forward and backward: how much the stand-in for the other
-stage slows each part (for a small model, mostly through Python's global interpreter lock).
+the plan's loss on a target: with no other work (concurrency 1), and beside a background
+worker (concurrency 2) that runs the units as a second stage does (what the local runtime's 2
+stage threads are timed with), runs only their forwards, or only their backwards (through one
+retained graph); `--rounds` times each, alternating. It prints the sums of the units' forward
+and backward times, the fixed cost of one backward call the profile takes out of them, and the
+loss's forward and backward: how much each kind of neighbour slows each part (for a small
+model, mostly through Python's global interpreter lock, which a forward holds between its
+operators and a backward, run by autograd's engine in C++, mostly does not).
 
     python benchmarks/profile_parts.py --model mlp
     python benchmarks/profile_parts.py --model gpt
@@ -22,6 +24,10 @@ import fxpipe
 from fxpipe.models import bundled
 from fxpipe.passes.analysis.profile import profile_units
 from fxpipe.passes.rewrite.stages import split_stages
+
+# what runs beside the timed units: (label, concurrency, the background worker's load)
+NEIGHBOURS = [("nothing", 1, "stage"), ("a stage", 2, "stage"), ("forwards", 2, "forwards"),
+              ("backwards", 2, "backwards")]
 
 
 def main() -> None:
@@ -48,14 +54,15 @@ def main() -> None:
         return model.loss_fn(pipe.executor.model_output(outputs), y[:size])
 
     print(f"{args.model}: {k} units, micro-batch {size}; sums over the units, in µs")
-    print("concurrency  forward  backward  backward call  loss forward  loss backward")
+    print("beside      forward  backward  backward call  loss forward  loss backward")
     for _ in range(args.rounds):
-        for concurrency in (1, 2):
-            prof = profile_units(graph, table, [x], [size], concurrency=concurrency, loss=loss)
+        for beside, concurrency, load in NEIGHBOURS:
+            prof = profile_units(graph, table, [x], [size], concurrency=concurrency, loss=loss,
+                                 load=load)
             us = [v * 1e6 for v in (prof.forward.sum(), prof.backward.sum(),
                                     prof.backward_call[0], prof.loss_forward[0],
                                     prof.loss_backward[0])]
-            print(f"{concurrency:11d}  {us[0]:7.0f}  {us[1]:8.0f}  {us[2]:13.0f}  "
+            print(f"{beside:10s}  {us[0]:7.0f}  {us[1]:8.0f}  {us[2]:13.0f}  "
                   f"{us[3]:12.0f}  {us[4]:13.0f}")
 
 

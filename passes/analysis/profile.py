@@ -155,6 +155,7 @@ def profile_units(
     concurrency: int = 1,
     whole: Sequence[int] = (),
     loss: Callable[[Mapping[str, Any], int], torch.Tensor] | None = None,
+    load: str = "stage",
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
@@ -166,12 +167,17 @@ def profile_units(
     sharing caches and memory bandwidth cause (a unit alone on a quiet machine runs faster
     than it will inside the pipeline). `loss(outputs, size)`: the loss of a micro-batch of
     `size` samples from the graph's output values by name, timed forward and backward when
-    given (never cached).
+    given (never cached). `load`: what the background workers run, "stage" (the units'
+    forwards, then a backward, as a pipeline stage does), "forwards" (forwards only) or
+    "backwards" (backwards only, again and again through one retained graph): the last two
+    show which kind of neighbour slows the units (benchmarks/neighbour_kinds.py).
     """
+    if load not in LOADS:
+        raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
-                     (concurrency, tuple(whole)))
+                     (concurrency, tuple(whole), load))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
@@ -184,7 +190,8 @@ def profile_units(
     torch.set_num_threads(threads)
     try:
         with preserved_state(graph), _gradients_set_aside(graph), \
-                _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads):
+                _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads,
+                      load):
             rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
                              device, warmup, repeats,
                              loss=loss and functools.partial(loss, size=size))
@@ -216,6 +223,9 @@ def _gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
             param.grad = grad
 
 
+LOADS = ("stage", "forwards", "backwards")
+
+
 class _Load:
     """Background workers running the same units while the measurement runs, as a pipeline
     stage runs them: the forwards in a row on connected values, then one backward. (Running
@@ -224,8 +234,8 @@ class _Load:
     predicted step.)"""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
-                 threads: int) -> None:
-        self.workers = workers
+                 threads: int, kind: str = "stage") -> None:
+        self.workers, self.kind = workers, kind
         self.args = (graph, table, flat_inputs, dims, sizes, device, threads)
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -238,12 +248,22 @@ class _Load:
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
             alone = any(has_meta_tensors(m) for m in modules)  # timed on copies, one at a time
             needs_grad = _needs_grad(table)
+            retained: dict[int, list[Any]] = {}  # per size: outputs of one forward, kept
             while not self.stop.is_set():
-                for values in inputs:
+                for i, values in enumerate(inputs):
                     if alone:
                         _measure(graph, table, values, device, 0, 1)
-                    else:
+                    elif self.kind == "stage":
                         _as_a_stage(table, modules, values, needs_grad)
+                    elif self.kind == "forwards":
+                        _connected_forward(table, modules, values, needs_grad)
+                    else:
+                        if i not in retained:
+                            retained[i] = _connected_forward(table, modules, values, needs_grad)
+                        if retained[i]:
+                            torch.autograd.backward(
+                                retained[i], [torch.ones_like(o) for o in retained[i]],
+                                retain_graph=True)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
             self.errors.append(error)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -191,3 +192,44 @@ def test_the_loss_is_timed_and_counts_in_the_last_unit():
     np.testing.assert_allclose(cost.b[:, -1], profile.backward[:, -1] + profile.loss_backward)
     np.testing.assert_allclose(cost.f[:, :-1], profile.forward[:, :-1])
     np.testing.assert_array_equal(cost.backward_call, profile.backward_call)
+
+
+def test_an_unknown_background_load_is_named_with_the_choices():
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), torch.randn(4, 4)
+    _, graph, table = _per_unit(model, x)
+    with pytest.raises(ValueError, match="'stage', 'forwards', 'backwards'"):
+        profile_units(graph, table, [x], [2], concurrency=2, load="sideways")
+
+
+@pytest.mark.parametrize("load", ["forwards", "backwards"])
+def test_a_load_of_one_kind_runs_only_that_kind(monkeypatch, load):
+    """A forwards load runs forwards again and again and no backward; a backwards load runs
+    one forward per size and then backwards through that retained graph."""
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)), \
+        torch.randn(8, 16)
+    _, graph, table = _per_unit(model, x)
+    forwards, retained = [], []
+    connected, backward = profile_module._connected_forward, torch.autograd.backward
+
+    def in_the_load() -> bool:  # the timed units run on this thread, the load on another
+        return threading.current_thread() is not threading.main_thread()
+
+    def counted_forward(*args):
+        forwards.extend([1] if in_the_load() else [])
+        return connected(*args)
+
+    def counted_backward(*args, **kwargs):
+        if in_the_load():
+            retained.append(bool(kwargs.get("retain_graph")))
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "_connected_forward", counted_forward)
+    monkeypatch.setattr(torch.autograd, "backward", counted_backward)
+    prof = profile_units(graph, table, [x], [2, 4], warmup=1, repeats=20, concurrency=2,
+                         load=load)
+    assert np.all(prof.forward > 0) and np.all(prof.backward >= 0)
+    if load == "forwards":
+        assert len(forwards) > 2 and not retained
+    else:  # one graph per size, and backwards through it again and again
+        assert len(forwards) == 2 and len(retained) > 2 and all(retained)
+    assert all(p.grad is None for p in model.parameters())
