@@ -17,27 +17,20 @@ import argparse
 import statistics
 import time
 
-import torch
+from two_stages import add_model_arguments, two_stages
 
-import fxpipe
-from fxpipe.models import bundled
 from fxpipe.schedules import ActionKind
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt")
-    parser.add_argument("--batch", type=int, default=32)
+    add_model_arguments(parser, "gpt", micro_batches=False)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    torch.set_num_threads(1)
-    model = bundled(args.model)
-    torch.manual_seed(0)
-    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=model.loss_fn)
-    pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
+    setup = two_stages(args)
+    pipe, x, y = setup.pipe, setup.x, setup.y
 
     started: dict[int, float] = {}
     calls: dict[int, list[float]] = {0: [], 1: []}

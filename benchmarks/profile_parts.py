@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+from two_stages import add_model_arguments, two_stages
 
-import fxpipe
-from fxpipe.models import bundled
 from fxpipe.passes.analysis.profile import profile_units
 from fxpipe.passes.rewrite.stages import split_stages
 
@@ -32,20 +30,13 @@ NEIGHBOURS = [("nothing", 1, "stage"), ("a stage", 2, "stage"), ("forwards", 2, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--micro-batches", type=int, default=4)
+    add_model_arguments(parser, "mlp")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    torch.set_num_threads(1)
-
-    model = bundled(args.model)
-    torch.manual_seed(0)
-    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=2, micro_batches=args.micro_batches, loss_fn=model.loss_fn)
-    pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
+    setup = two_stages(args)
+    pipe, model, x, y = setup.pipe, setup.model, setup.x, setup.y
     k = len(pipe.units)
     graph, table = split_stages(pipe.traced.gm, pipe.units, range(1, k + 1), ["cpu"] * k)
     size = -(-args.batch // args.micro_batches)

@@ -21,34 +21,23 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-import torch.distributed as dist
+from two_stages import add_model_arguments, two_stages
 
 import fxpipe
-from fxpipe.distributed import launched
-from fxpipe.models import bundled
 from fxpipe.report import step_time
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--micro-batches", type=int, default=4)
+    add_model_arguments(parser, "gpt")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
 
-    distributed = launched()  # compile joins the process group torchrun describes
-    if distributed:
-        torch.set_num_threads(1)
-    model = bundled(args.model)
-    torch.manual_seed(0)
-    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=2, micro_batches=args.micro_batches, loss_fn=model.loss_fn)
-    pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
+    setup = two_stages(args)
+    pipe, x, y = setup.pipe, setup.x, setup.y
     p = pipe.partition.micro_batches
     call = pipe.cost.call_at(p)  # as compile measured it
     ratios: dict[tuple[int, str], list[float]] = {}
@@ -59,7 +48,7 @@ def main() -> None:
         measured = []
         for _ in range(args.steps):
             pipe.step(x, y)
-            measured.append(step_time(pipe.full_trace(), plan.stages))
+            measured.append(step_time(pipe.full_trace(), pipe.plan.stages))
         for s, stage in enumerate(fresh.stages):
             forward = statistics.median(m.stages[s].forward for m in measured)
             backward = statistics.median(m.stages[s].backward for m in measured)
@@ -68,13 +57,11 @@ def main() -> None:
             ratios.setdefault((s, "F"), []).append(forward / stage.f)
             ratios.setdefault((s, "B"), []).append(backward / stage.b)
             ratios.setdefault((s, "B per-unit calls"), []).append(backward / per_unit_calls)
-    if distributed:
-        dist.barrier()  # every rank is done communicating before any tears gloo down
-        if dist.get_rank() != 0:
-            return
-    where = "2 ranks under torchrun" if distributed else "2 stage threads"
-    print(f"{args.model}, {where}, 2 stages {list(pipe.partition.sizes)}, batch {args.batch}, {p} "
-          f"micro-batches, gpipe; median measured / predicted over {args.rounds} rounds")
+    if not setup.reporting():
+        return
+    print(f"{args.model}, {setup.where}, 2 stages {list(pipe.partition.sizes)}, batch "
+          f"{args.batch}, {p} micro-batches, gpipe; median measured / predicted over "
+          f"{args.rounds} rounds")
     for (s, what), values in sorted(ratios.items()):
         print(f"stage {s}  {what:17s} {statistics.median(values):.2f}  "
               f"(rounds {min(values):.2f} .. {max(values):.2f})")

@@ -17,12 +17,10 @@ import argparse
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
+from two_stages import add_model_arguments, two_stages
 
 import fxpipe
-from fxpipe.distributed import launched
-from fxpipe.models import bundled
 from fxpipe.schedules import ActionKind
 
 SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -31,30 +29,19 @@ COMPUTE = (ActionKind.F, ActionKind.B)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--micro-batches", type=int, default=4)
+    add_model_arguments(parser, "gpt")
     parser.add_argument("--schedule", default="gpipe")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    distributed = launched()  # compile joins the process group torchrun describes
-    if distributed:
-        torch.set_num_threads(1)
-
-    model = bundled(args.model)
-    torch.manual_seed(0)
-    net = model.build()
-    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=2, partitioner="balanced", micro_batches=args.micro_batches,
-                       schedule=args.schedule, loss_fn=model.loss_fn)
-    pipe = fxpipe.compile(net, plan, example_inputs=(x,), cache=False)
+    setup = two_stages(args, partitioner="balanced", schedule=args.schedule)
+    pipe, x, y = setup.pipe, setup.x, setup.y
     for _ in range(3):
         pipe.step(x, y)
     walls, spans, sends, counts, busy = [], [], [], [], []
     for _ in range(args.steps):
-        if distributed:
+        if setup.distributed:
             dist.barrier()
         start = time.perf_counter()
         pipe.step(x, y)
@@ -68,15 +55,10 @@ def main() -> None:
                             and e.action.kind in COMPUTE) for s in range(2)))
     predicted = pipe.predicted_timeline(fxpipe.retime(pipe, x, target=y))  # timed afresh
     overhead = pipe.measure_step_overhead(x) * 1e3
-    if distributed:
-        dist.barrier()  # every rank is done communicating before any tears gloo down
-        rank = dist.get_rank()
-        dist.destroy_process_group()
-        if rank != 0:
-            return
+    if not setup.reporting():
+        return
     wall, span = statistics.median(walls) * 1e3, statistics.median(spans) * 1e3
-    where = "2 ranks under torchrun" if distributed else "2 stage threads in one process"
-    print(f"{args.model}, {where}, {args.schedule}, {args.micro_batches} micro-batches, "
+    print(f"{args.model}, {setup.where}, {args.schedule}, {args.micro_batches} micro-batches, "
           f"split {list(pipe.partition.sizes)}; medians of {args.steps} steps")
     predicted_busy = max(predicted.busy) * 1e3
     print(f"link between the stages     {pipe.link}")

@@ -1,0 +1,67 @@
+"""What the diagnostic scripts share: a bundled model's arguments and its 2-stage pipeline.
+
+Imported by the scripts beside it (`python benchmarks/step_breakdown.py` puts this folder on
+the import path, under torchrun too); not a benchmark of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fxpipe
+from fxpipe.distributed import launched
+from fxpipe.models import BundledModel, bundled
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model: str,
+                        micro_batches: bool = True) -> None:
+    """--model (default `model`), --batch and, unless told not to, --micro-batches."""
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--batch", type=int, default=32)
+    if micro_batches:
+        parser.add_argument("--micro-batches", type=int, default=4)
+
+
+@dataclasses.dataclass
+class TwoStages:
+    """A bundled model compiled into 2 stages, with one mini-batch of it."""
+
+    pipe: fxpipe.CompiledPipeline
+    model: BundledModel
+    x: Any
+    y: Any
+    distributed: bool  # one stage per rank under torchrun, else 2 stage threads
+
+    @property
+    def where(self) -> str:
+        return "2 ranks under torchrun" if self.distributed else "2 stage threads"
+
+    def reporting(self) -> bool:
+        """Under torchrun, wait for every rank to finish communicating and tear the process
+        group down; whether this process prints (rank 0, or the only process)."""
+        if not self.distributed:
+            return True
+        dist.barrier()  # every rank is done communicating before any tears gloo down
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        return rank == 0
+
+
+def two_stages(args: argparse.Namespace, **plan: Any) -> TwoStages:
+    """Compile `args.model` into 2 stages (one intra-op thread per stage; under torchrun, one
+    stage per rank) with a mini-batch of `args.batch`, `args.micro_batches` (4 without the
+    argument) and the model's loss; `plan`: more Plan fields."""
+    distributed = launched()  # compile joins the process group torchrun describes
+    torch.set_num_threads(1)
+    model = bundled(args.model)
+    torch.manual_seed(0)
+    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=2, micro_batches=getattr(args, "micro_batches", 4),
+                       loss_fn=model.loss_fn, **plan)
+    pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
+    return TwoStages(pipe, model, x, y, distributed)
