@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch.distributed as dist
-from two_stages import add_model_arguments, two_stages
+from two_stages import add_model_arguments, at_least_one, two_stages
 
 from fxpipe.report import interference
 from fxpipe.simulate import Event
@@ -28,10 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "mlp")
     parser.add_argument("--schedule", default="gpipe")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=at_least_one, default=20)
     args = parser.parse_args()
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
     setup = two_stages(args, schedule=args.schedule)
     pipe, x, y = setup.pipe, setup.x, setup.y
     for _ in range(3):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from two_stages import add_model_arguments, two_stages
+from two_stages import add_model_arguments, at_least_one, two_stages
 
 from fxpipe.passes.analysis.profile import profile_units
 from fxpipe.passes.rewrite.stages import split_stages
@@ -31,10 +31,8 @@ NEIGHBOURS = [("nothing", 1, "stage"), ("a stage", 2, "stage"), ("forwards", 2, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "mlp")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=at_least_one, default=2)
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     setup = two_stages(args)
     pipe, model, x, y = setup.pipe, setup.model, setup.x, setup.y
     k = len(pipe.units)

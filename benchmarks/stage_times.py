@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from two_stages import add_model_arguments, two_stages
+from two_stages import add_model_arguments, at_least_one, two_stages
 
 import fxpipe
 from fxpipe.report import step_time
@@ -30,11 +30,9 @@ from fxpipe.report import step_time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "gpt")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--rounds", type=at_least_one, default=6)
+    parser.add_argument("--steps", type=at_least_one, default=4, help="timed steps per round")
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 1:
-        parser.error("--rounds and --steps must be at least 1")
 
     setup = two_stages(args)
     pipe, x, y = setup.pipe, setup.x, setup.y

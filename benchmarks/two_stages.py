@@ -18,6 +18,17 @@ from fxpipe.distributed import launched
 from fxpipe.models import BundledModel, bundled
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (steps, rounds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, model: str,
                         micro_batches: bool = True) -> None:
     """--model (default `model`), --batch and, unless told not to, --micro-batches."""

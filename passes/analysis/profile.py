@@ -170,7 +170,7 @@ def profile_units(
     given (never cached). `load`: what the background workers run, "stage" (the units'
     forwards, then a backward, as a pipeline stage does), "forwards" (forwards only) or
     "backwards" (backwards only, again and again through one retained graph): the last two
-    show which kind of neighbour slows the units (benchmarks/neighbour_kinds.py).
+    show which kind of neighbour slows the units (benchmarks/profile_parts.py).
     """
     if load not in LOADS:
         raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
@@ -257,13 +257,10 @@ class _Load:
                         _as_a_stage(table, modules, values, needs_grad)
                     elif self.kind == "forwards":
                         _connected_forward(table, modules, values, needs_grad)
-                    else:
+                    else:  # backwards, again and again through one graph per size
                         if i not in retained:
                             retained[i] = _connected_forward(table, modules, values, needs_grad)
-                        if retained[i]:
-                            torch.autograd.backward(
-                                retained[i], [torch.ones_like(o) for o in retained[i]],
-                                retain_graph=True)
+                        _backward_from(retained[i], retain_graph=True)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
             self.errors.append(error)
 
@@ -292,9 +289,14 @@ def _needs_grad(table) -> dict[str, bool]:
 
 def _as_a_stage(table, modules, values, needs_grad: dict[str, bool]) -> None:
     """The units' forwards in a row on connected values, then one backward from the outputs."""
-    outputs = _connected_forward(table, modules, values, needs_grad)
+    _backward_from(_connected_forward(table, modules, values, needs_grad))
+
+
+def _backward_from(outputs: list[Any], retain_graph: bool = False) -> None:
+    """One backward call from `outputs` with all-ones gradients (none when there are none)."""
     if outputs:
-        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs],
+                                retain_graph=retain_graph)
 
 
 def _connected_forward(table, modules, values, needs_grad: dict[str, bool]) -> list[Any]:
