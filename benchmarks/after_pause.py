@@ -1,10 +1,15 @@
-"""Benchmark: how long the first pipelined steps after a pause take, against steps back to back.
+"""Benchmark: how fast the pipelined steps after a pause run, against steps back to back.
 
-On a virtual machine whose idle cores are slow to come back, the steps right after any pause
-(a sleep here; in bench, re-timing the units) run slower than a training loop's steps, which
-is why `fxpipe bench` runs untimed steps before the timed ones of each round.
+On a virtual machine the cores take tens of milliseconds to settle after a pause (a sleep
+here; in bench, re-timing the units), and the steps meanwhile run at another speed than a
+training loop's: slower for the GPT, faster for the MLP (its two stage threads, bound by the
+interpreter lock, lose less to each other while they share a core). This is why `fxpipe bench`
+runs untimed steps for a while before the timed ones of each round. The script prints each
+step's median over the rounds by the time elapsed since the pause. Pinned to one core
+(`taskset -c 0`), the MLP's steps run at that fast speed throughout.
 
     python benchmarks/after_pause.py --model gpt
+    python benchmarks/after_pause.py --model mlp --steps 100
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import statistics
 import time
 
 import torch
+from two_stages import at_least_one
 
 import fxpipe
 from fxpipe.models import bundled
@@ -25,26 +31,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--pause", type=float, default=0.2, help="seconds")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=at_least_one, default=20, help="steps after each pause")
     args = parser.parse_args()
     model = bundled(args.model)
     torch.manual_seed(0)
     x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
     plan = fxpipe.Plan(stages=2, micro_batches=4, schedule="1f1b", loss_fn=model.loss_fn)
     pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
-    after, steady = [], []
+    rows = []
     for _ in range(args.rounds):
         time.sleep(args.pause)
         times = []
-        for _ in range(6):
+        for _ in range(args.steps):
             start = time.perf_counter()
             pipe.step(x, y)
             times.append(time.perf_counter() - start)
-        after += times[:2]
-        steady += times[3:]
-    first, rest = statistics.median(after) * 1e3, statistics.median(steady) * 1e3
-    print(f"{args.model}, 2 stage threads, medians of {args.rounds} rounds: the 2 steps after a "
-          f"{args.pause:g} s pause {first:.1f} ms, steps 4-6 back to back {rest:.1f} ms "
-          f"(x{first / rest:.2f})")
+        rows.append(times)
+    steps = [statistics.median(column) for column in zip(*rows)]
+    print(f"{args.model}, 2 stage threads, 1f1b; step i after a {args.pause:g} s pause, median "
+          f"of {args.rounds} rounds")
+    elapsed = 0.0
+    for i, step in enumerate(steps):
+        elapsed += step
+        print(f"step {i:3d}  {step * 1e3:7.2f} ms  (ends {elapsed * 1e3:6.1f} ms after the pause)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -65,7 +66,7 @@ class BenchRow:
 def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = 10, warmup: int = 2, progress: bool = True,
-          rounds: int = 5, profile_repeats: int = 5) -> list[BenchRow]:
+          rounds: int = 5, profile_repeats: int = 5, settle: float = 0.2) -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
     call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
 
@@ -76,9 +77,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     (the simulated schedule plus that time) is the median of the rounds' predictions, the
     measurement the median of all timed steps, and both sample the machine over the same
     stretch of time.
-    Each round's timed steps follow `warmup` untimed ones: the first steps after a pause run
-    slower on a virtual machine (benchmarks/after_pause.py), and a training loop runs its
-    steps back to back. `profile_repeats`: timed runs of each unit per round."""
+    Each round's timed steps follow untimed ones: at least `warmup`, and as many more as the
+    round's predicted step time says fill `settle` seconds (the most any rank asks for).
+    After anything else ran (a pause, re-timing the units) the cores of a virtual machine take
+    tens of milliseconds to settle, and the steps meanwhile run at another speed than a
+    training loop's back to back ones: slower for some models, faster for others
+    (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round."""
     rows = []
     configs = [(p, s) for p in partitioners for s in schedules]
     rounds = max(1, min(rounds, repeats))
@@ -97,8 +101,10 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         for steps in _split(repeats, rounds):
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
             overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
-            predictions.append((pipe.predicted_timeline(fresh), overhead))
-            for _ in range(warmup):
+            timeline = pipe.predicted_timeline(fresh)
+            predictions.append((timeline, overhead))
+            settling = _settling_steps(warmup, settle, timeline.makespan + overhead)
+            for _ in range(_most_of_any_rank(settling)):
                 pipe.step(x, y)
             for _ in range(steps):
                 # the ranks start together; a step ends on every rank once the loss is
@@ -151,6 +157,12 @@ def _cpu_times() -> list[int] | None:
     except OSError:
         return None
     return [int(v) for v in fields[1:]] if fields and fields[0] == "cpu" else None
+
+
+def _settling_steps(warmup: int, settle: float, predicted: float) -> int:
+    """Untimed steps before a round's timed ones: `warmup`, or enough predicted steps to fill
+    `settle` seconds."""
+    return max(warmup, math.ceil(settle / predicted) if predicted > 0 else 0)
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -250,6 +262,15 @@ def _world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
+
+
+def _most_of_any_rank(count: int) -> int:
+    """The largest of every rank's `count` (this one's alone in one process)."""
+    if _world_size() == 1:
+        return count
+    most = torch.tensor(count)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most)
 
 
 def _barrier() -> None:
