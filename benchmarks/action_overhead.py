@@ -5,10 +5,12 @@ loss's) timed forwards; the runtime also detaches the stage's inputs, builds its
 and records the action. This script compiles a bundled model into 2 stage threads, times
 each stage module's call with forward hooks, and prints per stage the median F action (from
 the trace) against the median module call, over the timed steps. On the last stage the
-difference also holds the loss.
+difference also holds the loss. Under torchrun each rank times its own stage.
 
     python benchmarks/action_overhead.py --model gpt
     python benchmarks/action_overhead.py --model mlp
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \
+        benchmarks/action_overhead.py --model mlp
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import statistics
 import time
 
+import torch.distributed as dist
 from two_stages import add_model_arguments, at_least_one, two_stages
 
 from fxpipe.schedules import ActionKind
@@ -45,16 +48,24 @@ def main() -> None:
     actions: dict[int, list[float]] = {0: [], 1: []}
     for _ in range(args.steps):
         pipe.step(x, y)
-        for e in pipe.last_trace():
+        for e in pipe.last_trace():  # this process's stages: both, or under torchrun its own
             if e.action.kind is ActionKind.F:
                 actions[e.stage].append(e.duration)
-    print(f"{args.model}, 2 stage threads {list(pipe.partition.sizes)}, batch {args.batch}, "
-          f"4 micro-batches; medians over {args.steps} steps, in µs")
-    print("stage  F action  module call  difference")
-    for s in (0, 1):
+    lines = []
+    for s in pipe.executor.runners:
         action, call = statistics.median(actions[s]) * 1e6, statistics.median(calls[s]) * 1e6
         note = "  (includes the loss)" if s == 1 else ""
-        print(f"{s:5d}  {action:8.0f}  {call:11.0f}  {action - call:10.0f}{note}")
+        lines.append(f"{s:5d}  {action:8.0f}  {call:11.0f}  {action - call:10.0f}{note}")
+    if setup.distributed:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, lines)
+        lines = [line for share in everyone for line in share]
+    if not setup.reporting():
+        return
+    print(f"{args.model}, {setup.where} {list(pipe.partition.sizes)}, batch {args.batch}, "
+          f"4 micro-batches; medians over {args.steps} steps, in µs")
+    print("stage  F action  module call  difference")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
