@@ -9,7 +9,7 @@ difference also holds the loss. Under torchrun each rank times its own stage.
 
     python benchmarks/action_overhead.py --model gpt
     python benchmarks/action_overhead.py --model mlp
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
         benchmarks/action_overhead.py --model mlp
 """
 

@@ -2,11 +2,12 @@
 
 On a virtual machine the cores take tens of milliseconds to settle after a pause (a sleep
 here; in bench, re-timing the units), and the steps meanwhile run at another speed than a
-training loop's: slower for the GPT, faster for the MLP (its two stage threads, bound by the
-interpreter lock, lose less to each other while they share a core). This is why `fxpipe bench`
-runs untimed steps for a while before the timed ones of each round. The script prints each
-step's median over the rounds by the time elapsed since the pause. Pinned to one core
-(`taskset -c 0`), the MLP's steps run at that fast speed throughout.
+training loop's: here slower for the GPT and faster for the MLP. Pinned to one core
+(`taskset -c 0`), the MLP's steps ran at that fast speed throughout, so its fast phase looks
+like its two stage threads sharing a core, where (bound by the interpreter lock) they lose
+less to each other. This is why `fxpipe bench` runs untimed steps for a while before the
+timed ones of each round. The script prints each step's median over the rounds, and about
+when it ends: the sum of the medians so far.
 
     python benchmarks/after_pause.py --model gpt
     python benchmarks/after_pause.py --model mlp --steps 100
@@ -53,7 +54,8 @@ def main() -> None:
     elapsed = 0.0
     for i, step in enumerate(steps):
         elapsed += step
-        print(f"step {i:3d}  {step * 1e3:7.2f} ms  (ends {elapsed * 1e3:6.1f} ms after the pause)")
+        print(f"step {i:3d}  {step * 1e3:7.2f} ms  (ends about {elapsed * 1e3:6.1f} ms after "
+              "the pause)")
 
 
 if __name__ == "__main__":

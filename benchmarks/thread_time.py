@@ -28,8 +28,9 @@ from two_stages import add_model_arguments, at_least_one, two_stages
 import fxpipe
 
 
-def thread_times() -> dict[str, tuple[float, float, int]]:
-    """Per thread of this process, by name: (seconds on a core, seconds waiting for one)."""
+def thread_times() -> dict[str, tuple[str, float, float]]:
+    """Per thread of this process, by its id: (name, seconds on a core so far, seconds it was
+    ready to run but waited for one)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     times = {}
     for task in os.listdir("/proc/self/task"):

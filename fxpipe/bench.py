@@ -77,8 +77,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     (the simulated schedule plus that time) is the median of the rounds' predictions, the
     measurement the median of all timed steps, and both sample the machine over the same
     stretch of time.
-    Each round's timed steps follow untimed ones: at least `warmup`, and as many more as the
-    round's predicted step time says fill `settle` seconds (the most any rank asks for).
+    Each round's timed steps follow untimed ones: the larger of `warmup` and the number of the
+    round's predicted steps that fills `settle` seconds (at most 500; under torchrun the most
+    any rank asks for).
     After anything else ran (a pause, re-timing the units) the cores of a virtual machine take
     tens of milliseconds to settle, and the steps meanwhile run at another speed than a
     training loop's back to back ones: slower for some models, faster for others
@@ -159,10 +160,14 @@ def _cpu_times() -> list[int] | None:
     return [int(v) for v in fields[1:]] if fields and fields[0] == "cpu" else None
 
 
+SETTLING_STEPS_MAX = 500  # a prediction far too small must not run steps for minutes
+
+
 def _settling_steps(warmup: int, settle: float, predicted: float) -> int:
     """Untimed steps before a round's timed ones: `warmup`, or enough predicted steps to fill
-    `settle` seconds."""
-    return max(warmup, math.ceil(settle / predicted) if predicted > 0 else 0)
+    `settle` seconds (at most SETTLING_STEPS_MAX)."""
+    filling = math.ceil(settle / predicted) if predicted > 0 else SETTLING_STEPS_MAX
+    return max(warmup, min(filling, SETTLING_STEPS_MAX))
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -268,9 +273,9 @@ def _most_of_any_rank(count: int) -> int:
     """The largest of every rank's `count` (this one's alone in one process)."""
     if _world_size() == 1:
         return count
-    most = torch.tensor(count)
-    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    return int(most)
+    everyone: list[Any] = [None] * _world_size()
+    torch.distributed.all_gather_object(everyone, count)  # on any backend, NCCL too
+    return max(everyone)
 
 
 def _barrier() -> None:
