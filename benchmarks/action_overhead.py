@@ -19,7 +19,6 @@ import argparse
 import statistics
 import time
 
-import torch.distributed as dist
 from two_stages import add_model_arguments, at_least_one, two_stages
 
 from fxpipe.schedules import ActionKind
@@ -56,10 +55,7 @@ def main() -> None:
         action, call = statistics.median(actions[s]) * 1e6, statistics.median(calls[s]) * 1e6
         note = "  (includes the loss)" if s == 1 else ""
         lines.append(f"{s:5d}  {action:8.0f}  {call:11.0f}  {action - call:10.0f}{note}")
-    if setup.distributed:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, lines)
-        lines = [line for share in everyone for line in share]
+    lines = setup.everyones(lines)
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where} {list(pipe.partition.sizes)}, batch {args.batch}, "

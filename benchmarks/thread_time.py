@@ -22,7 +22,6 @@ import threading
 import time
 from collections import defaultdict
 
-import torch.distributed as dist
 from two_stages import add_model_arguments, at_least_one, two_stages
 
 import fxpipe
@@ -78,10 +77,7 @@ def main() -> None:
     for name, (ran, waited, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
         if ran * 1e3 >= 0.005:
             lines.append(f"{f'{name} ({count})':>24}  {ran * 1e3:11.3f}  {waited * 1e3:17.3f}")
-    if setup.distributed:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, lines)
-        lines = [line for share in everyone for line in share]
+    lines = setup.everyones(lines)
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where}, {args.schedule}, split {list(pipe.partition.sizes)}; "

@@ -52,6 +52,14 @@ class TwoStages:
     def where(self) -> str:
         return "2 ranks under torchrun" if self.distributed else "2 stage threads"
 
+    def everyones(self, lines: list[str]) -> list[str]:
+        """Every rank's `lines`, in rank order (under torchrun every rank must call it)."""
+        if not self.distributed:
+            return lines
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, lines)
+        return [line for share in everyone for line in share]
+
     def reporting(self) -> bool:
         """Under torchrun, wait for every rank to finish communicating and tear the process
         group down; whether this process prints (rank 0, or the only process)."""
