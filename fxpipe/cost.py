@@ -24,6 +24,9 @@ class Link:
     bandwidth: float  # bytes per second (math.inf: no copy at all)
     source: str = "configured"  # where the figures come from: configured, default, measured
     post: float = 0.0  # the sender's own seconds to hand over one tensor (e.g. isend's call)
+    # how much longer a stage's next compute runs after it blocked waiting for a message (a
+    # process woken from a wait runs slower for a while: benchmarks/resume_penalty.py)
+    resume: float = 0.0
 
     def time(self, nbytes: np.ndarray | float) -> np.ndarray:
         """Seconds to send `nbytes` (0 bytes cost nothing: no message is sent)."""
@@ -32,9 +35,11 @@ class Link:
         return np.where(nbytes > 0, self.latency + transfer, 0.0)
 
     def __str__(self) -> str:
-        if math.isinf(self.bandwidth) and self.latency == 0 and self.post == 0:
+        if math.isinf(self.bandwidth) and self.latency == self.post == self.resume == 0:
             return f"free (same device, no copy; {self.source})"
         posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
+        if self.resume:
+            posting += f", compute {self.resume * 1e6:.0f} us slower after a wait"
         if math.isinf(self.bandwidth):
             return f"{self.latency * 1e6:.0f} us per message, no copy{posting} ({self.source})"
         return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"

@@ -152,7 +152,7 @@ class CompiledPipeline(torch.nn.Module):
         post_f, post_b = self._posting()
         return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages],
-                        post_f=post_f, post_b=post_b)
+                        post_f=post_f, post_b=post_b, resume=self.link.resume)
 
     def _posting(self) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """The sender's time per SEND on each edge, forward and backward: the link's time to

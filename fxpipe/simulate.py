@@ -125,6 +125,7 @@ def simulate(
     edges: Iterable[tuple[int, int]] | None = None,
     post_f: LinkCosts = 0.0,
     post_b: LinkCosts = 0.0,
+    resume: Costs = 0.0,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -137,9 +138,12 @@ def simulate(
     its peer, which carries one message at a time in send order; every directed stage pair is
     a link of its own, so a forward and a backward transfer between two stages never block
     each other (full duplex). A RECV takes its stage the same time to post the receive, then
-    blocks it until the message has arrived. A compute-only schedule is lowered with
-    `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
-    checked with `check_communication`.
+    blocks it until the message has arrived. A stage's compute right after it blocked (its
+    first, as the step starts with every stage waiting to agree on the micro-batch sizes, and
+    the first after a RECV whose message was not there yet) takes `resume[s]` longer: a
+    process woken from a wait runs slower for a while (0 by default). A compute-only schedule
+    is lowered with `add_communication(schedule, edges)` first, so both forms time the same;
+    a lowered one is checked with `check_communication`.
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
@@ -147,7 +151,7 @@ def simulate(
     send_f, send_b: link times of an edge (src, dst), src < dst: activations src -> dst and their
     gradient dst -> src. A scalar (every edge), one per producing stage src (N,) like the cost
     model's CF_s / CB_s, or a mapping {(src, dst): time}. post_f, post_b: the sender's time per
-    SEND of those messages, given the same ways.
+    SEND of those messages, given the same ways. resume: a scalar or one per stage.
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -173,7 +177,7 @@ def simulate(
             ActionKind.SEND_B: _link("send_b", send_b, n, forward=False)}
     post = {ActionKind.SEND_F: _link("post_f", post_f, n, forward=True),
             ActionKind.SEND_B: _link("post_b", post_b, n, forward=False)}
-    return _run(lowered, compute, other, link, post)
+    return _run(lowered, compute, other, link, post, _per_stage("resume", resume, n))
 
 
 def _run(
@@ -182,9 +186,11 @@ def _run(
     other: dict[ActionKind, np.ndarray],
     link: dict[ActionKind, Callable[[int, int], float]],
     post: dict[ActionKind, Callable[[int, int], float]],
+    resume: np.ndarray,
 ) -> Timeline:
     n = schedule.stages
     pc, free, busy = [0] * n, [0.0] * n, [0.0] * n
+    waited = [True] * n  # whether the stage blocked since its last compute
     finished: dict[Action, float] = {}  # compute actions and messages (keyed by their SEND)
     link_free: dict[tuple[int, int], float] = {}
     events: list[list[Event]] = [[] for _ in range(n)]
@@ -200,9 +206,12 @@ def _run(
                     break
                 start = free[s]
                 if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
-                    end = max(start + post[needs.kind](a.peer, s), finished[needs])
+                    posted = start + post[needs.kind](a.peer, s)
+                    end = max(posted, finished[needs])
+                    waited[s] = waited[s] or finished[needs] > posted
                 elif a.kind.is_compute:
-                    end = start + float(compute[a.kind][s, a.mb])
+                    end = start + float(compute[a.kind][s, a.mb]) + resume[s] * waited[s]
+                    waited[s] = False
                     busy[s] += end - start
                 elif a.kind.is_send:
                     end = start + post[a.kind](s, a.peer)

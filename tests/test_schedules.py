@@ -441,6 +441,36 @@ def test_posting_costs_by_edge_example():
     assert timeline.makespan == 4.75
 
 
+@given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0), st.floats(0.0, 2.0))
+def test_resuming_after_a_wait_slows_exactly_the_next_compute(
+        schedule: Schedule, seed: int, post: float, resume: float):
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    plain = simulate(schedule, fwd, bwd, 0.5, 0.5, post_f=post, post_b=post)
+    slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, post_f=post, post_b=post, resume=resume)
+    for stage in range(n):
+        waited = True  # every stage starts from the step's shared wait
+        for e in (e for e in slowed.events if e.stage == stage):
+            if e.action.kind.is_recv:  # blocked: the message came after the receive was posted
+                waited = waited or e.end > e.start + post
+            elif e.action.kind.is_compute:
+                times = {K.F: fwd, K.B: bwd}.get(e.action.kind)  # W: weight time 0 here
+                compute = 0.0 if times is None else times[stage, e.action.mb]
+                assert e.duration == pytest.approx(compute + resume * waited)
+                waited = False
+    assert slowed.makespan >= plain.makespan - 1e-9
+    assert sum(slowed.busy) >= sum(plain.busy) - 1e-9
+
+
+def test_resume_example():
+    # 2 stages, one micro-batch, resume 0.5: both stages' first compute, stage 0's backward
+    # (it waited for the gradient); stage 1's backward follows its forward at once
+    timeline = simulate(gpipe(2, 1), 1.0, 1.0, 0.0, 0.0, resume=0.5)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["0F0"] == (0.0, 1.5) and at["1F0"] == (1.5, 3.0) and at["1B0"] == (3.0, 4.0)
+    assert at["0B0"] == (4.0, 5.5) and timeline.makespan == 5.5
+
+
 def test_deadlocked_schedules_raise_instead_of_hanging():
     # stage 0 waits for gradient 0 before sending activation 1, which stage 1 needs first
     crossed = Schedule.from_lists([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]])

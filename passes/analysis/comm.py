@@ -139,8 +139,55 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
         dist.send(shared, other, group)
     else:
         dist.recv(shared, other, group)
+    resume = _resume_penalty(rank == peer_a, other, group, reply, device)
     link = fit_link(_PROBE_BYTES, seconds, f"measured ping-pong rank {peer_a} <-> {peer_b}")
-    return dataclasses.replace(link, post=float(shared))
+    return dataclasses.replace(link, post=float(shared), resume=resume)
+
+
+def _resume_penalty(first: bool, other: int, group: Any, reply: Any, device: str,
+                    rounds: int = 3, repeats: int = 15) -> float:
+    """How much longer a small piece of compute runs right after its rank blocked waiting for
+    the peer's message than back to back, both peers' medians averaged (never below 0).
+    Back to back, both peers compute at once, as the units are timed; resumed, they take
+    turns, each waking from a receive the other's message ends. Rounds alternate the two.
+    Both peers return the same figure."""
+    device = torch.device(device)
+    token = torch.zeros(1, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    weight = torch.randn(64, 64, generator=generator, device=device, requires_grad=True)
+    start_value = torch.randn(64, 64, generator=generator, device=device)
+
+    def compute() -> float:  # a few small operators forward and backward, like a small stage
+        began = time.perf_counter()
+        value = start_value
+        for _ in range(8):
+            value = torch.tanh(value @ weight)
+        value.sum().backward()
+        _synchronize(device)
+        return time.perf_counter() - began
+
+    back_to_back, resumed = [], []
+    for _ in range(rounds):
+        back_to_back += [compute() for _ in range(repeats)]
+        for _ in range(repeats):
+            if first:
+                dist.send(token, other, group)
+                dist.recv(token, other, reply)
+                resumed.append(compute())
+            else:
+                dist.recv(token, other, group)
+                resumed.append(compute())
+                dist.send(token, other, reply)
+    mine = statistics.median(resumed) - statistics.median(back_to_back)
+    shared = torch.tensor([mine], dtype=torch.float64, device=device)
+    theirs = torch.empty_like(shared)
+    if first:
+        dist.send(shared, other, group)
+        dist.recv(theirs, other, reply)
+    else:
+        dist.recv(theirs, other, group)
+        dist.send(shared, other, reply)
+    return max((mine + float(theirs)) / 2, 0.0)
 
 
 def _synchronize(*devices: torch.device) -> None:
