@@ -149,20 +149,23 @@ class CompiledPipeline(torch.nn.Module):
         stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
-        post_f, post_b = self._posting()
+        post_f, post_b = self._posting(self.link.post)
+        recv_post_f, recv_post_b = self._posting(self.link.receiving)
         return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages],
-                        post_f=post_f, post_b=post_b, resume=self.link.resume)
+                        post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
+                        recv_post_b=recv_post_b, resume=self.link.resume)
 
-    def _posting(self) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-        """The sender's time per SEND on each edge, forward and backward: the link's time to
-        post one tensor, times the tensors the message holds."""
+    def _posting(self, per_tensor: float
+                 ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        """The time per message on each edge, forward and backward, at `per_tensor` seconds
+        per tensor the message holds (the sender's to post them, or the receiver's)."""
         carries = self.comm.carries_grad()
         forward = {(e.src, e.dst): 0.0 for e in self.comm.edges}
         backward = dict(forward)
         for e in self.comm.edges:
-            forward[e.src, e.dst] += self.link.post
-            backward[e.src, e.dst] += self.link.post if carries[e.value] else 0.0
+            forward[e.src, e.dst] += per_tensor
+            backward[e.src, e.dst] += per_tensor if carries[e.value] else 0.0
         return forward, backward
 
     def measure_step_overhead(self, *inputs: Any, **kwargs: Any) -> float:

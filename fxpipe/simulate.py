@@ -126,6 +126,8 @@ def simulate(
     post_f: LinkCosts = 0.0,
     post_b: LinkCosts = 0.0,
     resume: Costs = 0.0,
+    recv_post_f: LinkCosts | None = None,
+    recv_post_b: LinkCosts | None = None,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -137,13 +139,14 @@ def simulate(
     per-tensor work; 0 by default) and then hands the message to the link from the stage to
     its peer, which carries one message at a time in send order; every directed stage pair is
     a link of its own, so a forward and a backward transfer between two stages never block
-    each other (full duplex). A RECV takes its stage the same time to post the receive, then
-    blocks it until the message has arrived. A stage's compute right after it blocked (its
-    first, as the step starts with every stage waiting to agree on the micro-batch sizes, and
-    the first after a RECV whose message was not there yet) takes `resume[s]` longer: a
-    process woken from a wait runs slower for a while (0 by default). A compute-only schedule
-    is lowered with `add_communication(schedule, edges)` first, so both forms time the same;
-    a lowered one is checked with `check_communication`.
+    each other (full duplex). A RECV takes its stage the time to post the receive (recv_post_f
+    / recv_post_b; by default the sender's), then blocks it until the message has arrived. A
+    stage's compute right after it blocked (its first, as the step starts with every stage
+    waiting to agree on the micro-batch sizes, and the first after a RECV whose message was
+    not there yet) takes `resume[s]` longer: a process woken from a wait runs slower for a
+    while (0 by default). A compute-only schedule is lowered with
+    `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
+    checked with `check_communication`.
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
@@ -151,7 +154,8 @@ def simulate(
     send_f, send_b: link times of an edge (src, dst), src < dst: activations src -> dst and their
     gradient dst -> src. A scalar (every edge), one per producing stage src (N,) like the cost
     model's CF_s / CB_s, or a mapping {(src, dst): time}. post_f, post_b: the sender's time per
-    SEND of those messages, given the same ways. resume: a scalar or one per stage.
+    SEND of those messages, given the same ways; recv_post_f, recv_post_b: the receiver's time
+    per RECV of them. resume: a scalar or one per stage.
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -177,7 +181,11 @@ def simulate(
             ActionKind.SEND_B: _link("send_b", send_b, n, forward=False)}
     post = {ActionKind.SEND_F: _link("post_f", post_f, n, forward=True),
             ActionKind.SEND_B: _link("post_b", post_b, n, forward=False)}
-    return _run(lowered, compute, other, link, post, _per_stage("resume", resume, n))
+    receive = {ActionKind.SEND_F: post[ActionKind.SEND_F] if recv_post_f is None
+               else _link("recv_post_f", recv_post_f, n, forward=True),
+               ActionKind.SEND_B: post[ActionKind.SEND_B] if recv_post_b is None
+               else _link("recv_post_b", recv_post_b, n, forward=False)}
+    return _run(lowered, compute, other, link, post, receive, _per_stage("resume", resume, n))
 
 
 def _run(
@@ -186,6 +194,7 @@ def _run(
     other: dict[ActionKind, np.ndarray],
     link: dict[ActionKind, Callable[[int, int], float]],
     post: dict[ActionKind, Callable[[int, int], float]],
+    receive: dict[ActionKind, Callable[[int, int], float]],
     resume: np.ndarray,
 ) -> Timeline:
     n = schedule.stages
@@ -206,7 +215,7 @@ def _run(
                     break
                 start = free[s]
                 if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
-                    posted = start + post[needs.kind](a.peer, s)
+                    posted = start + receive[needs.kind](a.peer, s)
                     end = max(posted, finished[needs])
                     waited[s] = waited[s] or finished[needs] > posted
                 elif a.kind.is_compute:

@@ -233,12 +233,12 @@ class DistTransport:
         for work in pending:
             self._wait(work, "a send")
 
-    def measure_posting(self, key: Any, repeats: int = 10) -> float | None:
+    def measure_posting(self, key: Any, repeats: int = 30) -> tuple[float, float] | None:
         """Seconds this transport spends per tensor handing a message over, measured on the
-        first stage pair's forward message of run `key` (prepared): the sender's time in
-        send() and the receiver's in posting the receive, averaged. The raw isend call that
-        the link's ping-pong times misses the runtime's own work around it. The two peers
-        return the same figure; other ranks None."""
+        first stage pair's forward message of run `key` (prepared): (the sender's in send(),
+        the receiver's in posting the receive). The raw isend call that the link's ping-pong
+        times misses the runtime's own work around it. The two peers return the same
+        figures; other ranks None."""
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
@@ -262,10 +262,10 @@ class DistTransport:
         if self.rank == sender:  # swap the two figures, each in its one-way group
             dist.send(mine, receiver, self._group(0, 1))
             dist.recv(theirs, receiver, self._group(1, 0))
-        else:
-            dist.recv(theirs, sender, self._group(0, 1))
-            dist.send(mine, sender, self._group(1, 0))
-        return float(mine + theirs) / 2
+            return float(mine), float(theirs)
+        dist.recv(theirs, sender, self._group(0, 1))
+        dist.send(mine, sender, self._group(1, 0))
+        return float(theirs), float(mine)
 
     # --- internals ----------------------------------------------------------------------------
 

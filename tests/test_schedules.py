@@ -471,6 +471,21 @@ def test_resume_example():
     assert at["0B0"] == (4.0, 5.5) and timeline.makespan == 5.5
 
 
+def test_receivers_post_their_own_time_when_given_example():
+    # as test_posting_costs_by_edge_example, the receives posting in 0.125 instead
+    timeline = simulate(gpipe(2, 1), 1.0, 1.0, 0.0, 0.0, post_f=0.25, post_b=0.5,
+                        recv_post_f=0.125, recv_post_b=0.125)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["0SF0>1"] == (1.0, 1.25) and at["1RF0<0"] == (0.0, 1.25)
+    assert at["1SB0>0"] == (3.25, 3.75) and at["0RB0<1"] == (1.25, 3.75)
+    # stage 1 posts until 2.0, after its message came at 1.25; stage 0 until 4.25, and its
+    # message (sent from 4.0 on, as stage 1 started at 2.0) comes at 4.5
+    timeline = simulate(gpipe(2, 1), 1.0, 1.0, 0.0, 0.0, post_f=0.25, post_b=0.5,
+                        recv_post_f=2.0, recv_post_b=3.0)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["1RF0<0"] == (0.0, 2.0) and at["0RB0<1"] == (1.25, 4.5)
+
+
 def test_deadlocked_schedules_raise_instead_of_hanging():
     # stage 0 waits for gradient 0 before sending activation 1, which stage 1 needs first
     crossed = Schedule.from_lists([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]])

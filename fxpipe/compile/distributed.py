@@ -106,7 +106,8 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         shared = [pipe.executor.posting_time(traced.bind(args, kwargs))]
         torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
         if shared[0] is not None:
-            vars(pipe)["link"] = dataclasses.replace(link, post=shared[0])
+            sending, receiving = shared[0]
+            vars(pipe)["link"] = dataclasses.replace(link, post=sending, post_recv=receiving)
     if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
     return pipe
