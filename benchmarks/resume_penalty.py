@@ -6,7 +6,8 @@ simulator adds to a stage's first compute after a wait. This script measures it 
 model instead: each rank times one forward and backward of the model on a micro-batch, back
 to back, after a sleep, after spinning (busy, not blocked) for as long, and right after a
 blocking receive from the other rank, which meanwhile computed (the ranks take turns, as
-adjacent stages do). Kinds alternate round by round; rank 0 prints each rank's medians and
+adjacent stages do; in the other three kinds both ranks compute at once, as every rank times
+the units at compile). Kinds alternate round by round; rank 0 prints each rank's medians and
 their differences from back to back.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/resume_penalty.py
 """
@@ -35,9 +36,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, peer = dist.get_rank(), 1 - dist.get_rank()
     if dist.get_world_size() != 2:
         raise SystemExit("run this with 2 ranks: torchrun --nproc-per-node 2 ...")
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
     spec = bundled(args.model)
     model = spec.build()
     x, y = spec.batch(args.batch, torch.Generator().manual_seed(0))

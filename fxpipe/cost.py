@@ -24,7 +24,7 @@ class Link:
     bandwidth: float  # bytes per second (math.inf: no copy at all)
     source: str = "configured"  # where the figures come from: configured, default, measured
     post: float = 0.0  # the sender's own seconds to hand over one tensor (e.g. isend's call)
-    post_recv: float | None = None  # the receiver's seconds to post one's receive (None: post)
+    post_recv: float | None = None  # the receiver's, to post one tensor's receive (None: post)
     # how much longer a stage's next compute runs after it blocked waiting for a message (a
     # process woken from a wait runs slower for a while: benchmarks/resume_penalty.py)
     resume: float = 0.0
@@ -45,8 +45,8 @@ class Link:
                                                 or self.resume):
             return f"free (same device, no copy; {self.source})"
         posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
-        if self.post_recv is not None and self.post_recv != self.post:
-            posting += f" ({self.post_recv * 1e6:.0f} us to post its receive)"
+        if self.receiving != self.post:
+            posting += f", {self.receiving * 1e6:.0f} us to post its receive"
         if self.resume:
             posting += f", compute {self.resume * 1e6:.0f} us slower after a wait"
         if math.isinf(self.bandwidth):

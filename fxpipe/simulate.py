@@ -219,7 +219,8 @@ def _run(
                     end = max(posted, finished[needs])
                     waited[s] = waited[s] or finished[needs] > posted
                 elif a.kind.is_compute:
-                    end = start + float(compute[a.kind][s, a.mb]) + resume[s] * waited[s]
+                    end = start + float(compute[a.kind][s, a.mb]) + (
+                        float(resume[s]) if waited[s] else 0.0)
                     waited[s] = False
                     busy[s] += end - start
                 elif a.kind.is_send:

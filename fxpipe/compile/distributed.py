@@ -102,7 +102,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         micro_batches, traced.bind.unflatten, threads, coordinator,
     )
     pipe.executor.whole = whole
-    if not given and plan.stages > 1:  # the runtime's own time to post a tensor, not isend's
+    if not given and plan.stages > 1:  # the runtime's own time to send and to receive a tensor
         shared = [pipe.executor.posting_time(traced.bind(args, kwargs))]
         torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
         if shared[0] is not None:

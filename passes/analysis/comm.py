@@ -102,9 +102,10 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
     """Ping-pong between ranks `peer_a` and `peer_b` over torch.distributed (every rank of the
     group calls this; only the two peers exchange). Returns the fitted link on the two peers,
     None elsewhere. One-way time = half the round trip, median of `repeats` per size; `post`:
-    the median time peer_a's isend call takes to hand over a small tensor. Messages from
-    peer_a travel in `group`, replies in `reply_group` (default: `group`), as the pipeline's
-    one-way groups carry them."""
+    the median time peer_a's isend call takes to hand over a small tensor; `resume`: how much
+    slower a rank computes right after it blocked in a receive (`_resume_penalty`; on the CPU
+    only). Messages from peer_a travel in `group`, replies in `reply_group` (default:
+    `group`), as the pipeline's one-way groups carry them."""
     rank = dist.get_rank()
     if rank not in (peer_a, peer_b):
         return None
@@ -139,31 +140,32 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
         dist.send(shared, other, group)
     else:
         dist.recv(shared, other, group)
-    resume = _resume_penalty(rank == peer_a, other, group, reply, device)
+    on_cpu = torch.device(device).type == "cpu"
+    resume = _resume_penalty(rank == peer_a, other, group, reply) if on_cpu else 0.0
     link = fit_link(_PROBE_BYTES, seconds, f"measured ping-pong rank {peer_a} <-> {peer_b}")
     return dataclasses.replace(link, post=float(shared), resume=resume)
 
 
-def _resume_penalty(first: bool, other: int, group: Any, reply: Any, device: str,
-                    rounds: int = 3, repeats: int = 15) -> float:
-    """How much longer a small piece of compute runs right after its rank blocked waiting for
-    the peer's message than back to back, both peers' medians averaged (never below 0).
-    Back to back, both peers compute at once, as the units are timed; resumed, they take
-    turns, each waking from a receive the other's message ends. Rounds alternate the two.
-    Both peers return the same figure."""
-    device = torch.device(device)
-    token = torch.zeros(1, device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    weight = torch.randn(64, 64, generator=generator, device=device, requires_grad=True)
-    start_value = torch.randn(64, 64, generator=generator, device=device)
+def _resume_penalty(first: bool, other: int, group: Any, reply: Any, rounds: int = 3,
+                    repeats: int = 15) -> float:
+    """How much longer a small piece of compute on the CPU runs right after its rank blocked
+    waiting for the peer's message than back to back, both peers' medians averaged (never
+    below 0). Back to back, both peers compute at once, as every rank times the units at
+    compile; resumed, they take turns, each waking from a receive the other's message ends.
+    Rounds alternate the two. Both peers return the same figure. (On a GPU the host does not
+    block in a receive, and the kernels, not the host, time the compute: not measured.)"""
+    token = torch.zeros(1)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 64, generator=generator, requires_grad=True)
+    start_value = torch.randn(64, 64, generator=generator)
 
     def compute() -> float:  # a few small operators forward and backward, like a small stage
         began = time.perf_counter()
-        value = start_value
-        for _ in range(8):
-            value = torch.tanh(value @ weight)
-        value.sum().backward()
-        _synchronize(device)
+        with torch.enable_grad():
+            value = start_value
+            for _ in range(8):
+                value = torch.tanh(value @ weight)
+            value.sum().backward()
         return time.perf_counter() - began
 
     back_to_back, resumed = [], []
@@ -179,7 +181,7 @@ def _resume_penalty(first: bool, other: int, group: Any, reply: Any, device: str
                 resumed.append(compute())
                 dist.send(token, other, reply)
     mine = statistics.median(resumed) - statistics.median(back_to_back)
-    shared = torch.tensor([mine], dtype=torch.float64, device=device)
+    shared = torch.tensor([mine], dtype=torch.float64)
     theirs = torch.empty_like(shared)
     if first:
         dist.send(shared, other, group)
