@@ -181,10 +181,10 @@ def simulate(
             ActionKind.SEND_B: _link("send_b", send_b, n, forward=False)}
     post = {ActionKind.SEND_F: _link("post_f", post_f, n, forward=True),
             ActionKind.SEND_B: _link("post_b", post_b, n, forward=False)}
-    receive = {ActionKind.SEND_F: post[ActionKind.SEND_F] if recv_post_f is None
-               else _link("recv_post_f", recv_post_f, n, forward=True),
-               ActionKind.SEND_B: post[ActionKind.SEND_B] if recv_post_b is None
-               else _link("recv_post_b", recv_post_b, n, forward=False)}
+    receive = {ActionKind.SEND_F: _link("recv_post_f", post_f if recv_post_f is None
+                                        else recv_post_f, n, forward=True),
+               ActionKind.SEND_B: _link("recv_post_b", post_b if recv_post_b is None
+                                        else recv_post_b, n, forward=False)}
     return _run(lowered, compute, other, link, post, receive, _per_stage("resume", resume, n))
 
 
