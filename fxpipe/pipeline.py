@@ -169,7 +169,7 @@ class CompiledPipeline(torch.nn.Module):
         return forward, backward
 
     def measure_step_overhead(self, *inputs: Any, **kwargs: Any) -> float:
-        """Seconds a step spends outside its schedule here, with no compute (see
+        """Seconds a step spends outside its schedule here, with none of its compute (see
         PipelineExecutor.step_overhead), measured now on `inputs` (a mini-batch) and kept as
         `step_overhead`. Under torchrun every rank of the pipeline must call it."""
         flat = self.traced.bind(inputs, kwargs)

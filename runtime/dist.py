@@ -34,6 +34,7 @@ from fxpipe.simulate import Event
 __all__ = ["DistCoordinator", "DistTransport", "ErrorBoard"]
 
 _ERROR_KEY = "fxpipe/error"
+_READY_TAG = 2 ** 31 - 2  # the posting measurement's "receives posted" note, apart from _tag's
 
 
 class ErrorBoard:
@@ -78,6 +79,7 @@ class DistCoordinator:
         self.group_index, self.groups = group_index, groups
         backend = dist.get_backend(group)
         self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
+        self._burst = _Compute(torch.device(device))
 
     def shard(self, batch: Any, whole: Sequence[int] = ()) -> Any:
         """Pipeline group g takes the g-th of G near-equal row slices of the global batch."""
@@ -134,9 +136,13 @@ class DistCoordinator:
         events, self.sync.events = self.sync.events, []
         return events
 
-    def rehearse(self) -> None:
-        for param, group in self.tied:
-            dist.all_reduce(torch.zeros_like(param), group=group)
+    def rehearse(self) -> float:
+        zeros = [(torch.zeros_like(param), group) for param, group in self.tied]
+        self._burst()
+        start = time.perf_counter()
+        for tensor, group in zeros:
+            dist.all_reduce(tensor, group=group)
+        return time.perf_counter() - start
 
     def barrier(self) -> None:
         dist.barrier(self.group)
@@ -197,17 +203,8 @@ class DistTransport:
         """Post the receive of a message the stage will wait for later, so the transfer
         overlaps the compute before it (the driver calls this for the next RECV action)."""
         key = (src, dst, direction, mb)
-        if key in self._posted:
-            return
-        slots = self._slots(src, dst, direction)
-        batch, seq = self._micro_batch(mb)
-        received, works = [], []
-        for index, slot in enumerate(slots):
-            buffer = torch.empty(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
-            received.append(buffer)
-            works.append(dist.irecv(buffer, self.ranks[src], self._group(src, dst),
-                                    _tag(direction, mb, index)))
-        self._posted[key] = (slots, received, works)
+        if key not in self._posted:
+            self._posted[key] = self._post_receive(src, dst, direction, mb)
 
     def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
         self.prefetch(src, dst, direction, mb)
@@ -233,30 +230,57 @@ class DistTransport:
         for work in pending:
             self._wait(work, "a send")
 
-    def measure_posting(self, key: Any, repeats: int = 30) -> tuple[float, float] | None:
+    def measure_posting(self, key: Any, rounds: int = 6, per_round: int = 5
+                        ) -> tuple[float, float] | None:
         """Seconds this transport spends per tensor handing a message over, measured on the
         first stage pair's forward message of run `key` (prepared): (the sender's in send(),
         the receiver's in posting the receive). The raw isend call that the link's ping-pong
-        times misses the runtime's own work around it. The two peers return the same
-        figures; other ranks None."""
+        times misses the runtime's own work around it.
+
+        The sender is timed as the pipeline sends: with the receive already posted and its
+        notice already at the sender, so send() writes the whole message itself (over gloo a
+        send the peer has not asked for yet only posts a notice, which is far cheaper). So in
+        each round the receiver posts `per_round` receives and then tells the sender, on the
+        same connection, behind their notices; the sender computes a little before each send,
+        as a stage does (right after compute, the send path runs clearly slower). The two
+        peers return the same figures; other ranks None."""
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
         slots = self._slots(0, 1, "F")
         count = len(self._dims[key][0])
+
+        def values(mb):  # what the stage would send: tensors of the micro-batch's shapes
+            batch, seq = self._micro_batch(mb)
+            return {s.value: 0 if s.number is not None else
+                    torch.zeros(s.shape(batch, seq), dtype=s.dtype, device=self.device)
+                    for s in slots}
+
+        ready = torch.zeros(1, device=self.device)
+        burst = _Compute(self.device)
         seconds = []
-        for index in range(repeats + 1):  # the first warms the path up
-            mb = (key, index % count)
-            start = time.perf_counter()
-            if self.rank == sender:  # tensors left out are sent as zeros, as gradients are
-                self.send(0, 1, "F", mb, {s.value: 0 for s in slots if s.number is not None})
-                seconds.append(time.perf_counter() - start)
-                self.flush()
+        for _ in range(rounds + 1):  # the first round warms the path up
+            mbs = [(key, 0 if count == 1 else index % count) for index in range(per_round)]
+            if self.rank == receiver:
+                posted = []
+                for mb in mbs:
+                    start = time.perf_counter()
+                    posted.append(self._post_receive(0, 1, "F", mb))
+                    seconds.append(time.perf_counter() - start)
+                dist.send(ready, sender, self._group(0, 1), _READY_TAG)
+                for _, _, works in posted:
+                    for work in works:
+                        self._wait(work, "a measured message")
             else:
-                self.prefetch(0, 1, "F", mb)
-                seconds.append(time.perf_counter() - start)
-                self.recv(0, 1, "F", mb)
-        mine = torch.tensor([statistics.median(seconds[1:]) / max(len(slots), 1)],
+                dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)
+                for mb in mbs:
+                    message = values(mb)
+                    burst()  # a pipeline sends right after computing, its caches gone cold
+                    start = time.perf_counter()
+                    self.send(0, 1, "F", mb, message)
+                    seconds.append(time.perf_counter() - start)
+                    self.flush()
+        mine = torch.tensor([statistics.median(seconds[per_round:]) / max(len(slots), 1)],
                             dtype=torch.float64, device=self.device)
         theirs = torch.empty_like(mine)
         if self.rank == sender:  # swap the two figures, each in its one-way group
@@ -289,6 +313,18 @@ class DistTransport:
                 tensor = value.detach().contiguous()
             yield tensor
 
+    def _post_receive(self, src, dst, direction, mb):
+        """Allocate a message's buffers and post their receives: (slots, buffers, works)."""
+        slots = self._slots(src, dst, direction)
+        batch, seq = self._micro_batch(mb)
+        received, works = [], []
+        for index, slot in enumerate(slots):
+            buffer = torch.empty(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
+            received.append(buffer)
+            works.append(dist.irecv(buffer, self.ranks[src], self._group(src, dst),
+                                    _tag(direction, mb, index)))
+        return slots, received, works
+
     def _micro_batch(self, mb: Any) -> tuple[int, int]:
         key, index = mb
         sizes, seq = self._dims[key]
@@ -307,6 +343,23 @@ class DistTransport:
                 raise PipelineAborted(f"the pipeline stopped because {failure}") from error
             raise FxpipeError(f"rank {self.rank} gave up waiting for {what} after at most "
                               f"{self.timeout:.0f} s: {error}") from error
+
+
+class _Compute:
+    """A short burst of compute (a few matmuls on tensors of 64 KiB), as a stage does before
+    it sends: what the runtime's send path costs depends on it, through the caches."""
+
+    def __init__(self, device: torch.device) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(128, 128, generator=generator).to(device)
+        self.w = torch.randn(128, 128, generator=generator).to(device) / 16
+
+    def __call__(self) -> None:
+        h = self.x
+        for _ in range(4):
+            h = torch.tanh(h @ self.w)
+        if h.device.type == "cuda":
+            torch.cuda.synchronize(h.device)
 
 
 def _by_pair(comm: CommTable):

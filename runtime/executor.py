@@ -64,8 +64,10 @@ class Coordinator(Protocol):
     def after_backward(self) -> None:
         """Gradient work once the backward of a mini-batch is complete (tied weights)."""
 
-    def rehearse(self) -> None:
-        """The exchanges after_backward makes, on zeros, touching no gradient (to time them)."""
+    def rehearse(self) -> float:
+        """The exchanges after_backward makes, on zeros, touching no gradient (to time them),
+        after a short burst of compute as they follow a backward; returns the seconds the
+        exchanges took, the burst left out."""
 
     def barrier(self) -> None:
         """Wait for every rank of the pipeline (to start something timed together)."""
@@ -97,8 +99,8 @@ class LocalCoordinator:
     def after_backward(self) -> None:
         return None
 
-    def rehearse(self) -> None:
-        return None
+    def rehearse(self) -> float:
+        return 0.0
 
     def barrier(self) -> None:
         return None
@@ -261,10 +263,12 @@ class PipelineExecutor:
         return losses
 
     def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 7) -> float:
-        """Seconds a step spends outside its schedule's actions, measured with no compute
-        (median of `repeats`): splitting the inputs and the target and agreeing on the
+        """Seconds a step spends outside its schedule's actions, measured with none of its
+        compute (median of `repeats`): splitting the inputs and the target and agreeing on the
         micro-batch sizes, starting and joining the stage workers, the tied-weight all-reduces
-        and sharing the loss. Every rank of the pipeline must call it."""
+        and sharing the loss (these two after a burst of compute, as in a step, where they
+        follow a backward and run slower than after nothing). Every rank of the pipeline must
+        call it."""
         seconds = []
         for _ in range(repeats):
             self.coordinator.barrier()
@@ -273,9 +277,11 @@ class PipelineExecutor:
             if self.last:  # the target is split as the inputs are (a stand-in of its rows)
                 split([torch.empty(sum(call.sizes))], self.micro_batches)
             self.driver.run([[] for _ in self.comm.stages], Run(call.feeds), call.key)
-            self.coordinator.rehearse()
+            before = time.perf_counter()
+            exchanges = self.coordinator.rehearse()
+            burst = time.perf_counter() - before - exchanges  # compute, not overhead
             self.coordinator.loss(torch.zeros(()) if self.last else None)
-            seconds.append(time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start - burst)
         return statistics.median(seconds)
 
     def posting_time(self, flat_inputs: Sequence[Any] | None) -> tuple[float, float] | None:

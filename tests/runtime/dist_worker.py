@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,9 @@ def train(name, stages, schedule, micro_batches, out):
         assert pipe.link.post_recv is not None and pipe.link.post_recv > 0
         assert 0 <= pipe.link.resume < 0.05  # beyond 50 ms the measurement went wrong
         assert pipe.step_overhead > 0
+        started = time.perf_counter()  # the rehearsal times its exchanges, not its burst
+        exchanges = pipe.executor.coordinator.rehearse()
+        assert 0 <= exchanges < time.perf_counter() - started
         assert retimed.bounds == pipe.partition.bounds and retimed.predicted_time > 0
     else:
         model, data, loss_fn = build(name)
