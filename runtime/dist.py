@@ -260,7 +260,7 @@ class DistTransport:
         burst = _Compute(self.device)
         seconds = []
         for _ in range(rounds + 1):  # the first round warms the path up
-            mbs = [(key, 0 if count == 1 else index % count) for index in range(per_round)]
+            mbs = [(key, index % count) for index in range(per_round)]
             if self.rank == receiver:
                 posted = []
                 for mb in mbs:
