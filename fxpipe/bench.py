@@ -27,8 +27,8 @@ from fxpipe.plan import Plan
 from fxpipe.report import step_time
 
 __all__ = [
-    "BenchRow", "StealMeter", "bench", "bench_under_torchrun", "format_rows", "rows_to_json",
-    "write_csv", "write_png",
+    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun", "format_rows",
+    "rows_to_json", "write_csv", "write_png",
 ]
 
 
@@ -63,6 +63,15 @@ class BenchRow:
         return self.predicted_high_ms / self.predicted_low_ms - 1
 
 
+def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[str],
+                schedules: Sequence[str]) -> dict[tuple[str, str], Plan]:
+    """The plan of every (partitioner, schedule) the benchmark runs, without the loss; made
+    all at once, so a mistake in any of them is reported before any work."""
+    return {(p, s): Plan(stages=stages, partitioner=p, schedule=s,
+                         micro_batches="auto" if p == "csimd" else micro_batches)  # csimd
+            for p in partitioners for s in schedules}  # chooses the micro-batch count itself
+
+
 def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = 10, warmup: int = 2, progress: bool = True,
@@ -85,18 +94,16 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     training loop's back to back ones: slower for some models, faster for others
     (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round."""
     rows = []
-    configs = [(p, s) for p in partitioners for s in schedules]
+    plans = bench_plans(stages, micro_batches, partitioners, schedules)
     rounds = max(1, min(rounds, repeats))
-    for index, (partitioner, schedule) in enumerate(configs, 1):
+    for index, ((partitioner, schedule), plan) in enumerate(plans.items(), 1):
         if progress:
-            _progress(index, len(configs), f"{partitioner}/{schedule}")
+            _progress(index, len(plans), f"{partitioner}/{schedule}")
         model, x, y, loss_fn = build()
         on_cuda = next(model.parameters()).device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
-        count = "auto" if partitioner == "csimd" else micro_batches  # csimd chooses p itself
-        plan = Plan(stages=stages, partitioner=partitioner, schedule=schedule,
-                    micro_batches=count, loss_fn=loss_fn)
+        plan = dataclasses.replace(plan, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
         predictions, times = [], []
         for steps in _split(repeats, rounds):

@@ -15,6 +15,7 @@ from fxpipe.bench import (
     BenchRow,
     StealMeter,
     bench,
+    bench_plans,
     bench_under_torchrun,
     format_rows,
     rows_to_json,
@@ -116,6 +117,7 @@ def _bench(args: argparse.Namespace) -> None:
         if value < 1:
             raise FxpipeError(f"{option} {value}: give at least 1")
     _factory(args.model)  # an unknown model fails here, before any progress is shown
+    bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
     title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
              f"{args.micro_batches}")
     with StealMeter() as steal:
