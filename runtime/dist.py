@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Edge
+from fxpipe.probes import ComputeBurst, swap_figures
 from fxpipe.runtime.hooks import GradientSync
 from fxpipe.runtime.microbatch import batch_size, split
 from fxpipe.runtime.transport import PipelineAborted
@@ -79,7 +80,7 @@ class DistCoordinator:
         self.group_index, self.groups = group_index, groups
         backend = dist.get_backend(group)
         self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
-        self._burst = _Compute(torch.device(device))
+        self._burst = ComputeBurst(device)
 
     def shard(self, batch: Any, whole: Sequence[int] = ()) -> Any:
         """Pipeline group g takes the g-th of G near-equal row slices of the global batch."""
@@ -257,7 +258,7 @@ class DistTransport:
                     for s in slots}
 
         ready = torch.zeros(1, device=self.device)
-        burst = _Compute(self.device)
+        burst = ComputeBurst(self.device)
         seconds = []
         for _ in range(rounds + 1):  # the first round warms the path up
             mbs = [(key, index % count) for index in range(per_round)]
@@ -280,16 +281,11 @@ class DistTransport:
                     self.send(0, 1, "F", mb, message)
                     seconds.append(time.perf_counter() - start)
                     self.flush()
-        mine = torch.tensor([statistics.median(seconds[per_round:]) / max(len(slots), 1)],
-                            dtype=torch.float64, device=self.device)
-        theirs = torch.empty_like(mine)
-        if self.rank == sender:  # swap the two figures, each in its one-way group
-            dist.send(mine, receiver, self._group(0, 1))
-            dist.recv(theirs, receiver, self._group(1, 0))
-            return float(mine), float(theirs)
-        dist.recv(theirs, sender, self._group(0, 1))
-        dist.send(mine, sender, self._group(1, 0))
-        return float(theirs), float(mine)
+        mine = statistics.median(seconds[per_round:]) / max(len(slots), 1)
+        first = self.rank == sender
+        theirs = swap_figures(mine, receiver if first else sender, first, self._group(0, 1),
+                              self._group(1, 0), self.device)
+        return (mine, theirs) if first else (theirs, mine)
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -343,23 +339,6 @@ class DistTransport:
                 raise PipelineAborted(f"the pipeline stopped because {failure}") from error
             raise FxpipeError(f"rank {self.rank} gave up waiting for {what} after at most "
                               f"{self.timeout:.0f} s: {error}") from error
-
-
-class _Compute:
-    """A short burst of compute (a few matmuls on tensors of 64 KiB), as a stage does before
-    it sends: what the runtime's send path costs depends on it, through the caches."""
-
-    def __init__(self, device: torch.device) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(128, 128, generator=generator).to(device)
-        self.w = torch.randn(128, 128, generator=generator).to(device) / 16
-
-    def __call__(self) -> None:
-        h = self.x
-        for _ in range(4):
-            h = torch.tanh(h @ self.w)
-        if h.device.type == "cuda":
-            torch.cuda.synchronize(h.device)
 
 
 def _by_pair(comm: CommTable):

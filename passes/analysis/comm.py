@@ -17,6 +17,7 @@ from torch import fx
 
 from fxpipe.cost import Link
 from fxpipe.meta import COMM, SHAPE, UNIT
+from fxpipe.probes import ComputeBurst, swap_figures
 
 __all__ = ["ValueTransfer", "annotate_comm", "default_link", "fit_link", "measure_local_link",
            "measure_rank_link"]
@@ -155,19 +156,7 @@ def _resume_penalty(first: bool, other: int, group: Any, reply: Any, rounds: int
     Rounds alternate the two. Both peers return the same figure. (On a GPU the host does not
     block in a receive, and the kernels, not the host, time the compute: not measured.)"""
     token = torch.zeros(1)
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(64, 64, generator=generator, requires_grad=True)
-    start_value = torch.randn(64, 64, generator=generator)
-
-    def compute() -> float:  # a few small operators forward and backward, like a small stage
-        began = time.perf_counter()
-        with torch.enable_grad():
-            value = start_value
-            for _ in range(8):
-                value = torch.tanh(value @ weight)
-            value.sum().backward()
-        return time.perf_counter() - began
-
+    compute = ComputeBurst(size=64, depth=8, backward=True)  # forward and backward, like a stage
     back_to_back, resumed = [], []
     for _ in range(rounds):
         back_to_back += [compute() for _ in range(repeats)]
@@ -181,15 +170,7 @@ def _resume_penalty(first: bool, other: int, group: Any, reply: Any, rounds: int
                 resumed.append(compute())
                 dist.send(token, other, reply)
     mine = statistics.median(resumed) - statistics.median(back_to_back)
-    shared = torch.tensor([mine], dtype=torch.float64)
-    theirs = torch.empty_like(shared)
-    if first:
-        dist.send(shared, other, group)
-        dist.recv(theirs, other, reply)
-    else:
-        dist.recv(theirs, other, group)
-        dist.send(shared, other, reply)
-    return max((mine + float(theirs)) / 2, 0.0)
+    return max((mine + swap_figures(mine, other, first, group, reply)) / 2, 0.0)
 
 
 def _synchronize(*devices: torch.device) -> None:

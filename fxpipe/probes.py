@@ -1,0 +1,54 @@
+"""Pieces the timing probes share, in the cost model's passes and in the runtime: a fixed
+burst of compute, and two ranks swapping the figures they measured."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ComputeBurst", "swap_figures"]
+
+
+class ComputeBurst:
+    """A fixed piece of compute: `depth` matmul + tanh layers on `size` x `size` tensors, and
+    their backward when `backward`. Calling it runs it and returns its seconds (a GPU's
+    kernels waited for)."""
+
+    def __init__(self, device: str | torch.device = "cpu", size: int = 128, depth: int = 4,
+                 backward: bool = False) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, size, generator=generator).to(device)
+        self.w = (torch.randn(size, size, generator=generator) / size ** 0.5).to(device)
+        self.w.requires_grad_(backward)
+        self.depth, self.backward = depth, backward
+
+    def __call__(self) -> float:
+        began = time.perf_counter()
+        with torch.set_grad_enabled(self.backward):
+            h = self.x
+            for _ in range(self.depth):
+                h = torch.tanh(h @ self.w)
+            if self.backward:
+                h.sum().backward()
+        if h.device.type == "cuda":
+            torch.cuda.synchronize(h.device)
+        return time.perf_counter() - began
+
+
+def swap_figures(mine: float, peer: int, first: bool, outbound: Any = None,
+                 inbound: Any = None, device: str | torch.device = "cpu") -> float:
+    """Send `mine` to `peer` and return the peer's figure. The `first` of the two sends in
+    `outbound` and then receives in `inbound`; the other receives in the first's `outbound`
+    and answers in its `inbound` (one-way groups, as a pipeline's messages travel)."""
+    sent = torch.tensor([mine], dtype=torch.float64, device=device)  # NCCL: device tensors
+    theirs = torch.empty_like(sent)
+    if first:
+        dist.send(sent, peer, outbound)
+        dist.recv(theirs, peer, inbound)
+    else:
+        dist.recv(theirs, peer, outbound)
+        dist.send(sent, peer, inbound)
+    return float(theirs)
