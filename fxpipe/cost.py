@@ -28,6 +28,9 @@ class Link:
     # how much longer a stage's next compute runs after it blocked waiting for a message (a
     # process woken from a wait runs slower for a while: benchmarks/resume_penalty.py)
     resume: float = 0.0
+    # how much longer the sender's next compute runs after it sent a message, per tensor: the
+    # transport's work on the message goes on beside it (DistTransport.measure_posting)
+    after_send: float = 0.0
 
     @property
     def receiving(self) -> float:
@@ -42,13 +45,15 @@ class Link:
 
     def __str__(self) -> str:
         if math.isinf(self.bandwidth) and not (self.latency or self.post or self.receiving
-                                                or self.resume):
+                                                or self.resume or self.after_send):
             return f"free (same device, no copy; {self.source})"
         posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
         if self.receiving != self.post:
             posting += f", {self.receiving * 1e6:.0f} us to post its receive"
         if self.resume:
             posting += f", compute {self.resume * 1e6:.0f} us slower after a wait"
+        if self.after_send:
+            posting += f", the sender's {self.after_send * 1e6:.0f} us slower per tensor sent"
         if math.isinf(self.bandwidth):
             return f"{self.latency * 1e6:.0f} us per message, no copy{posting} ({self.source})"
         return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"

@@ -151,15 +151,18 @@ class CompiledPipeline(torch.nn.Module):
         schedule = self.executor.last_schedule or self.executor.schedule
         post_f, post_b = self._posting(self.link.post)
         recv_post_f, recv_post_b = self._posting(self.link.receiving)
+        after_f, after_b = self._posting(self.link.after_send)
         return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
-                        recv_post_b=recv_post_b, resume=self.link.resume)
+                        recv_post_b=recv_post_b, resume=self.link.resume,
+                        after_send_f=after_f, after_send_b=after_b)
 
     def _posting(self, per_tensor: float
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """The time per message on each edge, forward and backward, at `per_tensor` seconds
-        per tensor the message holds (the sender's to post them, or the receiver's)."""
+        per tensor the message holds (the sender's to post them, the receiver's, or the
+        sender's compute after it)."""
         carries = self.comm.carries_grad()
         forward = {(e.src, e.dst): 0.0 for e in self.comm.edges}
         backward = dict(forward)

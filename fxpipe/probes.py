@@ -4,6 +4,7 @@ burst of compute, and two ranks swapping the figures they measured."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,12 +39,12 @@ class ComputeBurst:
         return time.perf_counter() - began
 
 
-def swap_figures(mine: float, peer: int, first: bool, outbound: Any = None,
-                 inbound: Any = None, device: str | torch.device = "cpu") -> float:
-    """Send `mine` to `peer` and return the peer's figure. The `first` of the two sends in
-    `outbound` and then receives in `inbound`; the other receives in the first's `outbound`
-    and answers in its `inbound` (one-way groups, as a pipeline's messages travel)."""
-    sent = torch.tensor([mine], dtype=torch.float64, device=device)  # NCCL: device tensors
+def swap_figures(mine: Sequence[float], peer: int, first: bool, outbound: Any = None,
+                 inbound: Any = None, device: str | torch.device = "cpu") -> list[float]:
+    """Send the figures `mine` to `peer` and return the peer's (as many). The `first` of the
+    two sends in `outbound` and then receives in `inbound`; the other receives in the first's
+    `outbound` and answers in its `inbound` (one-way groups, as a pipeline's messages travel)."""
+    sent = torch.tensor(list(mine), dtype=torch.float64, device=device)  # NCCL: device tensors
     theirs = torch.empty_like(sent)
     if first:
         dist.send(sent, peer, outbound)
@@ -51,4 +52,4 @@ def swap_figures(mine: float, peer: int, first: bool, outbound: Any = None,
     else:
         dist.recv(theirs, peer, outbound)
         dist.send(sent, peer, inbound)
-    return float(theirs)
+    return theirs.tolist()

@@ -128,6 +128,8 @@ def simulate(
     resume: Costs = 0.0,
     recv_post_f: LinkCosts | None = None,
     recv_post_b: LinkCosts | None = None,
+    after_send_f: LinkCosts = 0.0,
+    after_send_b: LinkCosts = 0.0,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -144,7 +146,11 @@ def simulate(
     stage's compute right after it blocked (its first, as the step starts with every stage
     waiting to agree on the micro-batch sizes, and the first after a RECV whose message was
     not there yet) takes `resume[s]` longer: a process woken from a wait runs slower for a
-    while (0 by default). A compute-only schedule is lowered with
+    while (0 by default). Otherwise a stage's compute after SENDs takes the sum of their
+    after_send_f / after_send_b longer, at most twice its own time: the transport's work on a
+    message goes on beside the sender's next compute, sharing its CPU, so it takes at most
+    half of it (0 by default; after a wait resume alone counts, as that work ran while the
+    stage waited). A compute-only schedule is lowered with
     `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
     checked with `check_communication`.
 
@@ -155,7 +161,8 @@ def simulate(
     gradient dst -> src. A scalar (every edge), one per producing stage src (N,) like the cost
     model's CF_s / CB_s, or a mapping {(src, dst): time}. post_f, post_b: the sender's time per
     SEND of those messages, given the same ways; recv_post_f, recv_post_b: the receiver's time
-    per RECV of them. resume: a scalar or one per stage.
+    per RECV of them; after_send_f, after_send_b: the sender's compute after each SEND of
+    them, given the same ways. resume: a scalar or one per stage.
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -185,7 +192,10 @@ def simulate(
                                         else recv_post_f, n, forward=True),
                ActionKind.SEND_B: _link("recv_post_b", post_b if recv_post_b is None
                                         else recv_post_b, n, forward=False)}
-    return _run(lowered, compute, other, link, post, receive, _per_stage("resume", resume, n))
+    after = {ActionKind.SEND_F: _link("after_send_f", after_send_f, n, forward=True),
+             ActionKind.SEND_B: _link("after_send_b", after_send_b, n, forward=False)}
+    return _run(lowered, compute, other, link, post, receive, after,
+                _per_stage("resume", resume, n))
 
 
 def _run(
@@ -195,11 +205,13 @@ def _run(
     link: dict[ActionKind, Callable[[int, int], float]],
     post: dict[ActionKind, Callable[[int, int], float]],
     receive: dict[ActionKind, Callable[[int, int], float]],
+    after: dict[ActionKind, Callable[[int, int], float]],
     resume: np.ndarray,
 ) -> Timeline:
     n = schedule.stages
     pc, free, busy = [0] * n, [0.0] * n, [0.0] * n
     waited = [True] * n  # whether the stage blocked since its last compute
+    owed = [0.0] * n  # the after-send slowdown of the SENDs since its last compute
     finished: dict[Action, float] = {}  # compute actions and messages (keyed by their SEND)
     link_free: dict[tuple[int, int], float] = {}
     events: list[list[Event]] = [[] for _ in range(n)]
@@ -219,12 +231,13 @@ def _run(
                     end = max(posted, finished[needs])
                     waited[s] = waited[s] or finished[needs] > posted
                 elif a.kind.is_compute:
-                    end = start + float(compute[a.kind][s, a.mb]) + (
-                        float(resume[s]) if waited[s] else 0.0)
-                    waited[s] = False
+                    work = float(compute[a.kind][s, a.mb])
+                    end = start + work + (float(resume[s]) if waited[s] else min(owed[s], work))
+                    waited[s], owed[s] = False, 0.0
                     busy[s] += end - start
                 elif a.kind.is_send:
                     end = start + post[a.kind](s, a.peer)
+                    owed[s] += after[a.kind](s, a.peer)
                     wire = max(end, link_free.get((s, a.peer), 0.0))
                     arrival = wire + link[a.kind](s, a.peer)
                     link_free[s, a.peer] = finished[a] = arrival

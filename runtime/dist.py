@@ -35,6 +35,7 @@ from fxpipe.simulate import Event
 __all__ = ["DistCoordinator", "DistTransport", "ErrorBoard"]
 
 _ERROR_KEY = "fxpipe/error"
+_AFTER_SEND_BURSTS = 3  # the compute timed before and after each measured send
 _READY_TAG = 2 ** 31 - 2  # the posting measurement's "receives posted" note, apart from _tag's
 
 
@@ -232,19 +233,23 @@ class DistTransport:
             self._wait(work, "a send")
 
     def measure_posting(self, key: Any, rounds: int = 6, per_round: int = 5
-                        ) -> tuple[float, float] | None:
+                        ) -> tuple[float, float, float] | None:
         """Seconds this transport spends per tensor handing a message over, measured on the
         first stage pair's forward message of run `key` (prepared): (the sender's in send(),
-        the receiver's in posting the receive). The raw isend call that the link's ping-pong
-        times misses the runtime's own work around it.
+        the receiver's in posting the receive, and how much longer the sender's compute right
+        after send() runs). The raw isend call that the link's ping-pong times misses the
+        runtime's own work around it.
 
         The sender is timed as the pipeline sends: with the receive already posted and its
         notice already at the sender, so send() writes the whole message itself (over gloo a
         send the peer has not asked for yet only posts a notice, which is far cheaper). So in
         each round the receiver posts `per_round` receives and then tells the sender, on the
         same connection, behind their notices; the sender computes a little before each send,
-        as a stage does (right after compute, the send path runs clearly slower). The two
-        peers return the same figures; other ranks None."""
+        as a stage does (right after compute, the send path runs clearly slower). The
+        transport's work on a sent message goes on after send() returns, beside the compute
+        that follows: the sender times the same compute right after each send and right
+        before it, and the difference is the third figure (never below 0). The two peers
+        return the same figures; other ranks None."""
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
@@ -258,8 +263,12 @@ class DistTransport:
                     for s in slots}
 
         ready = torch.zeros(1, device=self.device)
-        burst = ComputeBurst(self.device)
-        seconds = []
+        burst = ComputeBurst(self.device, size=64, depth=8, backward=True)  # like a stage
+
+        def compute() -> float:  # long enough for the transport's work to end within it
+            return sum(burst() for _ in range(_AFTER_SEND_BURSTS))
+
+        seconds, before, after = [], [], []
         for _ in range(rounds + 1):  # the first round warms the path up
             mbs = [(key, index % count) for index in range(per_round)]
             if self.rank == receiver:
@@ -269,6 +278,8 @@ class DistTransport:
                     posted.append(self._post_receive(0, 1, "F", mb))
                     seconds.append(time.perf_counter() - start)
                 dist.send(ready, sender, self._group(0, 1), _READY_TAG)
+                for _ in range(3 * per_round):  # busy as a stage is while messages come
+                    compute()
                 for _, _, works in posted:
                     for work in works:
                         self._wait(work, "a measured message")
@@ -276,16 +287,21 @@ class DistTransport:
                 dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)
                 for mb in mbs:
                     message = values(mb)
-                    burst()  # a pipeline sends right after computing, its caches gone cold
+                    compute()  # the last send's work done before the next is timed
+                    before.append(compute())  # a pipeline sends right after computing
                     start = time.perf_counter()
                     self.send(0, 1, "F", mb, message)
                     seconds.append(time.perf_counter() - start)
-                    self.flush()
-        mine = statistics.median(seconds[per_round:]) / max(len(slots), 1)
+                    after.append(compute())
+                self.flush()
+        tensors = max(len(slots), 1)
+        mine = statistics.median(seconds[per_round:]) / tensors
+        slower = (max(statistics.median(after[per_round:]) - statistics.median(before[per_round:]),
+                      0.0) / tensors if after else 0.0)
         first = self.rank == sender
-        theirs = swap_figures(mine, receiver if first else sender, first, self._group(0, 1),
-                              self._group(1, 0), self.device)
-        return (mine, theirs) if first else (theirs, mine)
+        theirs, their_slower = swap_figures([mine, slower], receiver if first else sender, first,
+                                            self._group(0, 1), self._group(1, 0), self.device)
+        return (mine, theirs, slower) if first else (theirs, mine, their_slower)
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -284,11 +284,12 @@ class PipelineExecutor:
             seconds.append(time.perf_counter() - start - burst)
         return statistics.median(seconds)
 
-    def posting_time(self, flat_inputs: Sequence[Any] | None) -> tuple[float, float] | None:
+    def posting_time(self, flat_inputs: Sequence[Any] | None
+                     ) -> tuple[float, float, float] | None:
         """The transport's seconds per tensor to hand a message over, (the sender's, the
-        receiver's), measured on the micro-batches of `flat_inputs` (None where the transport
-        has no such measure, or this rank sends and receives none of the measured message).
-        Every rank of the pipeline must call it."""
+        receiver's, the sender's compute slower after it), measured on the micro-batches of
+        `flat_inputs` (None where the transport has no such measure, or this rank sends and
+        receives none of the measured message). Every rank of the pipeline must call it."""
         measure = getattr(self.transport, "measure_posting", None)
         if measure is None:
             return None

@@ -466,6 +466,45 @@ def test_resuming_after_a_wait_slows_exactly_the_next_compute(
     assert sum(slowed.busy) >= sum(plain.busy) - 1e-9
 
 
+@given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
+       st.floats(0.0, 2.0), st.floats(0.0, 2.0))
+def test_a_send_slows_the_senders_next_compute_unless_it_waited_and_at_most_doubles_it(
+        schedule: Schedule, seed: int, post: float, receiving: float, resume: float,
+        after: float):
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    posting = {"post_f": post, "post_b": post, "recv_post_f": receiving,
+               "recv_post_b": receiving, "resume": resume}
+    plain = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting)
+    slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, after_send_f=after,
+                      after_send_b=after)
+    for stage in range(n):
+        waited, owed = True, 0.0  # every stage starts from the step's shared wait
+        for e in (e for e in slowed.events if e.stage == stage):
+            if e.action.kind.is_recv:
+                waited = waited or e.end > e.start + receiving
+            elif e.action.kind.is_send:
+                owed += after
+            elif e.action.kind.is_compute:
+                times = {K.F: fwd, K.B: bwd}.get(e.action.kind)  # W: weight time 0 here
+                compute = 0.0 if times is None else times[stage, e.action.mb]
+                extra = resume if waited else min(owed, compute)
+                assert e.duration == pytest.approx(compute + extra)
+                waited, owed = False, 0.0
+    assert slowed.makespan >= plain.makespan - 1e-9
+
+
+def test_after_send_example():
+    # 2 stages, 2 micro-batches, no links: stage 0 sends F0 and runs F1 0.25 slower; after
+    # sending F1 it waits for B1's gradient, so B1 is not slowed by that send
+    timeline = simulate(gpipe(2, 2), 1.0, 1.0, 0.0, 0.0, after_send_f=0.25, after_send_b=0.25)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["0F0"] == (0.0, 1.0) and at["0F1"] == (1.0, 2.25)
+    assert at["1F0"] == (1.0, 2.0) and at["1F1"] == (2.25, 3.25)
+    assert at["1B1"] == (3.25, 4.25) and at["1B0"] == (4.25, 5.5)  # after sending B1
+    assert at["0B1"] == (4.25, 5.25) and at["0B0"] == (5.5, 6.5)
+
+
 def test_resume_example():
     # 2 stages, one micro-batch, resume 0.5: both stages' first compute, stage 0's backward
     # (it waited for the gradient); stage 1's backward follows its forward at once

@@ -102,12 +102,14 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         micro_batches, traced.bind.unflatten, threads, coordinator,
     )
     pipe.executor.whole = whole
-    if not given and plan.stages > 1:  # the runtime's own time to send and to receive a tensor
+    if not given and plan.stages > 1:  # the runtime's own time to send and receive a tensor,
+        # and how much it slows the compute after a send
         shared = [pipe.executor.posting_time(traced.bind(args, kwargs))]
         torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
         if shared[0] is not None:
-            sending, receiving = shared[0]
-            vars(pipe)["link"] = dataclasses.replace(link, post=sending, post_recv=receiving)
+            sending, receiving, after_send = shared[0]
+            vars(pipe)["link"] = dataclasses.replace(link, post=sending, post_recv=receiving,
+                                                     after_send=after_send)
     if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
     return pipe

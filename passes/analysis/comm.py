@@ -170,7 +170,8 @@ def _resume_penalty(first: bool, other: int, group: Any, reply: Any, rounds: int
                 resumed.append(compute())
                 dist.send(token, other, reply)
     mine = statistics.median(resumed) - statistics.median(back_to_back)
-    return max((mine + swap_figures(mine, other, first, group, reply)) / 2, 0.0)
+    (theirs,) = swap_figures([mine], other, first, group, reply)
+    return max((mine + theirs) / 2, 0.0)
 
 
 def _synchronize(*devices: torch.device) -> None:

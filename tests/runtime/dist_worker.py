@@ -117,6 +117,7 @@ def train(name, stages, schedule, micro_batches, out):
         assert pipe.link.source.startswith("measured ping-pong") and pipe.link.post > 0
         assert pipe.link.post_recv is not None and pipe.link.post_recv > 0
         assert 0 <= pipe.link.resume < 0.05  # beyond 50 ms the measurement went wrong
+        assert 0 <= pipe.link.after_send < 0.05
         assert pipe.step_overhead > 0
         started = time.perf_counter()  # the rehearsal times its exchanges, not its burst
         exchanges = pipe.executor.coordinator.rehearse()
