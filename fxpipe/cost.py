@@ -25,6 +25,9 @@ class Link:
     source: str = "configured"  # where the figures come from: configured, default, measured
     post: float = 0.0  # the sender's own seconds to hand over one tensor (e.g. isend's call)
     post_recv: float | None = None  # the receiver's, to post one tensor's receive (None: post)
+    # the same between two computes, where a stage posts its next receive under 1F1B (a
+    # forwards-first stage posts them all back to back at the start; None: post_recv)
+    post_recv_between: float | None = None
     # how much longer a stage's next compute runs after it blocked waiting for a message (a
     # process woken from a wait runs slower for a while: benchmarks/resume_penalty.py)
     resume: float = 0.0
@@ -37,6 +40,11 @@ class Link:
         """The receiver's seconds to post the receive of one tensor."""
         return self.post if self.post_recv is None else self.post_recv
 
+    @property
+    def receiving_between(self) -> float:
+        """The receiver's seconds to post the receive of one tensor between two computes."""
+        return self.receiving if self.post_recv_between is None else self.post_recv_between
+
     def time(self, nbytes: np.ndarray | float) -> np.ndarray:
         """Seconds to send `nbytes` (0 bytes cost nothing: no message is sent)."""
         nbytes = np.asarray(nbytes, dtype=np.float64)
@@ -45,11 +53,14 @@ class Link:
 
     def __str__(self) -> str:
         if math.isinf(self.bandwidth) and not (self.latency or self.post or self.receiving
-                                                or self.resume or self.after_send):
+                                                or self.receiving_between or self.resume
+                                                or self.after_send):
             return f"free (same device, no copy; {self.source})"
         posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
         if self.receiving != self.post:
             posting += f", {self.receiving * 1e6:.0f} us to post its receive"
+        if self.receiving_between != self.receiving:
+            posting += f" ({self.receiving_between * 1e6:.0f} us between computes)"
         if self.resume:
             posting += f", compute {self.resume * 1e6:.0f} us slower after a wait"
         if self.after_send:

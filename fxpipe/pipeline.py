@@ -20,6 +20,7 @@ from fxpipe.materialize import materialize
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.report import format_report, interference, step_time
+from fxpipe.schedules import Schedule, forwards_first
 from fxpipe.simulate import Event, Timeline, simulate
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
@@ -150,7 +151,7 @@ class CompiledPipeline(torch.nn.Module):
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
         post_f, post_b = self._posting(self.link.post)
-        recv_post_f, recv_post_b = self._posting(self.link.receiving)
+        recv_post_f, recv_post_b = self._receive_posting(schedule)
         after_f, after_b = self._posting(self.link.after_send)
         return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages],
@@ -169,6 +170,19 @@ class CompiledPipeline(torch.nn.Module):
         for e in self.comm.edges:
             forward[e.src, e.dst] += per_tensor
             backward[e.src, e.dst] += per_tensor if carries[e.value] else 0.0
+        return forward, backward
+
+    def _receive_posting(self, schedule: Schedule
+                         ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        """The receiver's time per message on each edge, forward and backward: a stage that
+        runs its forwards first posts its receives back to back at the start, any other one
+        each between two computes (the runtime's driver), which takes longer."""
+        alone_f, alone_b = self._posting(self.link.receiving)
+        between_f, between_b = self._posting(self.link.receiving_between)
+        first = [forwards_first(actions) for actions in schedule.actions]
+        # activations are received by the edge's dst, their gradients by its src
+        forward = {e: (alone_f if first[e[1]] else between_f)[e] for e in alone_f}
+        backward = {e: (alone_b if first[e[0]] else between_b)[e] for e in alone_b}
         return forward, backward
 
     def measure_step_overhead(self, *inputs: Any, **kwargs: Any) -> float:

@@ -28,6 +28,7 @@ __all__ = [
     "build",
     "chain",
     "check_communication",
+    "forwards_first",
     "gpipe",
     "one_f_one_b",
     "peak_activations",
@@ -354,6 +355,15 @@ def peak_activations(schedule: Schedule) -> tuple[int, ...]:
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)
+
+
+def forwards_first(actions: Sequence[Action]) -> bool:
+    """Whether a stage's `actions` run every forward before the first backward (GPipe), so the
+    stage holds every micro-batch's inputs until its backward anyway. The runtime posts all
+    the receives of such a stage at the start of a run, and otherwise each one just before
+    the compute ahead of it."""
+    kinds = [a.kind for a in actions]
+    return B not in kinds or F not in kinds[kinds.index(B):]
 
 
 # --- lowering ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from fxpipe.runtime.transport import PipelineAborted
 from fxpipe.schedules import Action
 from fxpipe.simulate import Event
 
-__all__ = ["DistCoordinator", "DistTransport", "ErrorBoard"]
+__all__ = ["DistCoordinator", "DistTransport", "ErrorBoard", "Posting"]
 
 _ERROR_KEY = "fxpipe/error"
 _AFTER_SEND_BURSTS = 3  # the compute timed before and after each measured send
@@ -159,6 +159,16 @@ class DistCoordinator:
 
 
 @dataclasses.dataclass(frozen=True)
+class Posting:
+    """A transport's own seconds per tensor around a message (DistTransport.measure_posting)."""
+
+    send: float  # the sender's, in send()
+    receive: float  # the receiver's, to post a receive back to back with others
+    receive_between: float  # the same between two computes
+    after_send: float  # how much longer the sender's compute right after send() runs
+
+
+@dataclasses.dataclass(frozen=True)
 class _Slot:
     """One value of a message: how to allocate, encode and decode it."""
 
@@ -232,13 +242,10 @@ class DistTransport:
         for work in pending:
             self._wait(work, "a send")
 
-    def measure_posting(self, key: Any, rounds: int = 6, per_round: int = 5
-                        ) -> tuple[float, float, float] | None:
+    def measure_posting(self, key: Any, rounds: int = 8, per_round: int = 5) -> Posting | None:
         """Seconds this transport spends per tensor handing a message over, measured on the
-        first stage pair's forward message of run `key` (prepared): (the sender's in send(),
-        the receiver's in posting the receive, and how much longer the sender's compute right
-        after send() runs). The raw isend call that the link's ping-pong times misses the
-        runtime's own work around it.
+        first stage pair's forward message of run `key` (prepared). The raw isend call that the
+        link's ping-pong times misses the runtime's own work around it.
 
         The sender is timed as the pipeline sends: with the receive already posted and its
         notice already at the sender, so send() writes the whole message itself (over gloo a
@@ -248,8 +255,11 @@ class DistTransport:
         as a stage does (right after compute, the send path runs clearly slower). The
         transport's work on a sent message goes on after send() returns, beside the compute
         that follows: the sender times the same compute right after each send and right
-        before it, and the difference is the third figure (never below 0). The two peers
-        return the same figures; other ranks None."""
+        before it, and the difference is `after_send` (never below 0). The receiver posts its
+        receives back to back in half the rounds, as a forwards-first stage does at the start,
+        and with compute before each in the others, as a 1F1B stage posts its next receive:
+        there posting takes several times as long. The two peers return the same figures;
+        other ranks None."""
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
@@ -268,15 +278,19 @@ class DistTransport:
         def compute() -> float:  # long enough for the transport's work to end within it
             return sum(burst() for _ in range(_AFTER_SEND_BURSTS))
 
-        seconds, before, after = [], [], []
-        for _ in range(rounds + 1):  # the first round warms the path up
-            mbs = [(key, index % count) for index in range(per_round)]
+        sending, alone, between, before, after = [], [], [], [], []
+        for index in range(rounds + 1):  # the first round warms the path up
+            mbs = [(key, i % count) for i in range(per_round)]
+            timed = index > 0
             if self.rank == receiver:
-                posted = []
+                posted, seconds = [], between if index % 2 else alone
                 for mb in mbs:
+                    if index % 2:
+                        compute()
                     start = time.perf_counter()
                     posted.append(self._post_receive(0, 1, "F", mb))
-                    seconds.append(time.perf_counter() - start)
+                    if timed:
+                        seconds.append(time.perf_counter() - start)
                 dist.send(ready, sender, self._group(0, 1), _READY_TAG)
                 for _ in range(3 * per_round):  # busy as a stage is while messages come
                     compute()
@@ -288,20 +302,26 @@ class DistTransport:
                 for mb in mbs:
                     message = values(mb)
                     compute()  # the last send's work done before the next is timed
-                    before.append(compute())  # a pipeline sends right after computing
+                    computed = compute()  # a pipeline sends right after computing
                     start = time.perf_counter()
                     self.send(0, 1, "F", mb, message)
-                    seconds.append(time.perf_counter() - start)
-                    after.append(compute())
+                    sent = time.perf_counter() - start
+                    slowed = compute()
+                    if timed:
+                        sending.append(sent)
+                        before.append(computed)
+                        after.append(slowed)
                 self.flush()
         tensors = max(len(slots), 1)
-        mine = statistics.median(seconds[per_round:]) / tensors
-        slower = (max(statistics.median(after[per_round:]) - statistics.median(before[per_round:]),
-                      0.0) / tensors if after else 0.0)
+        if self.rank == sender:  # each side measured its part; the other's figures are 0 here
+            slower = max(statistics.median(after) - statistics.median(before), 0.0)
+            mine = [statistics.median(sending), 0.0, 0.0, slower]
+        else:
+            mine = [0.0, statistics.median(alone), statistics.median(between), 0.0]
         first = self.rank == sender
-        theirs, their_slower = swap_figures([mine, slower], receiver if first else sender, first,
-                                            self._group(0, 1), self._group(1, 0), self.device)
-        return (mine, theirs, slower) if first else (theirs, mine, their_slower)
+        theirs = swap_figures(mine, receiver if first else sender, first, self._group(0, 1),
+                              self._group(1, 0), self.device)
+        return Posting(*(a / tensors + b / tensors for a, b in zip(mine, theirs)))
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import PipelineAborted, Transport, device_context
-from fxpipe.schedules import Action, ActionKind
+from fxpipe.schedules import Action, ActionKind, forwards_first
 from fxpipe.simulate import Event
 
 __all__ = ["Driver", "Run"]
@@ -112,7 +112,12 @@ class Driver:
         receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
         try:
             with context:
-                if _forwards_first(program):  # GPipe: post every receive now (see below)
+                # GPipe: post every receive now (its gradient buffers, one per micro-batch like
+                # its inputs, then exist from the start too): over gloo, a receive posted on a
+                # connection while data arrives on it stalls for milliseconds, and GPipe's
+                # messages come back to back. Otherwise only the next receive is posted ahead,
+                # which keeps 1F1B's bound on micro-batches in flight.
+                if forwards_first(program):
                     for ahead in (program[i] for i in receives):
                         self.transport.prefetch(ahead.peer, s, _direction(ahead), (key, ahead.mb))
                 upcoming = iter(receives)
@@ -190,17 +195,6 @@ class Driver:
 
 def _direction(receive: Action) -> str:
     return "F" if receive.kind is K.RECV_F else "B"
-
-
-def _forwards_first(program: Sequence[Action]) -> bool:
-    """Whether the stage runs every forward before its first backward (GPipe), so it holds
-    every micro-batch's inputs until its backward anyway. Such a stage posts all its receives
-    at the start (its gradient buffers, one per micro-batch like its inputs, then exist from
-    the start too): over gloo, a receive posted on a connection while data arrives on it stalls
-    for milliseconds, and GPipe's messages come back to back. Under 1F1B only the next
-    receive is posted ahead, which keeps its bound on micro-batches in flight."""
-    kinds = [a.kind for a in program]
-    return K.B not in kinds or K.F not in kinds[kinds.index(K.B):]
 
 
 def _error_of(fn: Callable[..., Any], *args: Any) -> BaseException | None:

@@ -15,7 +15,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -38,6 +38,9 @@ from fxpipe.schedules import (
     check_communication,
 )
 from fxpipe.simulate import Event
+
+if TYPE_CHECKING:
+    from fxpipe.runtime.dist import Posting
 
 __all__ = ["Coordinator", "LocalCoordinator", "PipelineExecutor", "lowered_schedule"]
 
@@ -262,7 +265,7 @@ class PipelineExecutor:
             losses.append(self.coordinator.loss(mine))
         return losses
 
-    def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 7) -> float:
+    def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 25) -> float:
         """Seconds a step spends outside its schedule's actions, measured with none of its
         compute (median of `repeats`): splitting the inputs and the target and agreeing on the
         micro-batch sizes, starting and joining the stage workers, the tied-weight all-reduces
@@ -284,12 +287,11 @@ class PipelineExecutor:
             seconds.append(time.perf_counter() - start - burst)
         return statistics.median(seconds)
 
-    def posting_time(self, flat_inputs: Sequence[Any] | None
-                     ) -> tuple[float, float, float] | None:
-        """The transport's seconds per tensor to hand a message over, (the sender's, the
-        receiver's, the sender's compute slower after it), measured on the micro-batches of
-        `flat_inputs` (None where the transport has no such measure, or this rank sends and
-        receives none of the measured message). Every rank of the pipeline must call it."""
+    def posting_time(self, flat_inputs: Sequence[Any] | None) -> Posting | None:
+        """The transport's seconds per tensor around a message (the sender's, the receiver's,
+        the sender's compute slower after it), measured on the micro-batches of `flat_inputs`
+        (None where the transport has no such measure, or this rank sends and receives none
+        of the measured message). Every rank of the pipeline must call it."""
         measure = getattr(self.transport, "measure_posting", None)
         if measure is None:
             return None

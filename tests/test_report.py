@@ -177,3 +177,19 @@ def test_compile_measures_the_runtimes_own_time_per_step_without_touching_gradie
     assert again < 20 * first and first < 20 * again  # the same work measured twice
     none = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,))
     assert none.step_overhead == 0.0  # not measured without costs
+
+
+@pytest.mark.parametrize("schedule, posting", [("gpipe", 1.0), ("1f1b", 3.0)])
+def test_a_stage_posts_its_receives_as_the_runtime_does(schedule, posting):
+    """A stage that runs its forwards first (GPipe) posts its receives back to back at the
+    start (Link.post_recv); under 1F1B it posts each between two computes (post_recv_between).
+    With a second of posting against milliseconds of compute, a receive whose message is
+    already there takes exactly its posting."""
+    x = torch.randn(8, 32)
+    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
+    vars(pipe)["link"] = dataclasses.replace(pipe.link, post_recv=1.0, post_recv_between=3.0)
+    receives = [e for e in pipe.predicted_timeline().events if e.action.kind.is_recv]
+    assert len(receives) == 2 * 4
+    assert min(e.duration for e in receives) == pytest.approx(posting)
+    assert "3000000 us between computes" in str(pipe.link)

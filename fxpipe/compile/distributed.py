@@ -107,9 +107,10 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         shared = [pipe.executor.posting_time(traced.bind(args, kwargs))]
         torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
         if shared[0] is not None:
-            sending, receiving, after_send = shared[0]
-            vars(pipe)["link"] = dataclasses.replace(link, post=sending, post_recv=receiving,
-                                                     after_send=after_send)
+            posting = shared[0]
+            vars(pipe)["link"] = dataclasses.replace(
+                link, post=posting.send, post_recv=posting.receive,
+                post_recv_between=posting.receive_between, after_send=posting.after_send)
     if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
     return pipe

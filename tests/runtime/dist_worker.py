@@ -116,6 +116,7 @@ def train(name, stages, schedule, micro_batches, out):
         retimed = fxpipe.retime(pipe, data[0][0])  # other stages' units timed on real copies
         assert pipe.link.source.startswith("measured ping-pong") and pipe.link.post > 0
         assert pipe.link.post_recv is not None and pipe.link.post_recv > 0
+        assert pipe.link.post_recv_between is not None and pipe.link.post_recv_between > 0
         assert 0 <= pipe.link.resume < 0.05  # beyond 50 ms the measurement went wrong
         assert 0 <= pipe.link.after_send < 0.05
         assert pipe.step_overhead > 0
