@@ -279,47 +279,64 @@ def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> 
     return tuple(inputs)
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends with the option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="compile a bundled model and train a few steps")
-    demo.add_argument("--model", choices=sorted(MODELS), default="resnet")
-    demo.add_argument("--stages", type=int, default=2)
-    demo.add_argument("--partitioner", default="balanced")
-    demo.add_argument("--micro-batches", type=int, default=4)
-    demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-    demo.add_argument("--batch", type=int, default=32)
-    demo.add_argument("--steps", type=int, default=5)
-    demo.add_argument("--lr", type=float, default=0.05)
-    demo.add_argument("--seed", type=int, default=0)
+    shown = {"formatter_class": _DefaultsShown}
+    demo = commands.add_parser("demo", help="compile a bundled model and train a few steps",
+                               **shown)
+    demo.add_argument("--model", choices=sorted(MODELS), default="resnet",
+                      help="the bundled model to train")
+    demo.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    demo.add_argument("--partitioner", default="balanced",
+                      help="how to split the model into stages")
+    demo.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
+                      help="the pipeline schedule")
+    demo.add_argument("--batch", type=int, default=32, help="mini-batch size")
+    demo.add_argument("--steps", type=int, default=5, help="training steps")
+    demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
     demo.set_defaults(run=_demo)
 
-    plan = commands.add_parser("plan", help="print the stage table of a model's pipeline")
+    plan = commands.add_parser("plan", help="print the stage table of a model's pipeline",
+                               **shown)
     plan.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: {', '.join(MODELS)}")
-    plan.add_argument("--stages", type=int, required=True)
+    plan.add_argument("--stages", type=int, required=True, help="pipeline stages")
     plan.add_argument("--partitioner", default="even",
                       help=f"one of {', '.join(PARTITIONERS)} (available: "
                            f"{', '.join(available_partitioners())}), or units per stage: 4,6")
     plan.add_argument("--batch", type=int, default=16, help="example mini-batch size")
     plan.add_argument("--micro-batches", default="1", help="a number, or auto")
-    plan.add_argument("--schedule", default="gpipe")
-    plan.add_argument("--tracer", default="auto")
+    plan.add_argument("--schedule", default="gpipe", help="the pipeline schedule")
+    plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
     plan.add_argument("--input-shape", action="append", help="per-sample shape, e.g. 3x32x32")
-    plan.add_argument("--input-dtype", default="float32")
+    plan.add_argument("--input-dtype", default="float32", help="dtype of the example inputs")
     plan.add_argument("--input-high", type=int, default=2, help="integer inputs: upper bound")
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
     plan.add_argument("--json", help="write the chosen plan to this file")
     plan.set_defaults(run=_plan)
 
     bench_cmd = commands.add_parser("bench", help="compare partitioners and schedules: "
-                                                  "predicted and measured step times")
+                                                  "predicted and measured step times", **shown)
     bench_cmd.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: "
                                          f"{', '.join(MODELS)}")
-    bench_cmd.add_argument("--stages", type=int, default=2)
-    bench_cmd.add_argument("--batch", type=int, default=32)
-    bench_cmd.add_argument("--micro-batches", default="4")
-    bench_cmd.add_argument("--partitioners", default="even,params,balanced,ampa,imd,csimd")
-    bench_cmd.add_argument("--schedules", default="gpipe,1f1b")
+    bench_cmd.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    bench_cmd.add_argument("--batch", type=int, default=32, help="mini-batch size")
+    bench_cmd.add_argument("--micro-batches", default="4", help="a number, or auto")
+    bench_cmd.add_argument("--partitioners", default="even,params,balanced,ampa,imd,csimd",
+                           help="the partitioners to compare, comma-separated")
+    bench_cmd.add_argument("--schedules", default="gpipe,1f1b",
+                           help="the schedules to compare, comma-separated")
     bench_cmd.add_argument("--repeats", type=int, default=10, help="timed steps per "
                                                                    "configuration")
     bench_cmd.add_argument("--rounds", type=int, default=5,
@@ -327,9 +344,12 @@ def _parser() -> argparse.ArgumentParser:
                                 "the units are timed again for the prediction")
     bench_cmd.add_argument("--nproc", type=int, help="run every configuration under torchrun "
                                                      "with this many processes (one stage each)")
-    bench_cmd.add_argument("--input-shape", action="append")
-    bench_cmd.add_argument("--input-dtype", default="float32")
-    bench_cmd.add_argument("--input-high", type=int, default=2)
+    bench_cmd.add_argument("--input-shape", action="append",
+                           help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
+                                "3x32x32 (once per input)")
+    bench_cmd.add_argument("--input-dtype", default="float32", help="dtype of the inputs")
+    bench_cmd.add_argument("--input-high", type=int, default=2,
+                           help="integer inputs: upper bound")
     bench_cmd.add_argument("--csv", help="write the table as CSV")
     bench_cmd.add_argument("--png", help="write a predicted/measured chart (needs matplotlib)")
     bench_cmd.add_argument("--rows-json", help=argparse.SUPPRESS)

@@ -196,3 +196,21 @@ def test_settling_steps_fill_the_settling_time_with_no_step_to_spare(warmup, set
     needed = (steps - 1) * predicted < settle * (1 + 1e-12)  # one fewer would not fill it
     assert steps in (warmup, SETTLING_STEPS_MAX) or needed
     assert steps <= max(warmup, SETTLING_STEPS_MAX)
+
+
+@pytest.mark.parametrize("command", ["demo", "plan", "bench"])
+def test_every_option_says_what_it_is_for(command, capsys):
+    with pytest.raises(SystemExit) as ended:
+        main([command, "--help"])
+    assert ended.value.code == 0
+    text = capsys.readouterr().out
+    options = text[text.index("options:"):]
+    # an option's help starts on its own line or after its name; one with none leaves its
+    # name alone on a line followed by the next option's name
+    lines = [line.strip() for line in options.splitlines()[1:] if line.strip()]
+    bare = [line for line, after in zip(lines, [*lines[1:], "--"])
+            if line.startswith("-") and len(line.split()) <= 2 and after.startswith("-")
+            and not line.startswith("-h")]
+    assert not bare, f"options without help: {bare}"
+    if command != "plan":  # plan's --stages is required, so it has no default to show
+        assert "(default: 2)" in text
