@@ -19,15 +19,14 @@ import argparse
 import statistics
 import time
 
-from two_stages import add_model_arguments, at_least_one, two_stages
+from two_stages import add_model_arguments, two_stages
 
 from fxpipe.schedules import ActionKind
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser, "gpt", micro_batches=False)
-    parser.add_argument("--steps", type=at_least_one, default=10)
+    add_model_arguments(parser, "gpt", micro_batches=False, steps=10)
     args = parser.parse_args()
     setup = two_stages(args)
     pipe, x, y = setup.pipe, setup.x, setup.y

@@ -15,14 +15,12 @@ import argparse
 import statistics
 from collections import defaultdict
 
-from two_stages import add_model_arguments, at_least_one, two_stages
+from two_stages import add_model_arguments, two_stages
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser, "gpt")
-    parser.add_argument("--schedule", default="gpipe")
-    parser.add_argument("--steps", type=at_least_one, default=100)
+    add_model_arguments(parser, "gpt", schedule=True, steps=100)
     args = parser.parse_args()
     setup = two_stages(args, partitioner="balanced", schedule=args.schedule)
     pipe, x, y = setup.pipe, setup.x, setup.y

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch.distributed as dist
-from two_stages import add_model_arguments, at_least_one, two_stages
+from two_stages import add_model_arguments, two_stages
 
 from fxpipe.report import interference
 from fxpipe.simulate import Event
@@ -26,9 +26,7 @@ from fxpipe.simulate import Event
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser, "mlp")
-    parser.add_argument("--schedule", default="gpipe")
-    parser.add_argument("--steps", type=at_least_one, default=20)
+    add_model_arguments(parser, "mlp", schedule=True, steps=20)
     args = parser.parse_args()
     setup = two_stages(args, schedule=args.schedule)
     pipe, x, y = setup.pipe, setup.x, setup.y

@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch.distributed as dist
-from two_stages import add_model_arguments, at_least_one, two_stages
+from two_stages import add_model_arguments, two_stages
 
 import fxpipe
 from fxpipe.schedules import ActionKind
@@ -29,9 +29,7 @@ COMPUTE = (ActionKind.F, ActionKind.B)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser, "gpt")
-    parser.add_argument("--schedule", default="gpipe")
-    parser.add_argument("--steps", type=at_least_one, default=20)
+    add_model_arguments(parser, "gpt", schedule=True, steps=20)
     args = parser.parse_args()
     setup = two_stages(args, partitioner="balanced", schedule=args.schedule)
     pipe, x, y = setup.pipe, setup.x, setup.y

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import defaultdict
 
-from two_stages import add_model_arguments, at_least_one, two_stages
+from two_stages import add_model_arguments, two_stages
 
 import fxpipe
 
@@ -46,9 +46,7 @@ def thread_times() -> dict[str, tuple[str, float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser, "gpt")
-    parser.add_argument("--schedule", default="gpipe")
-    parser.add_argument("--steps", type=at_least_one, default=50)
+    add_model_arguments(parser, "gpt", schedule=True, steps=50)
     args = parser.parse_args()
     if not os.path.exists("/proc/self/task"):
         sys.exit("thread_time.py reads Linux's /proc/self/task/*/schedstat; run it on Linux")

@@ -30,12 +30,18 @@ def at_least_one(text: str) -> int:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, model: str,
-                        micro_batches: bool = True) -> None:
-    """--model (default `model`), --batch and, unless told not to, --micro-batches."""
+                        micro_batches: bool = True, schedule: bool = False,
+                        steps: int | None = None) -> None:
+    """--model (default `model`), --batch and, unless told not to, --micro-batches; when
+    asked, --schedule (default gpipe) and --steps (default `steps`)."""
     parser.add_argument("--model", default=model)
     parser.add_argument("--batch", type=int, default=32)
     if micro_batches:
         parser.add_argument("--micro-batches", type=int, default=4)
+    if schedule:
+        parser.add_argument("--schedule", default="gpipe")
+    if steps is not None:
+        parser.add_argument("--steps", type=at_least_one, default=steps, help="timed steps")
 
 
 @dataclasses.dataclass

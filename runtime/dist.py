@@ -321,7 +321,7 @@ class DistTransport:
         first = self.rank == sender
         theirs = swap_figures(mine, receiver if first else sender, first, self._group(0, 1),
                               self._group(1, 0), self.device)
-        return Posting(*(a / tensors + b / tensors for a, b in zip(mine, theirs)))
+        return Posting(*((a + b) / tensors for a, b in zip(mine, theirs)))
 
     # --- internals ----------------------------------------------------------------------------
 
