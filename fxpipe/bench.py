@@ -24,7 +24,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_table
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.plan import Plan
-from fxpipe.report import step_time
+from fxpipe.report import late_messages, step_time
 
 __all__ = [
     "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun", "format_rows",
@@ -49,6 +49,8 @@ class BenchRow:
     # the smallest and largest of the rounds' predictions (predicted_ms is their median)
     predicted_low_ms: float = float("nan")
     predicted_high_ms: float = float("nan")
+    # the share of timed steps in which a message came late (fxpipe.report.late_messages)
+    late_steps: float = float("nan")
 
     @property
     def ratio(self) -> float:
@@ -105,7 +107,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             torch.cuda.reset_peak_memory_stats()
         plan = dataclasses.replace(plan, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
-        predictions, times = [], []
+        predictions, times, late = [], [], []
         for steps in _split(repeats, rounds):
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
             overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
@@ -121,6 +123,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 start = time.perf_counter()
                 pipe.step(x, y)
                 times.append(time.perf_counter() - start)
+                trace = pipe.full_trace("timing the messages")  # every rank's, after the timing
+                late.append(late_messages(trace, timeline.events).late > 0)
         totals = sorted((timeline.makespan + overhead, i)
                         for i, (timeline, overhead) in enumerate(predictions))
         predicted, overhead = predictions[totals[(len(totals) - 1) // 2][1]]
@@ -135,7 +139,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              pipe.partition.micro_batches,
                              (predicted.makespan + overhead) * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
-                             memory, kind, totals[0][0] * 1e3, totals[-1][0] * 1e3))
+                             memory, kind, totals[0][0] * 1e3, totals[-1][0] * 1e3,
+                             statistics.fmean(late)))
     if progress:
         print(file=sys.stderr)
     return rows
@@ -206,10 +211,11 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
               frozenset({"estimate"}): "memory per stage (estimate)"}.get(
         frozenset(kinds), "memory per stage (peak or estimate)")
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
-              "meas/pred", "pred spread", "bubble pred", "bubble meas", memory]
+              "meas/pred", "pred spread", "late steps", "bubble pred", "bubble meas", memory]
     table = [[r.partitioner, r.schedule, "+".join(map(str, r.sizes)), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
-              f"{r.predicted_spread:.0%}", f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
+              f"{r.predicted_spread:.0%}", f"{r.late_steps:.0%}", f"{r.predicted_bubble:.0%}",
+              f"{r.measured_bubble:.0%}",
               " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
     return format_table(header, table)
 

@@ -28,6 +28,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_table
 from fxpipe.models import MODELS, bundled
 from fxpipe.plan import PARTITIONERS, Plan
+from fxpipe.report import LATE_AFTER
 
 __all__ = ["main"]
 
@@ -133,6 +134,10 @@ def _bench(args: argparse.Namespace) -> None:
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
           "than that may be drift alone")
+    print(f"late steps: the timed steps in which a message reached its receiver over "
+          f"{LATE_AFTER * 1e3:g} ms later after its send than predicted (the transport's own "
+          "time, which no prediction includes); a meas/pred above 1 with many late steps is "
+          "the transport's doing, not the plan's")
     if steal.share is not None:
         print(f"CPU steal during the run: {steal.share:.1%} of this machine's CPU time went to "
               "other guests of its host (timings drift with it; rerun when it is near 0%)")

@@ -19,7 +19,7 @@ from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.materialize import materialize
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
-from fxpipe.report import format_report, interference, step_time
+from fxpipe.report import format_report, interference, late_messages, step_time
 from fxpipe.schedules import Schedule, forwards_first
 from fxpipe.simulate import Event, Timeline, simulate
 from fxpipe.trace import Traced
@@ -200,11 +200,12 @@ class CompiledPipeline(torch.nn.Module):
         returned. `partition`: the stage costs to predict with (default: the compiled ones;
         e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
         measured = self.full_trace("pipe.report()")
+        predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages
-        text = format_report(step_time(measured, stages),
-                             step_time(self.predicted_timeline(partition).events, stages),
+        text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
-                             self.step_overhead, interference(measured))
+                             self.step_overhead, interference(measured),
+                             late_messages(measured, predicted))
         if self._speaks():
             print(text, file=file)
         return text

@@ -12,11 +12,14 @@ from fxpipe.inspect import format_table
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Event
 
-__all__ = ["Interference", "StageTime", "StepTime", "format_report", "interference", "step_time"]
+__all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime", "StepTime", "format_report",
+           "interference", "late_messages", "step_time"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
 _REDUCE = {ActionKind.ALLREDUCE, ActionKind.STEP}
+_RECV = {ActionKind.RECV_F, ActionKind.RECV_B}
+LATE_AFTER = 0.5e-3  # seconds beyond the predicted wait that make a message late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,42 @@ def interference(events: Sequence[Event]) -> list[Interference]:
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class LateMessages:
+    """Receives that ended later after their message's send than the prediction says: time the
+    transport itself took (its threads waiting for a core, a connection stalling), which no
+    cost model includes."""
+
+    late: int  # receives whose wait exceeded the predicted one by over the threshold
+    receives: int  # receives found, with their sends, in both timelines
+    excess: float  # seconds: the late receives' waits beyond the predicted ones, summed
+    longest: float  # seconds: the largest of those
+    worst: str  # the receive that waited longest beyond its prediction, e.g. "1RF0<0"
+    threshold: float = LATE_AFTER
+
+
+def late_messages(measured: Sequence[Event], predicted: Sequence[Event],
+                  threshold: float = LATE_AFTER) -> LateMessages:
+    """Compare each receive's wait once its message was sent (its end, less the later of its
+    own start and the end of its send on the peer stage) in a measured timeline with the same
+    in the predicted one; the receives waiting over `threshold` seconds longer are late. Both
+    timelines need one time axis for all stages (fxpipe's traces have: every rank's clock is
+    the machine's)."""
+    waits = [_waits(measured), _waits(predicted)]
+    excess = sorted((waits[0][a] - waits[1][a], str(a)) for a in waits[0] if a in waits[1])
+    late = [(seconds, name) for seconds, name in excess if seconds > threshold]
+    longest, worst = late[-1] if late else (0.0, "")
+    return LateMessages(len(late), len(excess), sum(s for s, _ in late), longest, worst,
+                        threshold)
+
+
+def _waits(events: Sequence[Event]) -> dict:
+    """Per receive (its Action): how long it ran on after its message's send had ended."""
+    ends = {e.action: e.end for e in events}
+    receives = [(e, e.action.partner) for e in events if e.action.kind in _RECV]
+    return {e.action: e.end - max(e.start, ends[send]) for e, send in receives if send in ends}
+
+
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The time covered by `spans`, as sorted disjoint intervals."""
     merged: list[tuple[float, float]] = []
@@ -133,10 +172,11 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
-                  overhead: float = 0.0, slowdowns: Sequence[Interference] = ()) -> str:
+                  overhead: float = 0.0, slowdowns: Sequence[Interference] = (),
+                  late: LateMessages | None = None) -> str:
     """Predicted against measured, per stage and in total, and what bounds the pipeline;
     `overhead`: the runtime's own seconds per step outside the schedule, if measured;
-    `slowdowns`: the measured timeline's `interference`."""
+    `slowdowns`: the measured timeline's `interference`; `late`: its `late_messages`."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
     rows = []
     for m, p in zip(measured.stages, predicted.stages):
@@ -159,7 +199,16 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         f"{_ms(measured.makespan)} ms step)",
     ] + ([f"outside the schedule: the runtime's own work (splitting, starting the stages, "
           f"sharing sizes and the loss) adds a predicted {_ms(overhead)} ms to a step"]
-         if overhead > 0 else []) + _interference_lines(slowdowns))
+         if overhead > 0 else []) + _interference_lines(slowdowns) + _late_lines(late))
+
+
+def _late_lines(late: LateMessages | None) -> list[str]:
+    if late is None or not late.late:
+        return []
+    return [f"late messages: {late.late} of {late.receives} receives ended over "
+            f"{_ms(late.threshold)} ms later after their send than predicted "
+            f"({_ms(late.excess)} ms in all, the longest {_ms(late.longest)} ms: {late.worst}); "
+            "that is the transport's own time, which no prediction includes"]
 
 
 def _interference_lines(slowdowns: Sequence[Interference]) -> list[str]:

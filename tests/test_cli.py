@@ -101,7 +101,8 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in rows)
     assert all(float(r["predicted_low_ms"]) <= float(r["predicted_ms"])
                <= float(r["predicted_high_ms"]) for r in rows)
-    assert "pred spread" in out
+    assert "pred spread" in out and "late steps: the timed steps in which a message" in out
+    assert all(0.0 <= float(r["late_steps"]) <= 1.0 for r in rows)
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

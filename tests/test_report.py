@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fxpipe
 from fxpipe.cost import Partition
 from fxpipe.models import MLP, VGG
-from fxpipe.report import interference, step_time
+from fxpipe.report import LATE_AFTER, format_report, interference, late_messages, step_time
 from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
@@ -80,6 +80,50 @@ def test_interference_counts_time_beside_several_stages_once():
               Event(1, Action(1, ActionKind.B, 0), 1.0, 3.0)]
     (found,) = interference(events)
     assert (found.kind, found.ratio, found.beside, found.without) == (ActionKind.F, 2.0, 1, 1)
+
+
+def _message(send_end: float, receive: tuple[float, float], mb: int = 0) -> list[Event]:
+    """Stage 0 computes micro-batch `mb` and sends it, ending at `send_end`; stage 1 waits in
+    its receive over `receive` (start, end)."""
+    return [Event(0, Action(0, ActionKind.F, mb), 0.0, send_end / 2),
+            Event(0, Action(0, ActionKind.SEND_F, mb, 1), send_end / 2, send_end),
+            Event(1, Action(1, ActionKind.RECV_F, mb, 0), *receive)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(send_end=st.floats(1e-4, 1e-2), transfer=st.floats(0.0, 1e-3),
+       receiver_busy=st.floats(0.0, 5e-3), delay=st.floats(0.0, 2e-2))
+def test_a_message_is_late_by_its_wait_after_the_send_beyond_the_predicted_one(
+        send_end, transfer, receiver_busy, delay):
+    """The prediction: the receive starts at 0 and ends `transfer` after the send. Measured: the
+    receiver starts its receive `receiver_busy` later and it ends `delay` later than it would
+    have had the transfer taken its predicted time. A receiver that came late to a message that
+    had already arrived does not make it late; only the wait after the send counts."""
+    assume(abs(delay - LATE_AFTER) > 1e-9)  # clear of rounding at the threshold
+    predicted = _message(send_end, (0.0, send_end + transfer))
+    start = receiver_busy
+    end = max(start, send_end) + transfer + delay
+    found = late_messages(_message(send_end, (start, end)), predicted)
+    assert found.receives == 1
+    assert found.late == (delay > LATE_AFTER)
+    assert found.excess == pytest.approx(delay if delay > LATE_AFTER else 0.0, abs=1e-12)
+    assert found.worst == ("1RF0<0" if found.late else "")
+    assert late_messages(predicted, predicted).late == 0
+
+
+def test_late_messages_sum_over_receives_and_name_the_longest():
+    predicted = _message(1e-3, (0.0, 1.1e-3)) + _message(2e-3, (1.1e-3, 2.1e-3), mb=1)
+    measured = _message(1e-3, (0.0, 4.1e-3)) + _message(2e-3, (4.1e-3, 4.15e-3), mb=1)
+    found = late_messages(measured, predicted)
+    # micro-batch 0 waited 3 ms beyond its prediction; 1's receive began after it arrived
+    assert (found.late, found.receives, found.worst) == (1, 2, "1RF0<0")
+    assert found.excess == found.longest == pytest.approx(3e-3)
+    line = format_report(step_time(measured, 2), step_time(predicted, 2), "gpipe", late=found)
+    assert "late messages: 1 of 2 receives ended over 0.50 ms later" in line
+    assert "1RF0<0" in line
+    quiet = late_messages(predicted, predicted)
+    assert "late messages" not in format_report(step_time(predicted, 2),
+                                                step_time(predicted, 2), "gpipe", late=quiet)
 
 
 def test_report_predicts_with_the_partition_it_is_given(trained):
