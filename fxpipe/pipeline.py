@@ -361,14 +361,17 @@ class CompiledPipeline(torch.nn.Module):
         # a new tensor too
         self.stage_hook(stage).rebind(dict(module.named_parameters()))
 
-    def restrict_to_stage(self, stage: int, rank: int) -> None:
+    def restrict_to_stage(self, stage: int, rank: int,
+                          cpus: Sequence[int] | None = None) -> None:
         """Hold only `stage`'s parameters and buffers (one rank's share under torchrun):
-        parameters(), state_dict() and load_state_dict() see that share, under original names."""
+        parameters(), state_dict() and load_state_dict() see that share, under original names.
+        `cpus`: the CPUs the rank is bound to, if any (shown with its device)."""
         names = {n for n, _ in self.stages[stage].module.named_parameters()}
         names |= {n for n, _ in self.stages[stage].module.named_buffers()}
         vars(self)["owned"] = frozenset(names)
         vars(self)["rank"] = rank
-        self.devices = tuple(f"{d} (rank {rank})" if s == stage else "another rank"
+        bound = f", CPUs {','.join(map(str, cpus))}" if cpus else ""
+        self.devices = tuple(f"{d} (rank {rank}{bound})" if s == stage else "another rank"
                              for s, d in enumerate(self.devices))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.affinity import AFFINITIES
 from fxpipe.errors import PlanError
 
 __all__ = [
@@ -70,6 +71,9 @@ class Plan:
     link: tuple[float, float] | str | None = None
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
+    # under torchrun on the CPU: "auto" binds each rank of a host to CPUs of its own when
+    # there are enough (fxpipe.affinity); "none" leaves the placement to the OS
+    cpu_affinity: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -118,6 +122,7 @@ class Plan:
         if isinstance(self.whole_inputs, str):
             object.__setattr__(self, "whole_inputs", (self.whole_inputs,))
         object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
+        _choice("cpu_affinity", self.cpu_affinity, AFFINITIES)
 
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.affinity import pin_rank
 from fxpipe.compile.front import (
     check_batched_inputs,
     measure_costs,
@@ -45,6 +46,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
                         "intra_layer, or run in one process with Plan(devices=[...]).")
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
+    cpus = pin_rank(device, plan.cpu_affinity)  # before anything is timed
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     whole = whole_positions(traced, plan, args, kwargs)
     check_batched_inputs(traced, plan, args, kwargs, whole)
@@ -81,7 +83,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     pipe.materialize_stage(layout.stage, device, model)  # of a meta model, only this one
     stage.to(device)
     pipe.state_dict_keys, pipe.timing = list(model.state_dict()), timing
-    pipe.restrict_to_stage(layout.stage, layout.rank)
+    pipe.restrict_to_stage(layout.stage, layout.rank, cpus)
     pipeline = _pipeline_group(layout)
     hook = pipe.stage_hook(layout.stage)
     runner = StageRunner(stage, hook, comm.stages[layout.stage], device, comm.carries_grad())

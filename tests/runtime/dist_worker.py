@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 
@@ -140,10 +141,13 @@ def train(name, stages, schedule, micro_batches, out):
     dist.all_gather_object(every_rank_bytes, _bytes_held(pipe))
     every_rank_links: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_links, _links(pipe))
+    every_rank_cpus: list = [None] * dist.get_world_size()  # where each rank may run
+    dist.all_gather_object(every_rank_cpus, (sorted(os.sched_getaffinity(0)),
+                                             [d for d in pipe.devices if "(rank" in d]))
     if dist.get_rank() == 0:
         torch.save({"state": state, "losses": losses, "tied": every_rank_tied,
                     "own_keys": sorted(pipe.state_dict()), "bytes": every_rank_bytes,
-                    "links": every_rank_links}, out)
+                    "links": every_rank_links, "cpus": every_rank_cpus}, out)
 
 
 def _links(pipe):

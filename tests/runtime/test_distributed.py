@@ -49,9 +49,24 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
     assert all(torch.equal(c, copies[0]) for c in copies)  # tied copies stay identical
     model, _, _ = dist_worker.build(name)
     model.load_state_dict(result["state"])  # the gathered state dict loads into the plain model
+    _check_binding(result["cpus"])
     for links in result["links"]:  # one group per direction, of its two ranks
         assert set(links["groups"]) == links["needed"] and links["distinct"], links
         assert all(ranks == sorted(pair) for pair, ranks in links["groups"].items()), links
+
+
+def _check_binding(ranks_cpus) -> None:
+    """Plan(cpu_affinity="auto"): with a CPU each, the ranks run on disjoint equal shares of
+    this machine's CPUs, shown with their device; with fewer CPUs than ranks, on all of them."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(ranks_cpus) > len(allowed):
+        assert all(cpus == allowed for cpus, _ in ranks_cpus)
+        return
+    taken = [cpu for cpus, _ in ranks_cpus for cpu in cpus]
+    assert len(taken) == len(set(taken)) and set(taken) <= set(allowed)
+    assert {len(cpus) for cpus, _ in ranks_cpus} == {len(allowed) // len(ranks_cpus)}
+    for cpus, (device,) in ranks_cpus:
+        assert device.endswith(f", CPUs {','.join(map(str, cpus))})"), device
 
 
 @pytest.mark.parametrize("ranks, scenarios", [
