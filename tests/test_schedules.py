@@ -491,6 +491,13 @@ def test_a_send_slows_the_senders_next_compute_unless_it_waited_and_at_most_doub
                 extra = resume if waited else min(owed, compute)
                 assert e.duration == pytest.approx(compute + extra)
                 waited, owed = False, 0.0
+    # Without the resume slowdown, the slowdowns only add time, so the step cannot get shorter.
+    # With it, it can: a slower stage may find its next message already there instead of
+    # waiting for it, and skip the resume slowdown the plain timeline paid.
+    posting["resume"] = 0.0
+    plain = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting)
+    slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, after_send_f=after,
+                      after_send_b=after)
     assert slowed.makespan >= plain.makespan - 1e-9
 
 
