@@ -1,20 +1,26 @@
-"""CPU affinity: each rank on a host computes on cores of its own."""
+"""CPU affinity: each rank on a host computes on CPUs of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["AFFINITIES", "core_share", "pin_process", "pin_rank"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["AFFINITIES", "choose_share", "core_share", "format_cpus", "pin_process", "pin_rank"]
 
 AFFINITIES = ("auto", "none")
-_bound: list[tuple[int, ...]] = []  # the share this process was bound to, once it was
+_bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
 
 
 def core_share(local_rank: int, local_world: int, cpus: Sequence[int]) -> tuple[int, ...] | None:
     """The CPUs of `cpus` that local rank `local_rank` of `local_world` gets: an equal block of
-    neighbours each (any remainder stays unused, so no rank gets more), or None when there are
-    fewer CPUs than ranks."""
+    consecutive CPU numbers each (any remainder stays unused, so no rank gets more), or None
+    when there are fewer CPUs than ranks."""
     cpus = sorted(cpus)
     if not 0 <= local_rank < local_world or local_world > len(cpus):
         return None
@@ -22,40 +28,66 @@ def core_share(local_rank: int, local_world: int, cpus: Sequence[int]) -> tuple[
     return tuple(cpus[local_rank * width:(local_rank + 1) * width])
 
 
+def choose_share(rank: int, everyone: Sequence[tuple[str, Any]]) -> tuple[int, ...] | None:
+    """This rank's CPUs, from every rank's (host, CPUs it may use): its core_share among the
+    ranks on its host, in rank order, when they may all use the same CPUs; None when they may
+    not (a launcher placed them already) or there are fewer CPUs than ranks there."""
+    host, allowed = everyone[rank]
+    local = [r for r, (h, _) in enumerate(everyone) if h == host]
+    if any(everyone[r][1] != allowed for r in local):
+        return None
+    return core_share(local.index(rank), len(local), allowed)
+
+
 def pin_process(cpus: Sequence[int]) -> bool:
     """Bind every thread of this process to `cpus` (threads it starts later inherit the binding
-    of the thread that starts them). False where the OS cannot (no per-thread affinity, or no
-    /proc to list the threads)."""
+    of the thread that starts them). False, and nothing bound, where this thread cannot be:
+    no per-thread affinity or no /proc to list the threads (not Linux), or CPUs refused."""
     if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
         return False
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        return False
     for thread in os.listdir("/proc/self/task"):
-        try:
+        with contextlib.suppress(OSError):  # ended meanwhile, or not ours to bind
             os.sched_setaffinity(int(thread), cpus)
-        except (ProcessLookupError, PermissionError):  # ended meanwhile, or not ours to bind
-            continue
     return True
 
 
 def pin_rank(device: str, affinity: str) -> tuple[int, ...] | None:
-    """Under torchrun on the CPU, with `affinity` "auto": bind this rank to its share of the
-    CPUs it may use (core_share by LOCAL_RANK and LOCAL_WORLD_SIZE) when every rank on the host
-    gets at least one; return those CPUs, or None when nothing was bound. Unbound, the
-    scheduler moves the ranks' threads between cores and now and then runs two ranks on one,
-    which makes their steps slower and their times jump from one stretch of steps to the
+    """With `affinity` "auto" and this rank on the CPU: bind every thread of this process to
+    its share of the host's CPUs (choose_share) and cap torch's intra-op threads at the share's
+    size; return the share, or None when nothing was bound. "none" binds nothing (a binding the
+    process has stays). A rank bound already keeps its share. Every rank of the job must call
+    it: the ranks compare their hosts and CPUs.
+
+    Unbound, the OS moves the ranks' threads between cores and now and then runs two ranks on
+    one, which slows their steps and makes their times jump from one stretch of steps to the
     next (benchmarks/rank_affinity.py)."""
-    if affinity == "none" or not str(device).startswith("cpu") \
-            or not hasattr(os, "sched_getaffinity"):
+    global _bound
+    if affinity == "none" or not hasattr(os, "sched_getaffinity"):
         return None
-    try:
-        local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):  # not started by torchrun: the launcher decides
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    mine = (socket.gethostname(), "bound" if allowed == _bound else allowed)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if not str(device).startswith("cpu"):
         return None
-    allowed = os.sched_getaffinity(0)
-    if _bound and set(_bound[0]) == allowed:  # a later pipeline of a rank bound already
-        share: tuple[int, ...] | None = _bound[0]
-    else:
-        share = core_share(local_rank, local_world, allowed)
+    share = _bound if mine[1] == "bound" else choose_share(dist.get_rank(), everyone)
     if share is None or not pin_process(share):
         return None
-    _bound[:] = [share]
+    _bound = share
+    torch.set_num_threads(min(torch.get_num_threads(), len(share)))
     return share
+
+
+def format_cpus(cpus: Sequence[int]) -> str:
+    """CPU numbers as ranges: (0, 1, 2, 3, 8) -> "0-3,8"."""
+    parts: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if parts and cpu == parts[-1][-1] + 1:
+            parts[-1].append(cpu)
+        else:
+            parts.append([cpu])
+    return ",".join(f"{p[0]}-{p[-1]}" if len(p) > 2 else ",".join(map(str, p)) for p in parts)

@@ -113,7 +113,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
-            settling = _settling_steps(warmup, settle, timeline.makespan + overhead)
+            settling, kept = _settling_steps(warmup, settle, timeline.makespan + overhead), []
             for _ in range(_most_of_any_rank(settling)):
                 pipe.step(x, y)
             for _ in range(steps):
@@ -123,8 +123,10 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 start = time.perf_counter()
                 pipe.step(x, y)
                 times.append(time.perf_counter() - start)
-                trace = pipe.full_trace("timing the messages")  # every rank's, after the timing
-                late.append(late_messages(trace, timeline.events).late > 0)
+                kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
+            # gathered after the round, so that only the barrier comes between its steps
+            late += [late_messages(pipe.executor.full_trace(k), timeline.events).late > 0
+                     for k in kept]
         totals = sorted((timeline.makespan + overhead, i)
                         for i, (timeline, overhead) in enumerate(predictions))
         predicted, overhead = predictions[totals[(len(totals) - 1) // 2][1]]

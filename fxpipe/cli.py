@@ -135,9 +135,9 @@ def _bench(args: argparse.Namespace) -> None:
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
           "than that may be drift alone")
     print(f"late steps: the timed steps in which a message reached its receiver over "
-          f"{LATE_AFTER * 1e3:g} ms later after its send than predicted (the transport's own "
-          "time, which no prediction includes); a meas/pred above 1 with many late steps is "
-          "the transport's doing, not the plan's")
+          f"{LATE_AFTER * 1e3:g} ms later after its send than predicted (time in handing it "
+          "over that no prediction includes: the transport's under torchrun); a meas/pred "
+          "above 1 with many late steps comes at least in part from there, not from the plan")
     if steal.share is not None:
         print(f"CPU steal during the run: {steal.share:.1%} of this machine's CPU time went to "
               "other guests of its host (timings drift with it; rerun when it is near 0%)")

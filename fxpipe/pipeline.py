@@ -12,6 +12,7 @@ import torch
 from torch import fx
 from torch.utils.hooks import RemovableHandle
 
+from fxpipe.affinity import format_cpus
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
@@ -370,7 +371,7 @@ class CompiledPipeline(torch.nn.Module):
         names |= {n for n, _ in self.stages[stage].module.named_buffers()}
         vars(self)["owned"] = frozenset(names)
         vars(self)["rank"] = rank
-        bound = f", CPUs {','.join(map(str, cpus))}" if cpus else ""
+        bound = f", CPUs {format_cpus(cpus)}" if cpus else ""
         self.devices = tuple(f"{d} (rank {rank}{bound})" if s == stage else "another rank"
                              for s, d in enumerate(self.devices))
 

@@ -71,8 +71,9 @@ class Plan:
     link: tuple[float, float] | str | None = None
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
-    # under torchrun on the CPU: "auto" binds each rank of a host to CPUs of its own when
-    # there are enough (fxpipe.affinity); "none" leaves the placement to the OS
+    # under torch.distributed on the CPU: "auto" binds each rank of a host, and the processes
+    # and threads it starts later, to CPUs of its own when there are enough and no launcher
+    # placed the ranks already (fxpipe.affinity); "none" binds nothing
     cpu_affinity: str = "auto"
 
     def __post_init__(self) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from fxpipe.inspect import format_table
-from fxpipe.schedules import ActionKind
+from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
 __all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime", "StepTime", "format_report",
@@ -126,9 +126,9 @@ def interference(events: Sequence[Event]) -> list[Interference]:
 
 @dataclasses.dataclass(frozen=True)
 class LateMessages:
-    """Receives that ended later after their message's send than the prediction says: time the
-    transport itself took (its threads waiting for a core, a connection stalling), which no
-    cost model includes."""
+    """Receives that ended later after their message's send than the prediction says: time in
+    handing the message over that the prediction does not include (over torch.distributed the
+    transport's, in one process the waiting stage thread's wake-up)."""
 
     late: int  # receives whose wait exceeded the predicted one by over the threshold
     receives: int  # receives found, with their sends, in both timelines
@@ -142,22 +142,30 @@ def late_messages(measured: Sequence[Event], predicted: Sequence[Event],
                   threshold: float = LATE_AFTER) -> LateMessages:
     """Compare each receive's wait once its message was sent (its end, less the later of its
     own start and the end of its send on the peer stage) in a measured timeline with the same
-    in the predicted one; the receives waiting over `threshold` seconds longer are late. Both
-    timelines need one time axis for all stages (fxpipe's traces have: every rank's clock is
-    the machine's)."""
-    waits = [_waits(measured), _waits(predicted)]
-    excess = sorted((waits[0][a] - waits[1][a], str(a)) for a in waits[0] if a in waits[1])
+    in the predicted one; the receives waiting over `threshold` seconds longer are late. An
+    action that occurs more than once (runs appended to one trace) is paired by occurrence.
+    Both timelines need one time axis for all stages: fxpipe's traces have one on one host,
+    where every rank reads the same clock; across hosts, clock offsets enter the waits."""
+    measured_waits, predicted_waits = _waits(measured), _waits(predicted)
+    excess = sorted((wait - predicted_waits[key], str(key[0]))
+                    for key, wait in measured_waits.items() if key in predicted_waits)
     late = [(seconds, name) for seconds, name in excess if seconds > threshold]
     longest, worst = late[-1] if late else (0.0, "")
     return LateMessages(len(late), len(excess), sum(s for s, _ in late), longest, worst,
                         threshold)
 
 
-def _waits(events: Sequence[Event]) -> dict:
-    """Per receive (its Action): how long it ran on after its message's send had ended."""
-    ends = {e.action: e.end for e in events}
-    receives = [(e, e.action.partner) for e in events if e.action.kind in _RECV]
-    return {e.action: e.end - max(e.start, ends[send]) for e, send in receives if send in ends}
+def _waits(events: Sequence[Event]) -> dict[tuple[Action, int], float]:
+    """Per receive, keyed by its action and how many times that action ran before it: how long
+    it ran on after the same occurrence of its message's send had ended."""
+    seen: Counter[Action] = Counter()
+    by_occurrence = {}
+    for e in sorted(events, key=lambda e: e.start):
+        by_occurrence[e.action, seen[e.action]] = e
+        seen[e.action] += 1
+    return {(action, k): e.end - max(e.start, by_occurrence[action.partner, k].end)
+            for (action, k), e in by_occurrence.items()
+            if action.kind in _RECV and (action.partner, k) in by_occurrence}
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -207,8 +215,8 @@ def _late_lines(late: LateMessages | None) -> list[str]:
         return []
     return [f"late messages: {late.late} of {late.receives} receives ended over "
             f"{_ms(late.threshold)} ms later after their send than predicted "
-            f"({_ms(late.excess)} ms in all, the longest {_ms(late.longest)} ms: {late.worst}); "
-            "that is the transport's own time, which no prediction includes"]
+            f"({_ms(late.excess)} ms in all, the longest {_ms(late.longest)} ms: {late.worst}): "
+            "time in handing messages over that the prediction does not include"]
 
 
 def _interference_lines(slowdowns: Sequence[Interference]) -> list[str]:

@@ -320,10 +320,13 @@ class PipelineExecutor:
         from its start)."""
         return list(self._trace)
 
-    def full_trace(self) -> list[Event]:
-        """The last run's actions of every stage of this pipeline (under torchrun every rank of
-        the pipeline must call it: the ranks exchange their traces)."""
-        return self.coordinator.gather_events(list(self._trace), self.trace_origin)
+    def full_trace(self, kept: tuple[list[Event], float] | None = None) -> list[Event]:
+        """The last run's actions of every stage of this pipeline, or those of a run `kept`
+        (its `last_trace()` and `trace_origin`, taken right after it), so that several runs
+        can be gathered after they all ran (under torchrun every rank of the pipeline must
+        call it: the ranks exchange their traces)."""
+        events, origin = kept if kept is not None else (self._trace, self.trace_origin)
+        return self.coordinator.gather_events(list(events), origin)
 
     def job_trace(self) -> dict[int, list[Event]]:
         """full_trace for every pipeline group of the job (every rank of the job must call it)."""

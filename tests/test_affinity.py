@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import fxpipe.affinity
-from fxpipe.affinity import core_share, pin_rank
+from fxpipe.affinity import choose_share, core_share, format_cpus, pin_process, pin_rank
 
 
 @given(cpus=st.sets(st.integers(0, 127), min_size=1, max_size=64),
@@ -23,7 +23,7 @@ def test_every_rank_gets_an_equal_share_of_its_own(cpus, world):
     taken = [cpu for share in shares for cpu in share]
     assert len(taken) == len(set(taken)) and set(taken) <= cpus  # disjoint, and allowed
     ordered = sorted(cpus)
-    for share in shares:  # neighbours in the allowed set, not scattered
+    for share in shares:  # consecutive in the allowed set, not scattered
         first = ordered.index(share[0])
         assert list(share) == ordered[first:first + len(share)]
 
@@ -33,25 +33,47 @@ def test_a_rank_outside_its_world_gets_nothing():
     assert core_share(-1, 2, [0, 1]) is None
 
 
-def test_only_cpu_ranks_started_by_torchrun_are_bound(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert pin_rank("cpu", "auto") is None  # not started by torchrun: the launcher decides
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert pin_rank("cpu", "none") is None
-    assert pin_rank("cuda:0", "auto") is None
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(10 ** 6))  # more ranks than CPUs
-    assert pin_rank("cpu", "auto") is None
+def test_ranks_share_their_host_in_rank_order_and_leave_a_launchers_placement_alone():
+    four = (0, 1, 2, 3)
+    everyone = [("a", four), ("b", four), ("a", four), ("b", four)]  # 2 hosts, 2 ranks each
+    assert [choose_share(r, everyone) for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    placed = [("a", (0, 1)), ("a", (2, 3))]  # each rank already on CPUs of its own
+    assert [choose_share(r, placed) for r in range(2)] == [None, None]
+    crowded = [("a", (0,)), ("a", (0,))]
+    assert choose_share(0, crowded) is None
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no per-thread affinity here")
-def test_a_lone_rank_is_bound_to_every_cpu_it_may_use(monkeypatch):
+def test_cpus_print_as_ranges():
+    assert format_cpus([3, 0, 1, 2, 8, 10, 11]) == "0-3,8,10,11"
+    assert format_cpus([5]) == "5"
+
+
+def test_nothing_is_bound_with_none_and_no_collective_is_needed():
+    assert pin_rank("cpu", "none") is None  # returns before comparing with other ranks
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs per-thread affinity and two CPUs")
+def test_binding_reaches_threads_already_running_and_the_ones_started_later():
     allowed = os.sched_getaffinity(0)
-    monkeypatch.setattr(fxpipe.affinity, "_bound", [])  # this process's binding stays its own
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = {min(allowed)}
+    running, stop = [], threading.Event()
+    before = threading.Thread(target=lambda: (running.append(threading.get_native_id()),
+                                              stop.wait()))
+    before.start()
     try:
-        assert pin_rank("cpu", "auto") == tuple(sorted(allowed))
-        assert os.sched_getaffinity(0) == allowed
+        while not running:
+            pass
+        assert pin_process(one)
+        later = []
+        after = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+        after.start()
+        after.join()
+        assert os.sched_getaffinity(0) == one
+        assert os.sched_getaffinity(running[0]) == one
+        assert later == [one]
     finally:
-        os.sched_setaffinity(0, allowed)
+        stop.set()
+        before.join()
+        pin_process(allowed)
+    assert os.sched_getaffinity(0) == allowed

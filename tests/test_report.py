@@ -126,6 +126,18 @@ def test_late_messages_sum_over_receives_and_name_the_longest():
                                                 step_time(predicted, 2), "gpipe", late=quiet)
 
 
+def test_a_receive_is_paired_with_the_same_occurrence_of_its_send():
+    """Two runs in one trace (a drop-in forward and backward appended): the first receive waits
+    3 ms after the first send; the second send, 10 s later, is not the one it waited for."""
+    predicted = _message(1e-3, (0.0, 1.1e-3))
+    measured = _message(1e-3, (0.0, 4.1e-3)) + [
+        Event(e.stage, e.action, e.start + 10.0, e.end + 10.0)
+        for e in _message(1e-3, (0.0, 1.1e-3))]
+    found = late_messages(measured, predicted)
+    assert (found.late, found.receives) == (1, 1)  # the second run has no prediction to meet
+    assert found.excess == pytest.approx(3e-3)
+
+
 def test_report_predicts_with_the_partition_it_is_given(trained):
     """E.g. one re-timed beside the run: here the compiled costs doubled, so the stages' predicted
     times double and the measured ones stay."""

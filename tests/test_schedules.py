@@ -475,7 +475,6 @@ def test_a_send_slows_the_senders_next_compute_unless_it_waited_and_at_most_doub
     fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
     posting = {"post_f": post, "post_b": post, "recv_post_f": receiving,
                "recv_post_b": receiving, "resume": resume}
-    plain = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting)
     slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, after_send_f=after,
                       after_send_b=after)
     for stage in range(n):

@@ -141,8 +141,9 @@ def train(name, stages, schedule, micro_batches, out):
     dist.all_gather_object(every_rank_bytes, _bytes_held(pipe))
     every_rank_links: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_links, _links(pipe))
-    every_rank_cpus: list = [None] * dist.get_world_size()  # where each rank may run
-    dist.all_gather_object(every_rank_cpus, (sorted(os.sched_getaffinity(0)),
+    every_rank_cpus: list = [None] * dist.get_world_size()  # where each rank's threads may run
+    threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+    dist.all_gather_object(every_rank_cpus, (sorted(threads),
                                              [d for d in pipe.devices if "(rank" in d]))
     if dist.get_rank() == 0:
         torch.save({"state": state, "losses": losses, "tied": every_rank_tied,

@@ -12,6 +12,8 @@ import dist_worker
 import pytest
 import torch
 
+from fxpipe.affinity import format_cpus
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 WORKER = pathlib.Path(dist_worker.__file__)
@@ -55,18 +57,21 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
         assert all(ranks == sorted(pair) for pair, ranks in links["groups"].items()), links
 
 
-def _check_binding(ranks_cpus) -> None:
-    """Plan(cpu_affinity="auto"): with a CPU each, the ranks run on disjoint equal shares of
-    this machine's CPUs, shown with their device; with fewer CPUs than ranks, on all of them."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(ranks_cpus) > len(allowed):
-        assert all(cpus == allowed for cpus, _ in ranks_cpus)
+def _check_binding(ranks_threads) -> None:
+    """Plan(cpu_affinity="auto"): with a CPU each, every thread of each rank runs on the rank's
+    own equal share of this machine's CPUs, shown with its device; with fewer CPUs than ranks,
+    on all of them."""
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    assert all(len(threads) == 1 for threads, _ in ranks_threads)  # all of a rank's alike
+    shares = [threads[0] for threads, _ in ranks_threads]
+    if len(ranks_threads) > len(allowed):
+        assert all(share == allowed for share in shares)
         return
-    taken = [cpu for cpus, _ in ranks_cpus for cpu in cpus]
+    taken = [cpu for share in shares for cpu in share]
     assert len(taken) == len(set(taken)) and set(taken) <= set(allowed)
-    assert {len(cpus) for cpus, _ in ranks_cpus} == {len(allowed) // len(ranks_cpus)}
-    for cpus, (device,) in ranks_cpus:
-        assert device.endswith(f", CPUs {','.join(map(str, cpus))})"), device
+    assert {len(share) for share in shares} == {len(allowed) // len(shares)}
+    for share, (_, (device,)) in zip(shares, ranks_threads):
+        assert device.endswith(f", CPUs {format_cpus(share)})"), device
 
 
 @pytest.mark.parametrize("ranks, scenarios", [
