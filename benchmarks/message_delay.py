@@ -17,6 +17,8 @@ from collections import defaultdict
 
 from two_stages import add_model_arguments, two_stages
 
+from fxpipe.report import receive_waits
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -29,14 +31,8 @@ def main() -> None:
     delays: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.steps):
         pipe.step(x, y)
-        trace = pipe.full_trace()
-        sent = {(e.action.kind.name[-1], e.action.mb): e.end for e in trace
-                if e.action.kind.is_send}
-        for e in trace:
-            if e.action.kind.is_recv:
-                direction = e.action.kind.name[-1]  # RECV_F / RECV_B
-                posted = max(e.start, sent[direction, e.action.mb])
-                delays[f"{direction}{e.action.mb}"].append(e.end - posted)
+        for (receive, _), delay in receive_waits(pipe.full_trace()).items():
+            delays[f"{receive.kind.name[-1]}{receive.mb}"].append(delay)  # RECV_F / RECV_B
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where}, {args.schedule}, {args.micro_batches} micro-batches; "

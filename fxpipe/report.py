@@ -13,7 +13,7 @@ from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
 __all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime", "StepTime", "format_report",
-           "interference", "late_messages", "step_time"]
+           "interference", "late_messages", "receive_waits", "step_time"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
@@ -146,7 +146,7 @@ def late_messages(measured: Sequence[Event], predicted: Sequence[Event],
     action that occurs more than once (runs appended to one trace) is paired by occurrence.
     Both timelines need one time axis for all stages: fxpipe's traces have one on one host,
     where every rank reads the same clock; across hosts, clock offsets enter the waits."""
-    measured_waits, predicted_waits = _waits(measured), _waits(predicted)
+    measured_waits, predicted_waits = receive_waits(measured), receive_waits(predicted)
     excess = sorted((wait - predicted_waits[key], str(key[0]))
                     for key, wait in measured_waits.items() if key in predicted_waits)
     late = [(seconds, name) for seconds, name in excess if seconds > threshold]
@@ -155,7 +155,7 @@ def late_messages(measured: Sequence[Event], predicted: Sequence[Event],
                         threshold)
 
 
-def _waits(events: Sequence[Event]) -> dict[tuple[Action, int], float]:
+def receive_waits(events: Sequence[Event]) -> dict[tuple[Action, int], float]:
     """Per receive, keyed by its action and how many times that action ran before it: how long
     it ran on after the same occurrence of its message's send had ended."""
     seen: Counter[Action] = Counter()
