@@ -25,9 +25,8 @@ def main() -> None:
     add_model_arguments(parser, "gpt", schedule=True, steps=100)
     args = parser.parse_args()
     setup = two_stages(args, partitioner="balanced", schedule=args.schedule)
+    setup.warm_up(20)
     pipe, x, y = setup.pipe, setup.x, setup.y
-    for _ in range(20):
-        pipe.step(x, y)
     delays: dict[str, list[float]] = defaultdict(list)
     for _ in range(args.steps):
         pipe.step(x, y)

@@ -29,9 +29,8 @@ def main() -> None:
     add_model_arguments(parser, "mlp", schedule=True, steps=20)
     args = parser.parse_args()
     setup = two_stages(args, schedule=args.schedule)
+    setup.warm_up(3)
     pipe, x, y = setup.pipe, setup.x, setup.y
-    for _ in range(3):
-        pipe.step(x, y)
     pooled: list[Event] = []
     for step in range(args.steps):
         if setup.distributed:

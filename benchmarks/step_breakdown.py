@@ -32,9 +32,8 @@ def main() -> None:
     add_model_arguments(parser, "gpt", schedule=True, steps=20)
     args = parser.parse_args()
     setup = two_stages(args, partitioner="balanced", schedule=args.schedule)
+    setup.warm_up(3)
     pipe, x, y = setup.pipe, setup.x, setup.y
-    for _ in range(3):
-        pipe.step(x, y)
     walls, spans, sends, counts, busy = [], [], [], [], []
     for _ in range(args.steps):
         if setup.distributed:

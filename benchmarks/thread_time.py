@@ -53,8 +53,7 @@ def main() -> None:
     setup = two_stages(args, partitioner="balanced", schedule=args.schedule)
     pipe, x, y = setup.pipe, setup.x, setup.y
     predicted = fxpipe.retime(pipe, (x,), target=y)
-    for _ in range(30):  # the cores settle after the timing (benchmarks/after_pause.py)
-        pipe.step(x, y)
+    setup.warm_up(30)  # the cores settle after the timing (benchmarks/after_pause.py)
     before, start = thread_times(), time.perf_counter()
     for _ in range(args.steps):
         pipe.step(x, y)

@@ -58,6 +58,11 @@ class TwoStages:
     def where(self) -> str:
         return "2 ranks under torchrun" if self.distributed else "2 stage threads"
 
+    def warm_up(self, steps: int) -> None:
+        """Run `steps` training steps untimed, so the ones timed after find everything warm."""
+        for _ in range(steps):
+            self.pipe.step(self.x, self.y)
+
     def everyones(self, lines: list[str]) -> list[str]:
         """Every rank's `lines`, in rank order (under torchrun every rank must call it)."""
         if not self.distributed:

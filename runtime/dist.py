@@ -263,8 +263,28 @@ class DistTransport:
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
-        slots = self._slots(0, 1, "F")
         count = len(self._dims[key][0])
+        # the first round warms the path up and is not timed
+        rounds_of = [[(key, i % count) for i in range(per_round)] for _ in range(rounds + 1)]
+        burst = ComputeBurst(self.device, size=64, depth=8, backward=True)  # like a stage
+
+        def compute() -> float:  # long enough for the transport's work to end within it
+            return sum(burst() for _ in range(_AFTER_SEND_BURSTS))
+
+        first = self.rank == sender
+        if first:  # each side measures its part; the other's figures are 0 here
+            mine = self._time_sending(rounds_of, receiver, compute)
+        else:
+            mine = self._time_receiving(rounds_of, sender, compute)
+        theirs = swap_figures(mine, receiver if first else sender, first, self._group(0, 1),
+                              self._group(1, 0), self.device)
+        tensors = max(len(self._slots(0, 1, "F")), 1)
+        return Posting(*((a + b) / tensors for a, b in zip(mine, theirs)))
+
+    def _time_sending(self, rounds_of: list[list[Any]], receiver: int,
+                      compute: Callable[[], float]) -> list[float]:
+        """The sender's half of measure_posting: [send, 0, 0, after_send] in seconds."""
+        slots = self._slots(0, 1, "F")
 
         def values(mb):  # what the stage would send: tensors of the micro-batch's shapes
             batch, seq = self._micro_batch(mb)
@@ -273,55 +293,46 @@ class DistTransport:
                     for s in slots}
 
         ready = torch.zeros(1, device=self.device)
-        burst = ComputeBurst(self.device, size=64, depth=8, backward=True)  # like a stage
+        sending, before, after = [], [], []
+        for index, mbs in enumerate(rounds_of):
+            dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)
+            for mb in mbs:
+                message = values(mb)
+                compute()  # the last send's work done before the next is timed
+                computed = compute()  # a pipeline sends right after computing
+                start = time.perf_counter()
+                self.send(0, 1, "F", mb, message)
+                sent = time.perf_counter() - start
+                slowed = compute()
+                if index > 0:
+                    sending.append(sent)
+                    before.append(computed)
+                    after.append(slowed)
+            self.flush()
+        slower = max(statistics.median(after) - statistics.median(before), 0.0)
+        return [statistics.median(sending), 0.0, 0.0, slower]
 
-        def compute() -> float:  # long enough for the transport's work to end within it
-            return sum(burst() for _ in range(_AFTER_SEND_BURSTS))
-
-        sending, alone, between, before, after = [], [], [], [], []
-        for index in range(rounds + 1):  # the first round warms the path up
-            mbs = [(key, i % count) for i in range(per_round)]
-            timed = index > 0
-            if self.rank == receiver:
-                posted, seconds = [], between if index % 2 else alone
-                for mb in mbs:
-                    if index % 2:
-                        compute()
-                    start = time.perf_counter()
-                    posted.append(self._post_receive(0, 1, "F", mb))
-                    if timed:
-                        seconds.append(time.perf_counter() - start)
-                dist.send(ready, sender, self._group(0, 1), _READY_TAG)
-                for _ in range(3 * per_round):  # busy as a stage is while messages come
+    def _time_receiving(self, rounds_of: list[list[Any]], sender: int,
+                        compute: Callable[[], float]) -> list[float]:
+        """The receiver's half of measure_posting: [0, receive, receive_between, 0] in seconds."""
+        ready = torch.zeros(1, device=self.device)
+        alone, between = [], []
+        for index, mbs in enumerate(rounds_of):
+            posted, seconds = [], between if index % 2 else alone
+            for mb in mbs:
+                if index % 2:
                     compute()
-                for _, _, works in posted:
-                    for work in works:
-                        self._wait(work, "a measured message")
-            else:
-                dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)
-                for mb in mbs:
-                    message = values(mb)
-                    compute()  # the last send's work done before the next is timed
-                    computed = compute()  # a pipeline sends right after computing
-                    start = time.perf_counter()
-                    self.send(0, 1, "F", mb, message)
-                    sent = time.perf_counter() - start
-                    slowed = compute()
-                    if timed:
-                        sending.append(sent)
-                        before.append(computed)
-                        after.append(slowed)
-                self.flush()
-        tensors = max(len(slots), 1)
-        if self.rank == sender:  # each side measured its part; the other's figures are 0 here
-            slower = max(statistics.median(after) - statistics.median(before), 0.0)
-            mine = [statistics.median(sending), 0.0, 0.0, slower]
-        else:
-            mine = [0.0, statistics.median(alone), statistics.median(between), 0.0]
-        first = self.rank == sender
-        theirs = swap_figures(mine, receiver if first else sender, first, self._group(0, 1),
-                              self._group(1, 0), self.device)
-        return Posting(*((a + b) / tensors for a, b in zip(mine, theirs)))
+                start = time.perf_counter()
+                posted.append(self._post_receive(0, 1, "F", mb))
+                if index > 0:
+                    seconds.append(time.perf_counter() - start)
+            dist.send(ready, sender, self._group(0, 1), _READY_TAG)
+            for _ in range(3 * len(mbs)):  # busy as a stage is while messages come
+                compute()
+            for _, _, works in posted:
+                for work in works:
+                    self._wait(work, "a measured message")
+        return [0.0, statistics.median(alone), statistics.median(between), 0.0]
 
     # --- internals ----------------------------------------------------------------------------
 
