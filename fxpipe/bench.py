@@ -51,6 +51,8 @@ class BenchRow:
     predicted_high_ms: float = float("nan")
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
     late_steps: float = float("nan")
+    # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
+    late_ms: float = float("nan")
 
     @property
     def ratio(self) -> float:
@@ -125,8 +127,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 times.append(time.perf_counter() - start)
                 kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
             # gathered after the round, so that only the barrier comes between its steps
-            late += [late_messages(pipe.executor.full_trace(k), timeline.events).late > 0
-                     for k in kept]
+            late += [late_messages(pipe.executor.full_trace(k), timeline.events) for k in kept]
         totals = sorted((timeline.makespan + overhead, i)
                         for i, (timeline, overhead) in enumerate(predictions))
         predicted, overhead = predictions[totals[(len(totals) - 1) // 2][1]]
@@ -142,7 +143,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              (predicted.makespan + overhead) * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
                              memory, kind, totals[0][0] * 1e3, totals[-1][0] * 1e3,
-                             statistics.fmean(late)))
+                             statistics.fmean(found.late > 0 for found in late),
+                             statistics.fmean(found.excess for found in late) * 1e3))
     if progress:
         print(file=sys.stderr)
     return rows
@@ -213,11 +215,12 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
               frozenset({"estimate"}): "memory per stage (estimate)"}.get(
         frozenset(kinds), "memory per stage (peak or estimate)")
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
-              "meas/pred", "pred spread", "late steps", "bubble pred", "bubble meas", memory]
+              "meas/pred", "pred spread", "late steps", "late ms", "bubble pred", "bubble meas",
+              memory]
     table = [[r.partitioner, r.schedule, "+".join(map(str, r.sizes)), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
-              f"{r.predicted_spread:.0%}", f"{r.late_steps:.0%}", f"{r.predicted_bubble:.0%}",
-              f"{r.measured_bubble:.0%}",
+              f"{r.predicted_spread:.0%}", f"{r.late_steps:.0%}", f"{r.late_ms:.1f}",
+              f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
               " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
     return format_table(header, table)
 

@@ -137,7 +137,9 @@ def _bench(args: argparse.Namespace) -> None:
     print(f"late steps: the timed steps in which a message reached its receiver over "
           f"{LATE_AFTER * 1e3:g} ms later after its send than predicted (time in handing it "
           "over that no prediction includes: the transport's under torchrun); a meas/pred "
-          "above 1 with many late steps comes at least in part from there, not from the plan")
+          "above 1 with many late steps comes at least in part from there, not from the plan; "
+          "late ms: those receives' waits beyond the predicted ones, summed, per timed step "
+          "on average (set beside measured less predicted ms)")
     if steal.share is not None:
         print(f"CPU steal during the run: {steal.share:.1%} of this machine's CPU time went to "
               "other guests of its host (timings drift with it; rerun when it is near 0%)")

@@ -103,6 +103,10 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
                <= float(r["predicted_high_ms"]) for r in rows)
     assert "pred spread" in out and "late steps: the timed steps in which a message" in out
     assert all(0.0 <= float(r["late_steps"]) <= 1.0 for r in rows)
+    # no late step, no late time; a late step adds over the threshold (0.5 ms) to its mean
+    assert all((float(r["late_ms"]) > 0.5 * float(r["late_steps"])) if float(r["late_steps"])
+               else float(r["late_ms"]) == 0 for r in rows)
+    assert "late ms: those receives' waits beyond the predicted ones" in out
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
