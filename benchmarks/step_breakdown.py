@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import torch.distributed as dist
 from two_stages import add_model_arguments, two_stages
 
 import fxpipe
@@ -36,11 +34,7 @@ def main() -> None:
     pipe, x, y = setup.pipe, setup.x, setup.y
     walls, spans, sends, counts, busy = [], [], [], [], []
     for _ in range(args.steps):
-        if setup.distributed:
-            dist.barrier()
-        start = time.perf_counter()
-        pipe.step(x, y)
-        walls.append(time.perf_counter() - start)
+        walls.append(setup.timed_step())
         events = pipe.full_trace("timing the step")  # every rank's, on one time axis
         spans.append(max(e.end for e in events) - min(e.start for e in events))
         mine = [e for e in events if e.action.kind in SENDS]

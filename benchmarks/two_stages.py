@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -62,6 +63,14 @@ class TwoStages:
         """Run `steps` training steps untimed, so the ones timed after find everything warm."""
         for _ in range(steps):
             self.pipe.step(self.x, self.y)
+
+    def timed_step(self) -> float:
+        """One training step's seconds, the ranks started together under torchrun."""
+        if self.distributed:
+            dist.barrier()
+        start = time.perf_counter()
+        self.pipe.step(self.x, self.y)
+        return time.perf_counter() - start
 
     def everyones(self, lines: list[str]) -> list[str]:
         """Every rank's `lines`, in rank order (under torchrun every rank must call it)."""

@@ -34,6 +34,9 @@ class Link:
     # how much longer the sender's next compute runs after it sent a message, per tensor: the
     # transport's work on the message goes on beside it (DistTransport.measure_posting)
     after_send: float = 0.0
+    # how much longer the receiver's compute runs while a message lands, per tensor: the
+    # transport's work to take it in shares its CPU (DistTransport.measure_posting)
+    after_receive: float = 0.0
 
     @property
     def receiving(self) -> float:
@@ -54,7 +57,7 @@ class Link:
     def __str__(self) -> str:
         if math.isinf(self.bandwidth) and not (self.latency or self.post or self.receiving
                                                 or self.receiving_between or self.resume
-                                                or self.after_send):
+                                                or self.after_send or self.after_receive):
             return f"free (same device, no copy; {self.source})"
         posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
         if self.receiving != self.post:
@@ -65,6 +68,9 @@ class Link:
             posting += f", compute {self.resume * 1e6:.0f} us slower after a wait"
         if self.after_send:
             posting += f", the sender's {self.after_send * 1e6:.0f} us slower per tensor sent"
+        if self.after_receive:
+            posting += (f", the receiver's {self.after_receive * 1e6:.0f} us slower per tensor "
+                        "taken in")
         if math.isinf(self.bandwidth):
             return f"{self.latency * 1e6:.0f} us per message, no copy{posting} ({self.source})"
         return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"

@@ -154,17 +154,19 @@ class CompiledPipeline(torch.nn.Module):
         post_f, post_b = self._posting(self.link.post)
         recv_post_f, recv_post_b = self._receive_posting(schedule)
         after_f, after_b = self._posting(self.link.after_send)
+        landing_f, landing_b = self._posting(self.link.after_receive)
         return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
                         recv_post_b=recv_post_b, resume=self.link.resume,
-                        after_send_f=after_f, after_send_b=after_b)
+                        after_send_f=after_f, after_send_b=after_b,
+                        after_receive_f=landing_f, after_receive_b=landing_b)
 
     def _posting(self, per_tensor: float
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """The time per message on each edge, forward and backward, at `per_tensor` seconds
         per tensor the message holds (the sender's to post them, the receiver's, or the
-        sender's compute after it)."""
+        sender's compute after it, or the receiver's while it lands)."""
         carries = self.comm.carries_grad()
         forward = {(e.src, e.dst): 0.0 for e in self.comm.edges}
         backward = dict(forward)

@@ -130,6 +130,8 @@ def simulate(
     recv_post_b: LinkCosts | None = None,
     after_send_f: LinkCosts = 0.0,
     after_send_b: LinkCosts = 0.0,
+    after_receive_f: LinkCosts = 0.0,
+    after_receive_b: LinkCosts = 0.0,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -150,9 +152,12 @@ def simulate(
     after_send_f / after_send_b longer, at most twice its own time: the transport's work on a
     message goes on beside the sender's next compute, sharing its CPU, so it takes at most
     half of it (0 by default; after a wait resume alone counts, as that work ran while the
-    stage waited). A compute-only schedule is lowered with
-    `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
-    checked with `check_communication`.
+    stage waited). Likewise a message that was there before its RECV was posted landed while
+    the receiver computed, whose CPU the transport's work to take it in shared: the stage's
+    next compute takes after_receive_f / after_receive_b longer, within the same bound (0 by
+    default; a message waited for landed while the stage waited). A compute-only schedule is
+    lowered with `add_communication(schedule, edges)` first, so both forms time the same; a
+    lowered one is checked with `check_communication`.
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
@@ -162,7 +167,8 @@ def simulate(
     model's CF_s / CB_s, or a mapping {(src, dst): time}. post_f, post_b: the sender's time per
     SEND of those messages, given the same ways; recv_post_f, recv_post_b: the receiver's time
     per RECV of them; after_send_f, after_send_b: the sender's compute after each SEND of
-    them, given the same ways. resume: a scalar or one per stage.
+    them, and after_receive_f, after_receive_b: the receiver's compute after each RECV of
+    them that did not wait, given the same ways. resume: a scalar or one per stage.
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -194,7 +200,9 @@ def simulate(
                                         else recv_post_b, n, forward=False)}
     after = {ActionKind.SEND_F: _link("after_send_f", after_send_f, n, forward=True),
              ActionKind.SEND_B: _link("after_send_b", after_send_b, n, forward=False)}
-    return _run(lowered, compute, other, link, post, receive, after,
+    landing = {ActionKind.SEND_F: _link("after_receive_f", after_receive_f, n, forward=True),
+               ActionKind.SEND_B: _link("after_receive_b", after_receive_b, n, forward=False)}
+    return _run(lowered, compute, other, link, post, receive, after, landing,
                 _per_stage("resume", resume, n))
 
 
@@ -206,12 +214,13 @@ def _run(
     post: dict[ActionKind, Callable[[int, int], float]],
     receive: dict[ActionKind, Callable[[int, int], float]],
     after: dict[ActionKind, Callable[[int, int], float]],
+    landing: dict[ActionKind, Callable[[int, int], float]],
     resume: np.ndarray,
 ) -> Timeline:
     n = schedule.stages
     pc, free, busy = [0] * n, [0.0] * n, [0.0] * n
     waited = [True] * n  # whether the stage blocked since its last compute
-    owed = [0.0] * n  # the after-send slowdown of the SENDs since its last compute
+    owed = [0.0] * n  # the slowdown of the SENDs and unwaited RECVs since its last compute
     finished: dict[Action, float] = {}  # compute actions and messages (keyed by their SEND)
     link_free: dict[tuple[int, int], float] = {}
     events: list[list[Event]] = [[] for _ in range(n)]
@@ -229,7 +238,10 @@ def _run(
                 if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
                     posted = start + receive[needs.kind](a.peer, s)
                     end = max(posted, finished[needs])
-                    waited[s] = waited[s] or finished[needs] > posted
+                    if finished[needs] > posted:
+                        waited[s] = True
+                    else:  # it landed while the stage computed
+                        owed[s] += landing[needs.kind](a.peer, s)
                 elif a.kind.is_compute:
                     work = float(compute[a.kind][s, a.mb])
                     end = start + work + (float(resume[s]) if waited[s] else min(owed[s], work))

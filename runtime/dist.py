@@ -166,6 +166,7 @@ class Posting:
     receive: float  # the receiver's, to post a receive back to back with others
     receive_between: float  # the same between two computes
     after_send: float  # how much longer the sender's compute right after send() runs
+    after_receive: float  # how much longer the receiver's compute runs while a message lands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +259,11 @@ class DistTransport:
         before it, and the difference is `after_send` (never below 0). The receiver posts its
         receives back to back in half the rounds, as a forwards-first stage does at the start,
         and with compute before each in the others, as a 1F1B stage posts its next receive:
-        there posting takes several times as long. The two peers return the same figures;
-        other ranks None."""
+        there posting takes several times as long. The receiver then computes while the
+        messages land, and, in a quiet round before, the same computes while the sender
+        computes as it will but sends nothing: the difference per message is `after_receive`
+        (never below 0), the transport's work to take a message in on the receiver's CPU. The
+        two peers return the same figures; other ranks None."""
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
@@ -283,7 +287,7 @@ class DistTransport:
 
     def _time_sending(self, rounds_of: list[list[Any]], receiver: int,
                       compute: Callable[[], float]) -> list[float]:
-        """The sender's half of measure_posting: [send, 0, 0, after_send] in seconds."""
+        """The sender's half of measure_posting: [send, 0, 0, after_send, 0] in seconds."""
         slots = self._slots(0, 1, "F")
 
         def values(mb):  # what the stage would send: tensors of the micro-batch's shapes
@@ -295,6 +299,10 @@ class DistTransport:
         ready = torch.zeros(1, device=self.device)
         sending, before, after = [], [], []
         for index, mbs in enumerate(rounds_of):
+            dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)  # a quiet round: the
+            for _ in mbs:  # same computes without the sends, for the receiver to compare
+                compute()
+                compute()
             dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)
             for mb in mbs:
                 message = values(mb)
@@ -310,14 +318,25 @@ class DistTransport:
                     after.append(slowed)
             self.flush()
         slower = max(statistics.median(after) - statistics.median(before), 0.0)
-        return [statistics.median(sending), 0.0, 0.0, slower]
+        return [statistics.median(sending), 0.0, 0.0, slower, 0.0]
 
     def _time_receiving(self, rounds_of: list[list[Any]], sender: int,
                         compute: Callable[[], float]) -> list[float]:
-        """The receiver's half of measure_posting: [0, receive, receive_between, 0] in seconds."""
+        """The receiver's half of measure_posting: [0, receive, receive_between, 0,
+        after_receive] in seconds."""
         ready = torch.zeros(1, device=self.device)
-        alone, between = [], []
+        alone, between, quiet, landing = [], [], [], []
+
+        def busy() -> float:  # as a stage is while messages come
+            return sum(compute() for _ in range(3 * per_round))
+
+        per_round = len(rounds_of[0])
         for index, mbs in enumerate(rounds_of):
+            dist.send(ready, sender, self._group(0, 1), _READY_TAG)
+            if index > 0:
+                quiet.append(busy())
+            else:
+                busy()
             posted, seconds = [], between if index % 2 else alone
             for mb in mbs:
                 if index % 2:
@@ -327,12 +346,15 @@ class DistTransport:
                 if index > 0:
                     seconds.append(time.perf_counter() - start)
             dist.send(ready, sender, self._group(0, 1), _READY_TAG)
-            for _ in range(3 * len(mbs)):  # busy as a stage is while messages come
-                compute()
+            if index > 0:
+                landing.append(busy())
+            else:
+                busy()
             for _, _, works in posted:
                 for work in works:
                     self._wait(work, "a measured message")
-        return [0.0, statistics.median(alone), statistics.median(between), 0.0]
+        slower = max(statistics.median(landing) - statistics.median(quiet), 0.0) / per_round
+        return [0.0, statistics.median(alone), statistics.median(between), 0.0, slower]
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -467,21 +467,25 @@ def test_resuming_after_a_wait_slows_exactly_the_next_compute(
 
 
 @given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
-       st.floats(0.0, 2.0), st.floats(0.0, 2.0))
-def test_a_send_slows_the_senders_next_compute_unless_it_waited_and_at_most_doubles_it(
+       st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.floats(0.0, 2.0))
+def test_sends_and_landed_messages_slow_the_next_compute_unless_it_waited_at_most_doubling_it(
         schedule: Schedule, seed: int, post: float, receiving: float, resume: float,
-        after: float):
+        after: float, landing: float):
     n, m = schedule.stages, micro_batch_count(schedule)
     fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
     posting = {"post_f": post, "post_b": post, "recv_post_f": receiving,
                "recv_post_b": receiving, "resume": resume}
-    slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, after_send_f=after,
-                      after_send_b=after)
+    slowdowns = {"after_send_f": after, "after_send_b": after, "after_receive_f": landing,
+                 "after_receive_b": landing}
+    slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, **slowdowns)
     for stage in range(n):
         waited, owed = True, 0.0  # every stage starts from the step's shared wait
         for e in (e for e in slowed.events if e.stage == stage):
             if e.action.kind.is_recv:
-                waited = waited or e.end > e.start + receiving
+                if e.end > e.start + receiving:
+                    waited = True
+                else:  # the message was there: it landed while the stage computed
+                    owed += landing
             elif e.action.kind.is_send:
                 owed += after
             elif e.action.kind.is_compute:
@@ -495,9 +499,20 @@ def test_a_send_slows_the_senders_next_compute_unless_it_waited_and_at_most_doub
     # waiting for it, and skip the resume slowdown the plain timeline paid.
     posting["resume"] = 0.0
     plain = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting)
-    slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, after_send_f=after,
-                      after_send_b=after)
+    slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, **slowdowns)
     assert slowed.makespan >= plain.makespan - 1e-9
+
+
+def test_after_receive_example():
+    # 2 stages, 2 micro-batches, no links, stage 1's forward 1.5: F1's activations are there
+    # before stage 1 posts their receive, so they landed during its F0 and its F1 runs 0.25
+    # slower; F0's and B1's were waited for (their landing overlapped the wait): no slowdown
+    timeline = simulate(gpipe(2, 2), [1.0, 1.5], 1.0, 0.0, 0.0, after_receive_f=0.25,
+                        after_receive_b=0.25)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["1F0"] == (1.0, 2.5) and at["1F1"] == (2.5, 4.25)
+    assert at["1B1"] == (4.25, 5.25) and at["1B0"] == (5.25, 6.25)
+    assert at["0B1"] == (5.25, 6.25) and at["0B0"] == (6.25, 7.5)  # B0's came as B1 ended
 
 
 def test_after_send_example():

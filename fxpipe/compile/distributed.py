@@ -105,14 +105,15 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     )
     pipe.executor.whole = whole
     if not given and plan.stages > 1:  # the runtime's own time to send and receive a tensor,
-        # and how much it slows the compute after a send
+        # and how much it slows the compute after a send and while a message lands
         shared = [pipe.executor.posting_time(traced.bind(args, kwargs))]
         torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
         if shared[0] is not None:
             posting = shared[0]
             vars(pipe)["link"] = dataclasses.replace(
                 link, post=posting.send, post_recv=posting.receive,
-                post_recv_between=posting.receive_between, after_send=posting.after_send)
+                post_recv_between=posting.receive_between, after_send=posting.after_send,
+                after_receive=posting.after_receive)
     if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
     return pipe

@@ -120,6 +120,7 @@ def train(name, stages, schedule, micro_batches, out):
         assert pipe.link.post_recv_between is not None and pipe.link.post_recv_between > 0
         assert 0 <= pipe.link.resume < 0.05  # beyond 50 ms the measurement went wrong
         assert 0 <= pipe.link.after_send < 0.05
+        assert 0 <= pipe.link.after_receive < 0.05
         assert pipe.step_overhead > 0
         started = time.perf_counter()  # the rehearsal times its exchanges, not its burst
         exchanges = pipe.executor.coordinator.rehearse()
