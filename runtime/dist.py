@@ -37,6 +37,9 @@ __all__ = ["DistCoordinator", "DistTransport", "ErrorBoard", "Posting"]
 _ERROR_KEY = "fxpipe/error"
 _AFTER_SEND_BURSTS = 3  # the compute timed before and after each measured send
 _READY_TAG = 2 ** 31 - 2  # the posting measurement's "receives posted" note, apart from _tag's
+_LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
+_TIED_TAG = 2 ** 31 - 4  # a tied weight's gradient from its other holder
+_LAGGING_BURSTS = 3  # how much longer the first stage's rank computes in a rehearsal
 
 
 class ErrorBoard:
@@ -67,16 +70,27 @@ class ErrorBoard:
 class DistCoordinator:
     """What the ranks of one pipeline share per step: the micro-batch sizes (from the first
     stage's rank), the loss (from the last stage's), and the gradients of weights tied across
-    stages (all-reduced among the ranks that hold them, so the copies stay equal)."""
+    stages (summed among the ranks that hold them, so the copies stay equal).
+
+    A step ends with the first stage's backward, the other ranks long done and idle. What
+    they send it then, the loss and tied gradients, goes point to point into receives posted
+    when the step began (expect): it lands while the first stage computes, and the step ends
+    without a collective that would wait for the idle ranks to wake (over gloo, a send the
+    receiver has not asked for yet also waits for that ask)."""
 
     def __init__(self, ranks: Sequence[int], micro_batches: int, device: str, group: Any = None,
                  tied: Sequence[tuple[torch.nn.Parameter, Any]] = (), *,
                  sync: GradientSync | None = None, data_parallel: Any = None,
                  group_index: int = 0, groups: int = 1) -> None:
+        self.ranks = list(ranks)
         self.first, self.last = ranks[0], ranks[-1]
         self.micro_batches = micro_batches
         self.group = group
         self.tied = list(tied)
+        # a weight held by two ranks swaps gradients with the other holder; by more, all-reduced
+        self._peers = [_other_holder(group) for _, group in self.tied]
+        self._losses: list[tuple[torch.Tensor, Any]] = []  # receives posted by expect
+        self._gradients: list[tuple[torch.Tensor, Any] | None] = []
         self.sync, self.data_parallel = sync, data_parallel
         self.group_index, self.groups = group_index, groups
         backend = dist.get_backend(group)
@@ -102,13 +116,30 @@ class DistCoordinator:
         values = data.tolist()
         return values[:-2], None if values[-2] < 0 else values[-2], values[-1]
 
+    def expect(self, batches: int) -> None:
+        me = dist.get_rank()
+        self._losses = [] if me == self.last else [
+            _posted(torch.empty((), dtype=torch.float64, device=self.device), self.last,
+                    self.group, _LOSS_TAG) for _ in range(batches)]
+        self._gradients = [None if peer is None else
+                           _posted(torch.empty_like(param), peer, group, _TIED_TAG)
+                           for (param, group), peer in zip(self.tied, self._peers)]
+
     def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        if loss is None:
+            if not self._losses:
+                raise RuntimeError("DistCoordinator.loss before expect(): no receive posted")
+            data, work = self._losses.pop(0)
+            work.wait()
+            return data.cpu()
         data = torch.empty((), dtype=torch.float64, device=self.device)
-        if loss is not None:
-            data.copy_(loss.detach())
-            if self.data_parallel is not None:  # the groups' weighted shares add up
-                dist.all_reduce(data, group=self.data_parallel)
-        dist.broadcast(data, self.last, self.group)
+        data.copy_(loss.detach())
+        if self.data_parallel is not None:  # the groups' weighted shares add up
+            dist.all_reduce(data, group=self.data_parallel)
+        sends = [dist.isend(data, rank, self.group, _LOSS_TAG)
+                 for rank in self.ranks if rank != self.last]
+        for work in sends:
+            work.wait()
         return data.cpu()
 
     def gather_events(self, events, origin):
@@ -138,13 +169,17 @@ class DistCoordinator:
         events, self.sync.events = self.sync.events, []
         return events
 
-    def rehearse(self) -> float:
-        zeros = [(torch.zeros_like(param), group) for param, group in self.tied]
-        self._burst()
-        start = time.perf_counter()
-        for tensor, group in zeros:
-            dist.all_reduce(tensor, group=group)
-        return time.perf_counter() - start
+    def end_of_backward(self) -> float:
+        bursts = 1 + (_LAGGING_BURSTS if dist.get_rank() == self.first else 0)
+        return sum(self._burst() for _ in range(bursts))
+
+    def rehearse(self) -> None:
+        self._sum_tied([torch.zeros_like(param) for param, _ in self.tied])
+
+    def from_first_stage(self, seconds: float) -> float:
+        data = torch.tensor(seconds, dtype=torch.float64, device=self.device)
+        dist.broadcast(data, self.first, self.group)
+        return data.item()
 
     def barrier(self) -> None:
         dist.barrier(self.group)
@@ -152,10 +187,31 @@ class DistCoordinator:
     def after_backward(self) -> None:
         if self.sync is not None:
             self.sync.finish()
-        for param, group in self.tied:
+        for param, _ in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+        self._sum_tied([param.grad for param, _ in self.tied])
+
+    def _sum_tied(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Add the other holders' `tensors` (one per tied weight, as self.tied) into them: two
+        holders swap theirs into the receives expect() posted (a + b == b + a in floating
+        point, so the copies stay equal), more all-reduce. Every send is posted before any
+        wait, so a swap never waits on a peer blocked in another weight's all-reduce."""
+        if len(self._gradients) != len(self.tied):
+            raise RuntimeError("DistCoordinator.after_backward before expect(): no receives")
+        sends = [dist.isend(tensor.clone(), peer, group, _TIED_TAG)
+                 for tensor, (_, group), peer in zip(tensors, self.tied, self._peers)
+                 if peer is not None]
+        for tensor, (_, group), posted in zip(tensors, self.tied, self._gradients):
+            if posted is None:
+                dist.all_reduce(tensor, group=group)
+            else:
+                buffer, work = posted
+                work.wait()
+                tensor += buffer
+        for work in sends:
+            work.wait()
+        self._gradients = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +464,19 @@ class DistTransport:
                 raise PipelineAborted(f"the pipeline stopped because {failure}") from error
             raise FxpipeError(f"rank {self.rank} gave up waiting for {what} after at most "
                               f"{self.timeout:.0f} s: {error}") from error
+
+
+def _other_holder(group: Any) -> int | None:
+    """The other rank of a two-rank process group; None for a larger group."""
+    ranks = dist.get_process_group_ranks(group)
+    others = [rank for rank in ranks if rank != dist.get_rank()]
+    return others[0] if len(ranks) == 2 and len(others) == 1 else None
+
+
+def _posted(buffer: torch.Tensor, source: int, group: Any, tag: int
+            ) -> tuple[torch.Tensor, Any]:
+    """`buffer` and its receive from rank `source`, posted now."""
+    return buffer, dist.irecv(buffer, source, group, tag)
 
 
 def _by_pair(comm: CommTable):

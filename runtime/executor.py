@@ -61,16 +61,27 @@ class Coordinator(Protocol):
         """The micro-batch sizes, sequence length and global mini-batch size, from the rank
         that holds the inputs."""
 
+    def expect(self, batches: int) -> None:
+        """At a step's start: get ready for what its end brings from other ranks, the loss of
+        each of `batches` mini-batches and tied weights' gradients."""
+
     def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The step's loss, from the rank that computed it, on every rank."""
+        """The step's loss, from the rank that computed it, on every rank (one call per
+        mini-batch expected)."""
 
     def after_backward(self) -> None:
         """Gradient work once the backward of a mini-batch is complete (tied weights)."""
 
-    def rehearse(self) -> float:
-        """The exchanges after_backward makes, on zeros, touching no gradient (to time them),
-        after a short burst of compute as they follow a backward; returns the seconds the
-        exchanges took, the burst left out."""
+    def end_of_backward(self) -> float:
+        """Stand in for the end of a step's backward when rehearsing one: a short burst of
+        compute, longer on the first stage's rank, which ends its backward last while the
+        others wait; returns its seconds."""
+
+    def rehearse(self) -> None:
+        """The exchanges after_backward makes, on zeros, touching no gradient (to time them)."""
+
+    def from_first_stage(self, seconds: float) -> float:
+        """The first stage's figure `seconds`, on every rank of the pipeline."""
 
     def barrier(self) -> None:
         """Wait for every rank of the pipeline (to start something timed together)."""
@@ -96,14 +107,23 @@ class LocalCoordinator:
     def dims(self, sizes, seq, total):
         return sizes, seq, total
 
+    def expect(self, batches: int) -> None:
+        return None
+
     def loss(self, loss):
         return loss
 
     def after_backward(self) -> None:
         return None
 
-    def rehearse(self) -> float:
+    def end_of_backward(self) -> float:
         return 0.0
+
+    def rehearse(self) -> None:
+        return None
+
+    def from_first_stage(self, seconds: float) -> float:
+        return seconds
 
     def barrier(self) -> None:
         return None
@@ -253,25 +273,28 @@ class PipelineExecutor:
             if action.kind is K.STEP:
                 self.runners[action.stage].step()
 
+        self.coordinator.expect(len(batches))  # once the inputs and targets passed their checks
         run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action), call,
                         schedule=schedule)
-        self.coordinator.after_backward()
-        self._trace += [Event(e.stage, e.action, e.start - run.started, e.end - run.started)
-                        for e in self.coordinator.drain_events()]
-        losses = []
+        losses = []  # shared first: the last stage sends them as soon as its schedule ends
         for i in range(len(batches)):
             mine = (torch.stack([run.losses[i * p + m] for m in range(p)]).sum()
                     if self.last else None)
             losses.append(self.coordinator.loss(mine))
+        self.coordinator.after_backward()
+        self._trace += [Event(e.stage, e.action, e.start - run.started, e.end - run.started)
+                        for e in self.coordinator.drain_events()]
         return losses
 
     def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 25) -> float:
         """Seconds a step spends outside its schedule's actions, measured with none of its
         compute (median of `repeats`): splitting the inputs and the target and agreeing on the
-        micro-batch sizes, starting and joining the stage workers, the tied-weight all-reduces
-        and sharing the loss (these two after a burst of compute, as in a step, where they
-        follow a backward and run slower than after nothing). Every rank of the pipeline must
-        call it."""
+        micro-batch sizes, starting and joining the stage workers, sharing the loss and the
+        tied weights' gradients (these two after a burst of compute, as in a step, where they
+        follow a backward and run slower than after nothing). A step ends with the first
+        stage's backward, the other ranks waiting for it, so what it pays past its schedule is
+        the first stage's rank's time: every rank returns that figure. Every rank of the
+        pipeline must call it."""
         seconds = []
         for _ in range(repeats):
             self.coordinator.barrier()
@@ -279,13 +302,13 @@ class PipelineExecutor:
             call = self._call(flat_inputs if self.first else None)
             if self.last:  # the target is split as the inputs are (a stand-in of its rows)
                 split([torch.empty(sum(call.sizes))], self.micro_batches)
+            self.coordinator.expect(1)
             self.driver.run([[] for _ in self.comm.stages], Run(call.feeds), call.key)
-            before = time.perf_counter()
-            exchanges = self.coordinator.rehearse()
-            burst = time.perf_counter() - before - exchanges  # compute, not overhead
+            burst = self.coordinator.end_of_backward()  # compute, not overhead
             self.coordinator.loss(torch.zeros(()) if self.last else None)
+            self.coordinator.rehearse()
             seconds.append(time.perf_counter() - start - burst)
-        return statistics.median(seconds)
+        return self.coordinator.from_first_stage(statistics.median(seconds))
 
     def posting_time(self, flat_inputs: Sequence[Any] | None) -> Posting | None:
         """The transport's seconds per tensor around a message (the sender's, the receiver's,
