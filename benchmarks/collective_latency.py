@@ -1,8 +1,10 @@
 """Benchmark: how long a small gloo collective takes, by what the ranks did just before it.
 
-A pipelined step under torchrun ends with collectives (the tied weights' gradient all-reduce,
-the loss broadcast) and starts with one (the micro-batch sizes). fxpipe predicts their time
-from a run with no compute (`pipe.step_overhead`). This script times one all-reduce of a
+A pipelined step under torchrun starts with a collective (the micro-batch sizes), and over
+gloo ends without one since the loss and tied gradients go point to point into receives
+posted ahead (a weight three ranks hold is still all-reduced): a collective waits for ranks
+that sat idle to wake up, which this script measures. fxpipe predicts the step's time outside
+its schedule from a run with no compute (`pipe.step_overhead`). It times one all-reduce of a
 small tensor (by default the bundled GPT's tied embedding, 128 x 64 floats) right after each
 rank has: done nothing, computed (matrix products), slept, or one rank computed while the
 other waited in the collective. Medians, 90th percentiles and the share of calls over 1 ms.

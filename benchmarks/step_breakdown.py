@@ -3,8 +3,9 @@
 Compiles a bundled model into 2 stages (one per rank under torchrun) and times steps, each
 beside its measured trace: the step on the wall clock, the span of the schedule's actions,
 the difference (the runtime's work outside the schedule: splitting the batch, starting the
-stage workers, and under torchrun the per-step size and loss broadcasts and tied-weight
-all-reduces), and the time a stage spends in its SEND actions (the simulator counts none).
+stage workers, and under torchrun the per-step size broadcast and the loss and tied-weight
+gradient exchanges), and the time a stage spends in its SEND actions (the simulator counts
+none).
 
     python benchmarks/step_breakdown.py --model gpt
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \

@@ -72,11 +72,13 @@ class DistCoordinator:
     stage's rank), the loss (from the last stage's), and the gradients of weights tied across
     stages (summed among the ranks that hold them, so the copies stay equal).
 
-    A step ends with the first stage's backward, the other ranks long done and idle. What
-    they send it then, the loss and tied gradients, goes point to point into receives posted
-    when the step began (expect): it lands while the first stage computes, and the step ends
-    without a collective that would wait for the idle ranks to wake (over gloo, a send the
-    receiver has not asked for yet also waits for that ask)."""
+    A step ends with the first stage's backward, the other ranks long done and idle. Over
+    gloo, what they send it then, the loss and tied gradients, goes point to point into
+    receives posted when the step began (expect): it lands while the first stage computes, and
+    the step ends without a collective that would wait for the idle ranks to wake (a send the
+    receiver has not asked for yet also waits for that ask). NCCL keeps the collectives: it
+    connects a pair on its first point-to-point call, which blocks until the peer makes one.
+    """
 
     def __init__(self, ranks: Sequence[int], micro_batches: int, device: str, group: Any = None,
                  tied: Sequence[tuple[torch.nn.Parameter, Any]] = (), *,
@@ -87,13 +89,16 @@ class DistCoordinator:
         self.micro_batches = micro_batches
         self.group = group
         self.tied = list(tied)
-        # a weight held by two ranks swaps gradients with the other holder; by more, all-reduced
-        self._peers = [_other_holder(group) for _, group in self.tied]
-        self._losses: list[tuple[torch.Tensor, Any]] = []  # receives posted by expect
-        self._gradients: list[tuple[torch.Tensor, Any] | None] = []
         self.sync, self.data_parallel = sync, data_parallel
         self.group_index, self.groups = group_index, groups
         backend = dist.get_backend(group)
+        self._point_to_point = backend != "nccl"
+        # a weight held by two ranks swaps gradients with the other holder; by more, all-reduced
+        self._peers = [_other_holder(group) if self._point_to_point else None
+                       for _, group in self.tied]
+        self._losses: list[tuple[torch.Tensor, Any]] = []  # receives posted by expect
+        self._gradients: list[tuple[torch.Tensor, Any] | None] = []
+        self._buffers: dict[int, torch.Tensor] = {}  # the other holder's gradient, per weight
         self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
         self._burst = ComputeBurst(device)
 
@@ -117,25 +122,37 @@ class DistCoordinator:
         return values[:-2], None if values[-2] < 0 else values[-2], values[-1]
 
     def expect(self, batches: int) -> None:
-        me = dist.get_rank()
-        self._losses = [] if me == self.last else [
+        if self._losses or any(posted is not None for posted in self._gradients):
+            raise FxpipeError("a step on this rank stopped part way and left messages "
+                              "unreceived, which the next step would take for its own; "
+                              "restart the job (every rank) to train on.")
+        if not self._point_to_point:
+            self._gradients = [None] * len(self.tied)
+            return
+        self._losses = [] if dist.get_rank() == self.last else [
             _posted(torch.empty((), dtype=torch.float64, device=self.device), self.last,
                     self.group, _LOSS_TAG) for _ in range(batches)]
-        self._gradients = [None if peer is None else
-                           _posted(torch.empty_like(param), peer, group, _TIED_TAG)
-                           for (param, group), peer in zip(self.tied, self._peers)]
+        self._gradients = [
+            None if peer is None else
+            _posted(self._buffers.setdefault(index, torch.empty_like(param)), peer, group,
+                    _TIED_TAG)
+            for index, ((param, group), peer) in enumerate(zip(self.tied, self._peers))]
 
     def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
-        if loss is None:
+        if loss is None and self._point_to_point:
             if not self._losses:
                 raise RuntimeError("DistCoordinator.loss before expect(): no receive posted")
             data, work = self._losses.pop(0)
             work.wait()
             return data.cpu()
         data = torch.empty((), dtype=torch.float64, device=self.device)
-        data.copy_(loss.detach())
-        if self.data_parallel is not None:  # the groups' weighted shares add up
-            dist.all_reduce(data, group=self.data_parallel)
+        if loss is not None:
+            data.copy_(loss.detach())
+            if self.data_parallel is not None:  # the groups' weighted shares add up
+                dist.all_reduce(data, group=self.data_parallel)
+        if not self._point_to_point:
+            dist.broadcast(data, self.last, self.group)
+            return data.cpu()
         sends = [dist.isend(data, rank, self.group, _LOSS_TAG)
                  for rank in self.ranks if rank != self.last]
         for work in sends:
@@ -169,7 +186,7 @@ class DistCoordinator:
         events, self.sync.events = self.sync.events, []
         return events
 
-    def end_of_backward(self) -> float:
+    def rehearsal_burst(self) -> float:
         bursts = 1 + (_LAGGING_BURSTS if dist.get_rank() == self.first else 0)
         return sum(self._burst() for _ in range(bursts))
 
@@ -196,21 +213,25 @@ class DistCoordinator:
         """Add the other holders' `tensors` (one per tied weight, as self.tied) into them: two
         holders swap theirs into the receives expect() posted (a + b == b + a in floating
         point, so the copies stay equal), more all-reduce. Every send is posted before any
-        wait, so a swap never waits on a peer blocked in another weight's all-reduce."""
+        wait, so a swap never waits on a peer blocked in another weight's all-reduce; a sent
+        tensor changes only once its send is done (the peer's receive was posted already)."""
         if len(self._gradients) != len(self.tied):
-            raise RuntimeError("DistCoordinator.after_backward before expect(): no receives")
-        sends = [dist.isend(tensor.clone(), peer, group, _TIED_TAG)
+            raise RuntimeError("DistCoordinator: tied gradients summed before expect()")
+        sends = [dist.isend(tensor, peer, group, _TIED_TAG)
                  for tensor, (_, group), peer in zip(tensors, self.tied, self._peers)
                  if peer is not None]
+        received = []
         for tensor, (_, group), posted in zip(tensors, self.tied, self._gradients):
             if posted is None:
                 dist.all_reduce(tensor, group=group)
             else:
                 buffer, work = posted
                 work.wait()
-                tensor += buffer
+                received.append((tensor, buffer))
         for work in sends:
             work.wait()
+        for tensor, buffer in received:
+            tensor += buffer
         self._gradients = []
 
 

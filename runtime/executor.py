@@ -70,15 +70,17 @@ class Coordinator(Protocol):
         mini-batch expected)."""
 
     def after_backward(self) -> None:
-        """Gradient work once the backward of a mini-batch is complete (tied weights)."""
+        """Gradient work once the backward of a mini-batch is complete (tied weights; after
+        expect())."""
 
-    def end_of_backward(self) -> float:
+    def rehearsal_burst(self) -> float:
         """Stand in for the end of a step's backward when rehearsing one: a short burst of
         compute, longer on the first stage's rank, which ends its backward last while the
         others wait; returns its seconds."""
 
     def rehearse(self) -> None:
-        """The exchanges after_backward makes, on zeros, touching no gradient (to time them)."""
+        """The exchanges after_backward makes, on zeros, touching no gradient (to time them;
+        after expect(), as a step)."""
 
     def from_first_stage(self, seconds: float) -> float:
         """The first stage's figure `seconds`, on every rank of the pipeline."""
@@ -116,7 +118,7 @@ class LocalCoordinator:
     def after_backward(self) -> None:
         return None
 
-    def end_of_backward(self) -> float:
+    def rehearsal_burst(self) -> float:
         return 0.0
 
     def rehearse(self) -> None:
@@ -276,7 +278,7 @@ class PipelineExecutor:
         self.coordinator.expect(len(batches))  # once the inputs and targets passed their checks
         run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action), call,
                         schedule=schedule)
-        losses = []  # shared first: the last stage sends them as soon as its schedule ends
+        losses = []  # shared first: the last stage sends them once its schedule ends
         for i in range(len(batches)):
             mine = (torch.stack([run.losses[i * p + m] for m in range(p)]).sum()
                     if self.last else None)
@@ -304,7 +306,7 @@ class PipelineExecutor:
                 split([torch.empty(sum(call.sizes))], self.micro_batches)
             self.coordinator.expect(1)
             self.driver.run([[] for _ in self.comm.stages], Run(call.feeds), call.key)
-            burst = self.coordinator.end_of_backward()  # compute, not overhead
+            burst = self.coordinator.rehearsal_burst()  # compute, not overhead
             self.coordinator.loss(torch.zeros(()) if self.last else None)
             self.coordinator.rehearse()
             seconds.append(time.perf_counter() - start - burst)

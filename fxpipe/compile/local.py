@@ -102,7 +102,7 @@ def compile(
                 f"weight {name!r} is used by stages {stages}, which are on "
                 f"{', '.join(map(str, places))}; one Parameter cannot live on several devices "
                 "in one process: put those stages on one device, or run one stage per rank "
-                "under torchrun (tied weights are then kept equal by an all-reduce)."
+                "under torchrun (tied weights' copies then get summed gradients)."
             )
     hooks = [pipe.stage_hook(s) for s in range(plan.stages)]
     outline_split_stages(pipe.stages, hooks, splits)

@@ -156,9 +156,9 @@ def train(name, stages, schedule, micro_batches, out):
                            loss_fn=loss_fn, costs="none")
         pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
         losses = train_pipelined(pipe, data)
-    shared = [p for _, p, _ in pipe.shared_parameter_objects()]
-    tied = {name: p.detach().clone() for name, p in pipe.named_parameters()
-            if any(p is q for q in shared)}
+    held = {id(p) for p in pipe.parameters()}  # each tied weight by its one name, if held
+    tied = {name: p.detach().clone() for name, p, _ in pipe.shared_parameter_objects()
+            if id(p) in held}
     state = fxpipe.gather_state_dict(pipe)
     every_rank_tied: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_tied, tied)

@@ -47,10 +47,11 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
         torch.testing.assert_close(result["state"][key], value, rtol=1e-10, atol=1e-12,
                                    msg=key)
     assert result["losses"] == pytest.approx(losses, rel=1e-12)
-    copies: dict[tuple[int, ...], list[torch.Tensor]] = {}  # a tied weight's, by its shape
+    copies: dict[str, list[torch.Tensor]] = {}  # each rank's copy of each tied weight
     for share in result["tied"]:
-        for tensor in share.values():
-            copies.setdefault(tuple(tensor.shape), []).append(tensor)
+        for weight, tensor in share.items():
+            copies.setdefault(weight, []).append(tensor)
+    assert all(len(same) > 1 for same in copies.values()), list(copies)
     for same in copies.values():  # tied copies stay identical
         assert all(torch.equal(c, same[0]) for c in same)
     model, _, _ = dist_worker.build(name)
