@@ -1,0 +1,71 @@
+"""Benchmark: each kind of action's time per step and stage, predicted against measured.
+
+A step's prediction can come out right while its parts are wrong and make up for each other
+(sends predicted too long, backwards too short). This script compiles a bundled model into 2
+stages (one per rank under torchrun, or 2 stage threads) and, in each of `--rounds` rounds,
+times the units and the runtime's own work per step afresh, predicts the step, runs `--steps`
+steps, and sums each stage's actions of one kind (F, B, SEND_F, RECV_B, ...) over the
+schedule: the predicted timeline's sum beside the median of the measured steps' sums. It
+prints one line per round: the measured step, the predicted one (schedule plus the runtime's
+own time), and per stage and kind "predicted / measured" milliseconds.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
+        benchmarks/action_kinds.py --model mlp --schedule 1f1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+from two_stages import add_model_arguments, at_least_one, two_stages
+
+import fxpipe
+from fxpipe.simulate import Event
+
+
+def sums(events: list[Event]) -> dict[tuple[int, str], float]:
+    """Seconds per (stage, kind of action) over one step's events."""
+    total: dict[tuple[int, str], float] = defaultdict(float)
+    for e in events:
+        total[e.stage, e.action.kind.name] += e.end - e.start
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "mlp", schedule=True, steps=100)
+    parser.add_argument("--partitioner", default="even")
+    parser.add_argument("--rounds", type=at_least_one, default=3)
+    args = parser.parse_args()
+    setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
+    pipe, x, y = setup.pipe, setup.x, setup.y
+    lines = []
+    for _ in range(args.rounds):
+        fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1, repeats=5)
+        overhead = pipe.measure_step_overhead(x)
+        predicted = pipe.predicted_timeline(fresh)
+        setup.warm_up(50)  # the cores settle after the timing (benchmarks/after_pause.py)
+        walls, kept = [], []
+        for _ in range(args.steps):
+            walls.append(setup.timed_step())
+            kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
+        measured = [sums(pipe.executor.full_trace(k)) for k in kept]  # after the round
+        expected = sums(predicted.events)
+        parts = "  ".join(f"{s}{kind} {seconds * 1e3:.2f}/"
+                          f"{statistics.median(m.get((s, kind), 0.0) for m in measured) * 1e3:.2f}"
+                          for (s, kind), seconds in sorted(expected.items()))
+        lines.append(f"step {statistics.median(walls) * 1e3:.2f} measured, "
+                     f"{(predicted.makespan + overhead) * 1e3:.2f} predicted | {parts}")
+    if not setup.reporting():
+        return
+    print(f"{args.model}, {setup.where}, {args.partitioner}, {args.schedule}, "
+          f"{args.micro_batches} micro-batches; per round: ms per step, then per stage and "
+          f"kind of action predicted/measured ms per step (medians of {args.steps} steps)")
+    print(f"link: {pipe.link}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
