@@ -98,7 +98,9 @@ class DistCoordinator:
                        for _, group in self.tied]
         self._losses: list[tuple[torch.Tensor, Any]] = []  # receives posted by expect
         self._gradients: list[tuple[torch.Tensor, Any] | None] = []
-        self._buffers: dict[int, torch.Tensor] = {}  # the other holder's gradient, per weight
+        # the other holder's gradient, per swapped weight: made at the first step, as a
+        # model built on the meta device has storage only after compile
+        self._buffers: dict[int, torch.Tensor] = {}
         self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
         self._burst = ComputeBurst(device)
 
@@ -126,17 +128,19 @@ class DistCoordinator:
             raise FxpipeError("a step on this rank stopped part way and left messages "
                               "unreceived, which the next step would take for its own; "
                               "restart the job (every rank) to train on.")
-        if not self._point_to_point:
-            self._gradients = [None] * len(self.tied)
-            return
-        self._losses = [] if dist.get_rank() == self.last else [
-            _posted(torch.empty((), dtype=torch.float64, device=self.device), self.last,
-                    self.group, _LOSS_TAG) for _ in range(batches)]
-        self._gradients = [
-            None if peer is None else
-            _posted(self._buffers.setdefault(index, torch.empty_like(param)), peer, group,
-                    _TIED_TAG)
-            for index, ((param, group), peer) in enumerate(zip(self.tied, self._peers))]
+        sent_here = self._point_to_point and dist.get_rank() != self.last
+        self._losses = [_posted(torch.empty((), dtype=torch.float64, device=self.device),
+                                self.last, self.group, _LOSS_TAG)
+                        for _ in range(batches if sent_here else 0)]
+        self._gradients = [None if peer is None else
+                           _posted(self._buffer(index, param), peer, group, _TIED_TAG)
+                           for index, ((param, group), peer)
+                           in enumerate(zip(self.tied, self._peers))]
+
+    def _buffer(self, index: int, param: torch.nn.Parameter) -> torch.Tensor:
+        if index not in self._buffers:
+            self._buffers[index] = torch.empty_like(param)
+        return self._buffers[index]
 
     def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         if loss is None and self._point_to_point:
@@ -150,13 +154,12 @@ class DistCoordinator:
             data.copy_(loss.detach())
             if self.data_parallel is not None:  # the groups' weighted shares add up
                 dist.all_reduce(data, group=self.data_parallel)
-        if not self._point_to_point:
+        if self._point_to_point:  # the last stage's rank, into the receives expect posted
+            for work in [dist.isend(data, rank, self.group, _LOSS_TAG)
+                         for rank in self.ranks if rank != self.last]:
+                work.wait()
+        else:
             dist.broadcast(data, self.last, self.group)
-            return data.cpu()
-        sends = [dist.isend(data, rank, self.group, _LOSS_TAG)
-                 for rank in self.ranks if rank != self.last]
-        for work in sends:
-            work.wait()
         return data.cpu()
 
     def gather_events(self, events, origin):
