@@ -6,8 +6,9 @@ simulator adds to a stage's first compute after a wait. This script measures it 
 model instead: each rank times one forward and backward of the model on a micro-batch, back
 to back, after a sleep, after spinning (busy, not blocked) for as long, and right after a
 blocking receive from the other rank, which meanwhile computed (the ranks take turns, as
-adjacent stages do; in the other three kinds both ranks compute at once, as every rank times
-the units at compile). Kinds alternate round by round; rank 0 prints each rank's medians and
+adjacent stages do; in the other kinds both ranks compute at once, as every rank times the
+units at compile), and right after a receive whose message landed while the rank spun, so
+that nothing blocked. Kinds alternate round by round; rank 0 prints each rank's medians and
 their differences from back to back.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/resume_penalty.py
 """
@@ -24,7 +25,8 @@ from two_stages import add_model_arguments, at_least_one
 
 from fxpipe.models import bundled
 
-KINDS = ("back to back", "after a sleep", "after spinning", "after a receive")
+KINDS = ("back to back", "after a sleep", "after spinning", "after a receive",
+         "after a receive already there")
 
 
 def main() -> None:
@@ -53,7 +55,7 @@ def main() -> None:
         while time.perf_counter() < until:
             pass
 
-    token = torch.zeros(1)
+    token, landing = torch.zeros(1), torch.zeros(1)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for _ in range(args.rounds):
         for _ in range(args.steps):
@@ -73,6 +75,12 @@ def main() -> None:
                 dist.recv(token, peer)
                 times["after a receive"].append(compute())
                 dist.send(token, peer)
+        for _ in range(args.steps):  # both at once; the message lands while the rank spins
+            arriving = dist.irecv(landing, peer)
+            dist.isend(token, peer).wait()
+            spin(args.wait)
+            arriving.wait()  # there already: nothing blocks
+            times["after a receive already there"].append(compute())
     base = statistics.median(times["back to back"])
     line = f"rank {rank}: " + ", ".join(
         f"{kind} {statistics.median(times[kind]) * 1e6:.0f} us"

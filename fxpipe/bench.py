@@ -85,8 +85,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
 
     A shared machine's speed drifts over seconds, and a prediction is only as good as the
     timings it was made from. So the `repeats` timed steps are split into `rounds`, each right
-    after the units and the loss are timed afresh (`fxpipe.retime`, no disk cache) and the
-    runtime's own time per step is measured (`pipe.measure_step_overhead`): the prediction
+    after the link between the stages is measured again (`pipe.measure_link`), the units and
+    the loss are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's own time per
+    step is measured (`pipe.measure_step_overhead`): the prediction
     (the simulated schedule plus that time) is the median of the rounds' predictions, the
     measurement the median of all timed steps, and both sample the machine over the same
     stretch of time.
@@ -111,6 +112,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
         predictions, times, late = [], [], []
         for steps in _split(repeats, rounds):
+            pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
             overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
             timeline = pipe.predicted_timeline(fresh)

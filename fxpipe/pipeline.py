@@ -65,6 +65,7 @@ class CompiledPipeline(torch.nn.Module):
             comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
             link=link, executor=None, intra_layer=[], timing=None,  # timing: set by compile
             step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
+            link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
         )
 
     @property
@@ -195,6 +196,17 @@ class CompiledPipeline(torch.nn.Module):
         flat = self.traced.bind(inputs, kwargs)
         vars(self)["step_overhead"] = self.executor.step_overhead(flat)
         return self.step_overhead
+
+    def measure_link(self, *inputs: Any, **kwargs: Any) -> Link:
+        """The link between the stages measured now as compile measured it (the plan's figures
+        where it gave them), on `inputs` (a mini-batch), and kept as `link`: what the costs
+        of sending values (`fxpipe.retime`) and the predicted timeline take. A shared
+        machine's speed drifts, and so do these figures. Under torchrun every rank of the job
+        must call it."""
+        if self.link_probe is None:
+            raise ValueError("measure_link() needs a pipeline made by fxpipe.compile")
+        vars(self)["link"] = self.link_probe(self.traced.bind(inputs, kwargs))
+        return self.link
 
     def report(self, file: Any = None, partition: Partition | None = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,

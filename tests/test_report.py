@@ -235,6 +235,19 @@ def test_compile_measures_the_runtimes_own_time_per_step_without_touching_gradie
     assert none.step_overhead == 0.0  # not measured without costs
 
 
+def test_measure_link_measures_the_link_again_and_keeps_it():
+    model = fxpipe.models.MLP()
+    x = torch.randn(8, 32)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2), example_inputs=(x,), cache=False)
+    compiled = pipe.link
+    again = pipe.measure_link(x)
+    assert pipe.link is again and again is not compiled  # measured anew, kept
+    assert again.source == compiled.source and again.latency > 0  # stage threads hand over
+    given = fxpipe.compile(model, fxpipe.Plan(stages=2, link=(1e-3, 1e9)),
+                           example_inputs=(x,), cache=False)
+    assert given.measure_link(x) == given.link  # the plan's figures, as they were
+
+
 @pytest.mark.parametrize("schedule, posting", [("gpipe", 1.0), ("1f1b", 3.0)])
 def test_a_stage_posts_its_receives_as_the_runtime_does(schedule, posting):
     """A stage that runs its forwards first (GPipe) posts its receives back to back at the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from fxpipe.compile.front import (
 )
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.compile.retime import Timing
-from fxpipe.cost import Partition
+from fxpipe.cost import Link, Partition
 from fxpipe.distributed import rank_device, rank_layout
 from fxpipe.errors import PlanError
 from fxpipe.passes.analysis.comm import default_link, measure_rank_link
@@ -51,13 +52,8 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     whole = whole_positions(traced, plan, args, kwargs)
     check_batched_inputs(traced, plan, args, kwargs, whole)
     _agree(layout, plan, units)
-    given = isinstance(plan.link, tuple)
-    link = stage_link(plan, [device, device]) if given else default_link(device, device, True)
     links = _LinkGroups(layout)
-    if not given and plan.stages > 1:
-        # a ping-pong between the first two stages' ranks; the others take rank 0's, below
-        link = measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), links.get(0, 1),
-                                 device, reply_group=links.get(1, 0)) or link
+    link = _ping_pong(plan, layout, links, device)  # the others take rank 0's, below
     threads = torch.get_num_threads()
     # every rank times the units at once, so the times include the ranks' contention for the
     # host's caches and memory; rank 0's table (and partition) is the one every rank uses
@@ -104,19 +100,47 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         micro_batches, traced.bind.unflatten, threads, coordinator,
     )
     pipe.executor.whole = whole
-    if not given and plan.stages > 1:  # the runtime's own time to send and receive a tensor,
-        # and how much it slows the compute after a send and while a message lands
-        shared = [pipe.executor.posting_time(traced.bind(args, kwargs))]
-        torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
-        if shared[0] is not None:
-            posting = shared[0]
-            vars(pipe)["link"] = dataclasses.replace(
-                link, post=posting.send, post_recv=posting.receive,
-                post_recv_between=posting.receive_between, after_send=posting.after_send,
-                after_receive=posting.after_receive)
+    vars(pipe)["link"] = _with_posting(pipe, link, layout, traced.bind(args, kwargs))
+    pipe.link_probe = functools.partial(_measure_link, pipe, layout, links, device)
     if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
     return pipe
+
+
+def _ping_pong(plan: Plan, layout, links: _LinkGroups, device: str) -> Link:
+    """The plan's link, or one fitted to a ping-pong between the first two stages' ranks
+    (the default link on the ranks that take no part; compile shares rank 0's)."""
+    if isinstance(plan.link, tuple):
+        return stage_link(plan, [device, device])
+    link = default_link(device, device, True)
+    if plan.stages == 1:
+        return link
+    return measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), links.get(0, 1),
+                             device, reply_group=links.get(1, 0)) or link
+
+
+def _with_posting(pipe: CompiledPipeline, link: Link, layout, flat: Sequence[Any]) -> Link:
+    """`link` with the runtime's own time to send and receive a tensor, and how much it slows
+    the compute after a send and while a message lands, measured on the first stage pair and
+    shared by its first rank (the plan's link as it is)."""
+    if isinstance(pipe.plan.link, tuple) or pipe.plan.stages == 1:
+        return link
+    shared = [pipe.executor.posting_time(flat)]
+    torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
+    if shared[0] is None:
+        return link
+    posting = shared[0]
+    return dataclasses.replace(link, post=posting.send, post_recv=posting.receive,
+                               post_recv_between=posting.receive_between,
+                               after_send=posting.after_send, after_receive=posting.after_receive)
+
+
+def _measure_link(pipe: CompiledPipeline, layout, links: _LinkGroups, device: str,
+                  flat: Sequence[Any]) -> Link:
+    """The link measured again as compile measured it, the same on every rank of the job."""
+    shared: list[Any] = [_ping_pong(pipe.plan, layout, links, device)]
+    torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
+    return _with_posting(pipe, shared[0], layout, flat)
 
 
 def _agree(layout, plan: Plan, units: Sequence[Unit]) -> None:

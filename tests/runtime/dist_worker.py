@@ -139,6 +139,12 @@ def train(name, stages, schedule, micro_batches, out):
         assert 0 <= pipe.link.resume < 0.05  # beyond 50 ms the measurement went wrong
         assert 0 <= pipe.link.after_send < 0.05
         assert 0 <= pipe.link.after_receive < 0.05
+        compiled, again = pipe.link, pipe.measure_link(data[0][0])  # measured anew, kept
+        assert pipe.link is again and again is not compiled
+        assert again.source == compiled.source and again.post > 0
+        links: list = [None] * dist.get_world_size()  # the same figures on every rank
+        dist.all_gather_object(links, again)
+        assert links == [again] * len(links)
         assert pipe.step_overhead > 0
         overheads: list = [None] * dist.get_world_size()  # the first stage's, on every rank
         dist.all_gather_object(overheads, pipe.step_overhead)
