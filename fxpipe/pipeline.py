@@ -13,6 +13,7 @@ from torch import fx
 from torch.utils.hooks import RemovableHandle
 
 from fxpipe.affinity import format_cpus
+from fxpipe.allocator import kept
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
@@ -336,6 +337,9 @@ class CompiledPipeline(torch.nn.Module):
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:
             table += "\n" + split.format()
+        if kept() and any(str(d).startswith("cpu") for d in self.devices):
+            table += ("\nCPU memory: freed memory kept for reuse (Plan(cpu_memory='keep'); "
+                      "'system' leaves the allocator as it is)")
         return table
 
     def _weight_copies_line(self) -> str:

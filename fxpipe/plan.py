@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fxpipe.affinity import AFFINITIES
+from fxpipe.allocator import CPU_MEMORY
 from fxpipe.errors import PlanError
 
 __all__ = [
@@ -75,6 +76,10 @@ class Plan:
     # and threads it starts later, to CPUs of its own when there are enough and no launcher
     # placed the ranks already (fxpipe.affinity); "none" binds nothing
     cpu_affinity: str = "auto"
+    # with a stage on the CPU: "keep" has the C allocator (glibc) keep memory the process frees
+    # for its next allocations instead of handing it back to the system at once, so a step's
+    # tensors find their pages mapped (fxpipe.allocator); "system" leaves the allocator as it is
+    cpu_memory: str = "keep"
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -124,6 +129,7 @@ class Plan:
             object.__setattr__(self, "whole_inputs", (self.whole_inputs,))
         object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
         _choice("cpu_affinity", self.cpu_affinity, AFFINITIES)
+        _choice("cpu_memory", self.cpu_memory, CPU_MEMORY)
 
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""

@@ -30,6 +30,8 @@ from fxpipe import Plan, PlanError
      r"chooses the micro-batch count itself, so micro_batches=4 would be ignored"),
     ({"stages": 2, "cpu_affinity": "cores"}, r"Plan\(cpu_affinity='cores'\) is not known; "
                                              r"choose one of 'auto', 'none'"),
+    ({"stages": 2, "cpu_memory": "jemalloc"}, r"Plan\(cpu_memory='jemalloc'\) is not known; "
+                                              r"choose one of 'keep', 'system'"),
 ])
 def test_bad_plans_say_what_to_change(kwargs, message):
     with pytest.raises(PlanError, match=message):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fxpipe.affinity import pin_rank
+from fxpipe.allocator import keep_freed_memory
 from fxpipe.compile.front import (
     check_batched_inputs,
     measure_costs,
@@ -48,6 +49,8 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
     cpus = pin_rank(device, plan.cpu_affinity)  # before anything is timed
+    if plan.cpu_memory == "keep" and torch.device(device).type == "cpu":
+        keep_freed_memory()
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     whole = whole_positions(traced, plan, args, kwargs)
     check_batched_inputs(traced, plan, args, kwargs, whole)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.allocator import keep_freed_memory
 from fxpipe.compile.distributed import compile_distributed
 from fxpipe.compile.front import (
     busy_stages,
@@ -77,6 +78,8 @@ def compile(
             "groups=1 in one process."
         )
     devices = stage_devices(model, plan)
+    if plan.cpu_memory == "keep" and any(torch.device(d).type == "cpu" for d in devices):
+        keep_freed_memory()  # before anything is timed, so the costs see it as steps will
 
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     whole = whole_positions(traced, plan, args, kwargs)

@@ -54,7 +54,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 7  # bump when the cached record changes (or how it is measured)
+_FORMAT = 8  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -191,11 +191,13 @@ def profile_units(
     try:
         with preserved_state(graph), _gradients_set_aside(graph), \
                 _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads,
-                      load):
-            rows = [_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
-                             device, warmup, repeats,
-                             loss=loss and functools.partial(loss, size=size))
-                    for size in sizes]
+                      load) as background:
+            rows = []
+            for size in sizes:
+                background.size = size  # the neighbours run micro-batches of the timed size
+                rows.append(_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
+                                     device, warmup, repeats,
+                                     loss=loss and functools.partial(loss, size=size)))
         with preserved_state(graph), _gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
                                                  for size in sizes], device)
@@ -231,12 +233,15 @@ class _Load:
     stage runs them: the forwards in a row on connected values, then one backward. (Running
     them as the timed thread does, with a timer and a backward call per unit, loaded the
     interpreter more than a stage does: `fxpipe bench gpt` measured 0.79-0.89 of the
-    predicted step.)"""
+    predicted step.) They run micro-batches of `size`, the one being timed, as the other
+    stages of a pipeline do: a neighbour cycling through every size slowed the timed units
+    by more or less than the pipeline's stages do, depending on the sizes it ran meanwhile."""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
                  threads: int, kind: str = "stage") -> None:
         self.workers, self.kind = workers, kind
         self.args = (graph, table, flat_inputs, dims, sizes, device, threads)
+        self.size = sizes[0]  # set by the timing as it moves from size to size
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
@@ -250,17 +255,18 @@ class _Load:
             needs_grad = _needs_grad(table)
             retained: dict[int, list[Any]] = {}  # per size: outputs of one forward, kept
             while not self.stop.is_set():
-                for i, values in enumerate(inputs):
-                    if alone:
-                        _measure(graph, table, values, device, 0, 1)
-                    elif self.kind == "stage":
-                        _as_a_stage(table, modules, values, needs_grad)
-                    elif self.kind == "forwards":
-                        _connected_forward(table, modules, values, needs_grad)
-                    else:  # backwards, again and again through one graph per size
-                        if i not in retained:
-                            retained[i] = _connected_forward(table, modules, values, needs_grad)
-                        _backward_from(retained[i], retain_graph=True)
+                i = sizes.index(self.size)
+                values = inputs[i]
+                if alone:
+                    _measure(graph, table, values, device, 0, 1)
+                elif self.kind == "stage":
+                    _as_a_stage(table, modules, values, needs_grad)
+                elif self.kind == "forwards":
+                    _connected_forward(table, modules, values, needs_grad)
+                else:  # backwards, again and again through one graph per size
+                    if i not in retained:
+                        retained[i] = _connected_forward(table, modules, values, needs_grad)
+                    _backward_from(retained[i], retain_graph=True)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
             self.errors.append(error)
 
