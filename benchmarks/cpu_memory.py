@@ -56,7 +56,9 @@ def main() -> None:
             command = [sys.executable, __file__, "--child", setting, "--model", args.model,
                        "--batch", str(args.batch), "--micro-batches", str(args.micro_batches),
                        "--schedule", args.schedule, "--steps", str(args.steps)]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"the {setting!r} process failed:\n{done.stderr}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
             results[setting].append(result)
             print(f"pair {pair + 1} {setting:6s}: step {result['measured'] * 1e3:6.1f}  "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["CPU_MEMORY", "keep_freed_memory", "kept"]
+__all__ = ["CPU_MEMORY", "describe", "keep_freed_memory", "kept"]
 
 CPU_MEMORY = ("keep", "system")
 
@@ -21,19 +21,23 @@ _kept = False
 
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep the memory this process frees for its next allocations: blocks
-    up to 32 MiB come from the heap, not each from a mapping of its own, and the heap does not
-    shrink. A training step frees and allocates the same tensors again and again; memory given
-    back to the system must be mapped and faulted in afresh every time, which a virtual
-    machine makes costly (benchmarks/cpu_memory.py). The process then holds on to its peak
-    memory. Returns whether the allocator keeps freed memory now; False where the C library
-    is not glibc (nothing is changed)."""
+    up to 32 MiB always come from the heap, and the heap never shrinks. As it comes, glibc
+    gives a large block a mapping of its own until freeing one raises that threshold, and
+    hands the free top of a heap back to the system beyond another; a training step frees and
+    allocates the same tensors again and again, and memory handed back must be faulted in
+    afresh, which a virtual machine makes costly (benchmarks/cpu_memory.py). The process then
+    holds on to its peak memory. Returns whether the allocator keeps freed memory now; False,
+    with nothing changed, where malloc is not glibc's (another C library, or an allocator
+    such as jemalloc or tcmalloc preloaded). A setting glibc refused leaves the ones before
+    it set."""
     global _kept
     if _kept:
         return True
     libc = _glibc()
     if libc is None:
         return False
-    _kept = all(libc.mallopt(parameter, value) == 1 for parameter, value in _SETTINGS)
+    results = [libc.mallopt(parameter, value) for parameter, value in _SETTINGS]
+    _kept = all(result == 1 for result in results)
     return _kept
 
 
@@ -42,12 +46,37 @@ def kept() -> bool:
     return _kept
 
 
+def describe(asked: str) -> str | None:
+    """One line on this process's handling of freed CPU memory for a plan that asked for
+    `asked` ("keep" or "system"), or None when there is nothing to say (left as it was)."""
+    if kept():
+        if asked == "keep":
+            return "CPU memory: freed memory kept for reuse (Plan(cpu_memory='keep'))"
+        return ("CPU memory: freed memory kept for reuse, as an earlier compile in this process "
+                "set it (it lasts as long as the process)")
+    if asked == "keep":
+        return ("CPU memory: as the allocator handles it (Plan(cpu_memory='keep') needs "
+                "glibc's malloc)")
+    return None
+
+
 def _glibc() -> ctypes.CDLL | None:
+    """glibc, when it is the C library and its malloc the process's; else None."""
     try:
         version = os.confstr("CS_GNU_LIBC_VERSION")
     except (AttributeError, ValueError, OSError):
         return None
     if not version or not version.startswith("glibc"):
         return None
-    libc = ctypes.CDLL(None)
-    return libc if hasattr(libc, "mallopt") else None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    process = ctypes.CDLL(None)  # the malloc calls resolve to: a preloaded one comes first
+    if _address(process.malloc) != _address(libc.malloc):
+        return None
+    return libc
+
+
+def _address(function: ctypes._CFuncPtr) -> int | None:
+    return ctypes.cast(function, ctypes.c_void_p).value

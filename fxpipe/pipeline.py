@@ -13,7 +13,7 @@ from torch import fx
 from torch.utils.hooks import RemovableHandle
 
 from fxpipe.affinity import format_cpus
-from fxpipe.allocator import kept
+from fxpipe.allocator import describe
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
@@ -200,12 +200,16 @@ class CompiledPipeline(torch.nn.Module):
 
     def measure_link(self, *inputs: Any, **kwargs: Any) -> Link:
         """The link between the stages measured now as compile measured it (the plan's figures
-        where it gave them), on `inputs` (a mini-batch), and kept as `link`: what the costs
-        of sending values (`fxpipe.retime`) and the predicted timeline take. A shared
-        machine's speed drifts, and so do these figures. Under torchrun every rank of the job
-        must call it."""
+        where it gave them), on `inputs` (a mini-batch), and kept as `link`, which
+        `fxpipe.retime` then times the values' sending with and `predicted_timeline` takes its
+        posting and slowdown terms from (`pipe.partition` and `pipe.cost` keep compile's: pass
+        retime's partition to `predicted_timeline` for a prediction from the new link alone). A
+        shared machine's speed drifts, and so do these figures. Under torchrun every rank of
+        the job must call it."""
         if self.link_probe is None:
-            raise ValueError("measure_link() needs a pipeline made by fxpipe.compile")
+            raise FxpipeError("measure_link() measures what compile measured, and this pipeline "
+                              "was not made by compile: make it with fxpipe.compile(model, "
+                              "plan, example_inputs=...).")
         vars(self)["link"] = self.link_probe(self.traced.bind(inputs, kwargs))
         return self.link
 
@@ -337,9 +341,9 @@ class CompiledPipeline(torch.nn.Module):
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:
             table += "\n" + split.format()
-        if kept() and any(str(d).startswith("cpu") for d in self.devices):
-            table += ("\nCPU memory: freed memory kept for reuse (Plan(cpu_memory='keep'); "
-                      "'system' leaves the allocator as it is)")
+        memory = describe(self.plan.cpu_memory)
+        if memory and any(str(d).startswith("cpu") for d in self.devices):
+            table += "\n" + memory
         return table
 
     def _weight_copies_line(self) -> str:

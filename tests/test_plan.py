@@ -59,7 +59,8 @@ def test_csimd_chooses_the_micro_batch_count():
 
 def test_save_and_load_round_trip(tmp_path):
     plan = Plan(stages=3, partitioner=[2, 2, 1], schedule="1f1b", micro_batches=4,
-                devices=["cpu"] * 3, link=(1e-5, 1e9), leaf_modules=["blocks.0"])
+                devices=["cpu"] * 3, link=(1e-5, 1e9), leaf_modules=["blocks.0"],
+                cpu_memory="system")
     path = tmp_path / "plan.json"
     plan.save(path, predicted_step_seconds=0.1)
     assert Plan.load(path) == plan

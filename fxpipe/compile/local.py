@@ -98,7 +98,7 @@ def compile(
     pipe = CompiledPipeline(model, plan, traced, units, partition, graph, comm, devices,
                             cost, link)
     pipe.intra_layer, pipe.timing = splits, timing
-    pipe.link_probe = lambda flat: stage_link(plan, devices)
+    pipe.link_probe = lambda _flat: stage_link(plan, devices)
     for name, stages in pipe.shared_parameters().items():
         places = sorted({torch.device(devices[s]) for s in stages}, key=str)
         if len(places) > 1:

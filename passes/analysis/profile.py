@@ -36,6 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from fxpipe.allocator import kept
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
 from fxpipe.materialize import has_meta_tensors, kept_from, materialized_copy
@@ -235,7 +236,9 @@ class _Load:
     interpreter more than a stage does: `fxpipe bench gpt` measured 0.79-0.89 of the
     predicted step.) They run micro-batches of `size`, the one being timed, as the other
     stages of a pipeline do: a neighbour cycling through every size slowed the timed units
-    by more or less than the pipeline's stages do, depending on the sizes it ran meanwhile."""
+    by more or less than the pipeline's stages do, depending on the sizes it ran meanwhile.
+    (A worker finishes the micro-batch it is running when the size changes, so the first
+    warm-up runs of the next size may still meet one of the last.)"""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
                  threads: int, kind: str = "stage") -> None:
@@ -556,5 +559,6 @@ def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                    for x in flat_inputs],
         "threads": threads, "concurrency": concurrency,
         "alone": has_meta_tensors(graph),  # a meta model's units are timed one at a time
+        "memory kept": kept(),  # the allocator's handling of freed memory changes the times
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]
