@@ -44,9 +44,11 @@ def format_stage_table(
     shared: dict[str, list[int]] | None = None,
     timed: bool = True,
     link: Link | None = None,
+    simulated: tuple[str, float] | None = None,
 ) -> str:
     """One row per stage: device, units, parameters, predicted times and memory, and what
-    crosses its boundaries; then the prediction for the whole step."""
+    crosses its boundaries; then the prediction for the whole step: GPipe's closed form, which
+    the partitioners score, and `simulated`, (schedule, seconds) from the event simulator."""
     rows = []
     for s, stage in enumerate(partition.stages):
         start, end = stage.units
@@ -63,10 +65,13 @@ def format_stage_table(
     if timed:
         lines.append(
             f"fwd/bwd ms: per micro-batch; predicted step ({partition.micro_batches} "
-            f"micro-batch{'es' if partition.micro_batches != 1 else ''}, gpipe closed form): "
-            f"{_ms(partition.predicted_time)} ms, bubble {partition.bubble:.0%}, "
-            f"slowest forward {_ms(partition.rho_f)} ms, slowest backward "
-            f"{_ms(partition.rho_b)} ms" + (f"; links: {link}" if link else "")
+            f"micro-batch{'es' if partition.micro_batches != 1 else ''}, gpipe closed form, "
+            f"which the partitioners score): {_ms(partition.predicted_time)} ms, bubble "
+            f"{partition.bubble:.0%}, slowest forward {_ms(partition.rho_f)} ms, slowest "
+            f"backward {_ms(partition.rho_b)} ms"
+            + (f"; {simulated[0]} as the event simulator runs it: {_ms(simulated[1])} ms"
+               if simulated else "")
+            + (f"; links: {link}" if link else "")
         )
     else:
         lines.append("no times measured (Plan(costs='none')): the partition ignores speed")

@@ -334,9 +334,13 @@ class CompiledPipeline(torch.nn.Module):
                  f"{len(self.units)} units in {self.plan.stages} stages, "
                  f"partition {partition.partitioner} ({sizes})")
         params = [sum(p.numel() for p in s.module.parameters()) for s in self.stages]
+        simulated = None
+        if self.executor is not None and self.plan.costs != "none":
+            schedule = self.executor.last_schedule or self.executor.schedule
+            simulated = (schedule.name, self.predicted_timeline().makespan)
         table = format_stage_table(title, self.units, partition, self.comm, self.devices, params,
                                    self.shared_parameters(), self.plan.costs != "none",
-                                   self.link)
+                                   self.link, simulated)
         if self.plan.schedule == "async-1f1b" and self.executor is not None:
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:
