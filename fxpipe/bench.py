@@ -205,7 +205,9 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
                                stderr=subprocess.PIPE, text=True)
         errors = _relay_progress(job.stderr)
         if job.wait() != 0:
-            raise FxpipeError(f"the torchrun benchmark failed:\n{errors[-2000:]}")
+            # the launcher's own report of a failed rank alone takes about 2000 characters:
+            # keep enough before it for the rank's message
+            raise FxpipeError(f"the torchrun benchmark failed:\n{errors[-8000:]}")
         with open(out) as handle:
             return [BenchRow(**{**row, "sizes": tuple(row["sizes"]),
                                 "memory": tuple(row["memory"])}) for row in json.load(handle)]
