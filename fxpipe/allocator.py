@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 
-__all__ = ["CPU_MEMORY", "describe", "keep_freed_memory", "kept"]
+import torch
+
+__all__ = ["CPU_MEMORY", "describe", "keep_for", "keep_freed_memory", "kept"]
 
 CPU_MEMORY = ("keep", "system")
 
@@ -39,6 +42,14 @@ def keep_freed_memory() -> bool:
     results = [libc.mallopt(parameter, value) for parameter, value in _SETTINGS]
     _kept = all(result == 1 for result in results)
     return _kept
+
+
+def keep_for(asked: str, devices: Sequence[str | torch.device]) -> bool:
+    """What compile does with Plan(cpu_memory=`asked`) for stages on `devices`, before it times
+    anything: keep_freed_memory() when "keep" and a stage is on the CPU. Returns kept()."""
+    if asked == "keep" and any(torch.device(d).type == "cpu" for d in devices):
+        keep_freed_memory()
+    return kept()
 
 
 def kept() -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fxpipe.affinity import pin_rank
-from fxpipe.allocator import keep_freed_memory
+from fxpipe.allocator import keep_for
 from fxpipe.compile.front import (
     check_batched_inputs,
     measure_costs,
@@ -49,8 +49,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
     cpus = pin_rank(device, plan.cpu_affinity)  # before anything is timed
-    if plan.cpu_memory == "keep" and torch.device(device).type == "cpu":
-        keep_freed_memory()
+    keep_for(plan.cpu_memory, [device])
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     whole = whole_positions(traced, plan, args, kwargs)
     check_batched_inputs(traced, plan, args, kwargs, whole)

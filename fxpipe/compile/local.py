@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.allocator import keep_freed_memory
+from fxpipe.allocator import keep_for
 from fxpipe.compile.distributed import compile_distributed
 from fxpipe.compile.front import (
     busy_stages,
@@ -78,8 +78,7 @@ def compile(
             "groups=1 in one process."
         )
     devices = stage_devices(model, plan)
-    if plan.cpu_memory == "keep" and any(torch.device(d).type == "cpu" for d in devices):
-        keep_freed_memory()  # before anything is timed, so the costs see it as steps will
+    keep_for(plan.cpu_memory, devices)  # before anything is timed, as steps will run
 
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     whole = whole_positions(traced, plan, args, kwargs)
