@@ -208,10 +208,11 @@ def _bytes_held(pipe):
             "model": size(everything)}
 
 
-def hybrid(mode, out):
+def hybrid(mode, name, out):
     """2 pipeline groups x 2 stages: each group trains on its half of the global batch and
-    GroPipe's all-reduce (delayed, or naive) averages the stages' gradients across groups."""
-    model, data, loss_fn = build("skipnet")
+    GroPipe's all-reduce (delayed, or naive) averages the stages' gradients across groups
+    (for the GPT, whose embedding is tied to its output layer, also across the two stages)."""
+    model, data, loss_fn = build(name)
     data = global_batches(data)
     plan = fxpipe.Plan(stages=2, groups=2, micro_batches=2, loss_fn=loss_fn, costs="none",
                        dp_sync=mode)
@@ -229,15 +230,16 @@ def hybrid(mode, out):
         torch.save(shares, out)
 
 
-def hybrid_reference():
+def hybrid_reference(name):
     """One process, the whole global batch, no pipeline."""
-    model, data, loss_fn = build("skipnet")
+    model, data, loss_fn = build(name)
     return train_plainly(model, global_batches(data), loss_fn)
 
 
 def global_batches(data):
-    """Each batch doubled into a global batch of 14 samples for two pipeline groups."""
-    return [(torch.cat([x, x + 1]), torch.cat([y, y.flip(0)])) for x, y in data]
+    """Each batch doubled into a global batch for two pipeline groups, the second half's
+    samples other than the first's."""
+    return [(torch.cat([x, x.roll(1, -1)]), torch.cat([y, y.flip(0)])) for x, y in data]
 
 
 def fail(out):
@@ -270,8 +272,8 @@ def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     if scenario == "fail":
         fail(out)
-    elif scenario.startswith("hybrid:"):
-        hybrid(scenario.removeprefix("hybrid:"), out)
+    elif scenario.startswith("hybrid:"):  # hybrid:MODE:MODEL
+        hybrid(*scenario.split(":")[1:], out)
     elif scenario == "mismatch":
         fxpipe.compile(SkipNet(), fxpipe.Plan(stages=3, costs="none"),
                        example_inputs=(torch.randn(4, 5),))

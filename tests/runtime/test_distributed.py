@@ -111,16 +111,18 @@ def test_world_size_must_fit_the_plan(tmp_path):
             "--nproc-per-node 3") in result.stderr
 
 
-@pytest.mark.parametrize("mode", ["delayed", "naive"])
-def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, tmp_path):
+@pytest.mark.parametrize("mode, model", [("delayed", "skipnet"), ("naive", "skipnet"),
+                                         ("delayed", "gpt")])  # the GPT ties weights
+def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, model, tmp_path):
     """2 groups x 2 stages (4 ranks): every group ends with the same parameters, equal to one
-    process training on the whole global batch; GroPipe's delayed all-reduce starts on the
-    last stage before the first stage has finished its backward, the naive one after."""
+    process training on the whole global batch, weights tied across stages included;
+    GroPipe's delayed all-reduce starts on the last stage before the first stage has finished
+    its backward, the naive one after."""
     out = tmp_path / "hybrid.pt"
-    result = torchrun(4, f"hybrid:{mode}", out)
+    result = torchrun(4, f"hybrid:{mode}:{model}", out)
     assert result.returncode == 0, result.stderr[-3000:]
     shares = torch.load(out)
-    state, losses = dist_worker.hybrid_reference()
+    state, losses = dist_worker.hybrid_reference(model)
     for share in shares:
         assert share["losses"] == pytest.approx(losses, rel=1e-12)
         for key, value in share["state"].items():
