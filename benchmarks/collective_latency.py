@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fxpipe.distributed import shutdown
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,8 +61,7 @@ def main() -> None:
         slow = sum(s > 1e-3 for s in seconds) / len(seconds)
         lines.append(f"{label:27s} {statistics.median(seconds) * 1e3:7.2f} {p90 * 1e3:7.2f}"
                      f" {slow:8.0%}")
-    dist.barrier()  # every rank is done communicating before any tears gloo down
-    dist.destroy_process_group()
+    shutdown()  # every rank is done communicating before any tears gloo down
     if rank == 0:
         print(f"all-reduce of {args.numel} floats over {args.calls} calls, after "
               f"{args.busy_ms:g} ms of: (rank 0's times, ms)")

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from fxpipe.distributed import shutdown
+
 
 def loop_cpu_seconds() -> float:
     """CPU time so far of this process's gloo event threads."""
@@ -78,8 +80,7 @@ def main() -> None:
             share = statistics.median(r[1] for r in rows)
             print(f"{name:20s} {per_iteration:6.2f} ms per iteration, gloo event threads "
                   f"{share:4.0%} of a core")
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # every rank is done communicating before any tears gloo down
 
 
 if __name__ == "__main__":

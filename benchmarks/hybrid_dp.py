@@ -102,8 +102,7 @@ def main() -> None:
             print(f"\n{name}")
             for label, ms in medians.items():
                 print(f"  {label:<22}{ms:>9.1f} ms   {ms / delayed:>5.2f}x of delayed")
-    dist.barrier()  # every rank is done communicating before any tears gloo down
-    dist.destroy_process_group()
+    fxpipe.shutdown()  # every rank is done communicating before any tears gloo down
 
 
 if __name__ == "__main__":

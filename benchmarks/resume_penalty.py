@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from two_stages import add_model_arguments, at_least_one
 
+from fxpipe.distributed import shutdown
 from fxpipe.models import bundled
 
 KINDS = ("back to back", "after a sleep", "after spinning", "after a receive",
@@ -92,8 +93,7 @@ def main() -> None:
         print(f"{args.model}, batch {args.batch}, one forward and backward; waits of "
               f"{args.wait * 1e6:.0f} us; medians of {args.rounds * args.steps}")
         print("\n".join(everyone))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # every rank is done communicating before any tears gloo down
 
 
 if __name__ == "__main__":

@@ -85,9 +85,8 @@ class TwoStages:
         group down; whether this process prints (rank 0, or the only process)."""
         if not self.distributed:
             return True
-        dist.barrier()  # every rank is done communicating before any tears gloo down
         rank = dist.get_rank()
-        dist.destroy_process_group()
+        fxpipe.shutdown()  # every rank is done communicating before any tears gloo down
         return rank == 0
 
 

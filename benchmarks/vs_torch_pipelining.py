@@ -118,8 +118,7 @@ def main() -> None:
             print(f"{name:<12}{schedule:<9}{sizes!s:<10}{chunks:>3}{medians['torch']:>10.1f}"
                   f"{medians['fxpipe']:>11.1f}{medians['fxpipe'] / medians['torch']:>10.2f}"
                   f"{ideal:>10.1f}{medians['fxpipe'] / ideal:>10.2f}")
-    dist.barrier()  # every rank is done communicating before any tears gloo down
-    dist.destroy_process_group()
+    fxpipe.shutdown()  # every rank is done communicating before any tears gloo down
 
 
 if __name__ == "__main__":

@@ -77,5 +77,4 @@ state = fxpipe.gather_state_dict(pipe)  # the whole model's state dict, on rank 
 if rank == 0:
     spec.build().load_state_dict(state)
     print(f"gathered {len(state)} entries; they load into a plain {type(model).__name__}")
-dist.barrier()  # every rank is done communicating before any tears gloo down
-dist.destroy_process_group()
+fxpipe.shutdown()  # every rank is done communicating before any tears gloo down

@@ -3,7 +3,7 @@
 from fxpipe import models
 from fxpipe.compile import Replan, compile, replan, retime, units_of
 from fxpipe.cost import CostTable, Partition
-from fxpipe.distributed import gather_state_dict
+from fxpipe.distributed import gather_state_dict, shutdown
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
@@ -22,6 +22,7 @@ __all__ = [
     "models",
     "replan",
     "retime",
+    "shutdown",
     "units_of",
 ]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ from fxpipe.bench import (
     write_png,
 )
 from fxpipe.compile import available_partitioners, compare_partitioners, compile, retime
-from fxpipe.distributed import launched
+from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_table
 from fxpipe.models import MODELS, bundled
@@ -182,8 +182,7 @@ def _bench_rows(args: argparse.Namespace, micro_batches: int | str,
         return rows
     if args.rows_json and dist_rank() == 0:
         rows_to_json(args.rows_json, rows)
-    torch.distributed.barrier()  # every rank is done communicating before teardown
-    torch.distributed.destroy_process_group()
+    shutdown()  # every rank is done communicating before teardown
     return None
 
 

@@ -1,11 +1,13 @@
 """Running under torchrun: which stage and pipeline group each rank is, checked before any
-communication, and gathering a pipeline's state dict back into one."""
+communication, gathering a pipeline's state dict back into one, and leaving the job."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
+import time
 from typing import Any
 
 import torch
@@ -14,7 +16,8 @@ import torch.distributed as dist
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
 
-__all__ = ["RankLayout", "gather_state_dict", "launched", "rank_device", "rank_layout"]
+__all__ = ["RankLayout", "gather_state_dict", "launched", "rank_device", "rank_layout",
+           "shutdown"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +110,20 @@ def gather_state_dict(pipe: Any, dst: int = 0) -> dict[str, torch.Tensor] | None
         merged.update(share)
     order = getattr(pipe, "state_dict_keys", None) or list(merged)
     return {k: merged[k] for k in order if k in merged}
+
+
+def shutdown() -> None:
+    """Leave the torchrun job: every rank calls it last, in place of destroy_process_group.
+
+    It waits for the other ranks, destroys the process groups and frees them while the
+    interpreter still runs. A gloo group's worker threads free each collective's tensors
+    after the call that waited for it has returned, which takes the interpreter lock; a
+    thread that does so once the interpreter has begun to shut down aborts the process
+    ("terminate called without an active exception", pytorch/pytorch#190489). So the groups
+    that pipelines no longer in use still hold are freed here, which joins their threads,
+    and any group still held elsewhere gets a moment for its threads to finish."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()  # pipelines in reference cycles hold groups, whose threads their end joins
+    time.sleep(0.05)  # blocking here hands the interpreter lock to any thread still freeing

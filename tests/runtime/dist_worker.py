@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pathlib
 import sys
 
 import torch
@@ -267,6 +268,30 @@ def fail(out):
         sys.exit(3)
 
 
+def _gloo_threads() -> int:
+    """Threads of gloo's process groups running in this process, by the names gloo gives them."""
+    names = [pathlib.Path(f"/proc/self/task/{task}/comm").read_text().strip()
+             for task in os.listdir("/proc/self/task")]
+    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+
+
+def leave(out):
+    """Steps of a pipeline, then its trace gathered (a collective on Python objects, whose
+    tensors gloo's threads free after it returns), then fxpipe.shutdown(): no gloo thread is
+    left to outlive the interpreter. (Without an optimizer: building one imports
+    torch._dynamo, after which torch itself keeps the default group alive.)"""
+    model, data, loss_fn = build("gpt")
+    plan = fxpipe.Plan(stages=2, micro_batches=2, loss_fn=loss_fn, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    for x, y in data:
+        pipe.step(x, y)
+    pipe.full_trace()
+    rank, during = dist.get_rank(), _gloo_threads()
+    del pipe
+    fxpipe.shutdown()
+    torch.save({"during": during, "after": _gloo_threads()}, f"{out}.{rank}")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     scenario, out = sys.argv[1], sys.argv[2]
@@ -274,6 +299,8 @@ def main() -> None:
         fail(out)
     elif scenario.startswith("hybrid:"):  # hybrid:MODE:MODEL
         hybrid(*scenario.split(":")[1:], out)
+    elif scenario == "leave":
+        leave(out)
     elif scenario == "mismatch":
         fxpipe.compile(SkipNet(), fxpipe.Plan(stages=3, costs="none"),
                        example_inputs=(torch.randn(4, 5),))
@@ -281,9 +308,7 @@ def main() -> None:
         for index, case in enumerate(scenario.split("+")):
             name, stages, schedule, micro_batches = case.split(":")
             train(name, int(stages), schedule, int(micro_batches), f"{out}.{index}")
-    if dist.is_initialized():
-        dist.barrier()  # every rank is done communicating before any tears gloo down
-        dist.destroy_process_group()
+    fxpipe.shutdown()  # every rank is done communicating before any tears gloo down
 
 
 if __name__ == "__main__":

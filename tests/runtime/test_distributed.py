@@ -104,6 +104,17 @@ def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
                "failure on stage 1" in line for line in lines), result.stdout
 
 
+def test_shutdown_leaves_no_gloo_thread_behind(tmp_path):
+    """A gloo thread alive when the interpreter shuts down can abort the process as it frees a
+    collective's tensors; fxpipe.shutdown() ends every one a dropped pipeline held."""
+    out = tmp_path / "threads"
+    result = torchrun(2, "leave", out, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        threads = torch.load(f"{out}.{rank}")
+        assert threads["during"] > 0 and threads["after"] == 0, threads
+
+
 def test_world_size_must_fit_the_plan(tmp_path):
     result = torchrun(2, "mismatch", tmp_path / "unused", timeout=120)
     assert result.returncode != 0
