@@ -29,8 +29,9 @@ class Link:
     # forwards-first stage posts them all back to back at the start; None: post_recv)
     post_recv_between: float | None = None
     # how much longer a stage's next compute runs after it blocked waiting for a message (a
-    # process woken from a wait runs slower for a while: benchmarks/resume_penalty.py)
-    resume: float = 0.0
+    # process woken from a wait runs slower for a while: benchmarks/resume_penalty.py); one
+    # figure, or one per stage (measured on each stage's own compute, which it depends on)
+    resume: float | tuple[float, ...] = 0.0
     # how much longer the sender's next compute runs after it sent a message, per tensor: the
     # transport's work on the message goes on beside it (DistTransport.measure_posting)
     after_send: float = 0.0
@@ -56,7 +57,8 @@ class Link:
 
     def __str__(self) -> str:
         if math.isinf(self.bandwidth) and not (self.latency or self.post or self.receiving
-                                                or self.receiving_between or self.resume
+                                                or self.receiving_between
+                                                or any(np.atleast_1d(self.resume))
                                                 or self.after_send or self.after_receive):
             return f"free (same device, no copy; {self.source})"
         posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
@@ -64,8 +66,11 @@ class Link:
             posting += f", {self.receiving * 1e6:.0f} us to post its receive"
         if self.receiving_between != self.receiving:
             posting += f" ({self.receiving_between * 1e6:.0f} us between computes)"
-        if self.resume:
-            posting += f", compute {self.resume * 1e6:.0f} us slower after a wait"
+        if any(np.atleast_1d(self.resume)):
+            slower = "/".join(f"{r * 1e6:.0f}" for r in np.atleast_1d(self.resume))
+            posting += f", compute {slower} us slower after a wait"
+            if np.ndim(self.resume):
+                posting += " (per stage)"
         if self.after_send:
             posting += f", the sender's {self.after_send * 1e6:.0f} us slower per tensor sent"
         if self.after_receive:

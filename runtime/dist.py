@@ -40,6 +40,7 @@ _READY_TAG = 2 ** 31 - 2  # the posting measurement's "receives posted" note, ap
 _LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
 _TIED_TAG = 2 ** 31 - 4  # a tied weight's gradient from its other holder
 _LAGGING_BURSTS = 3  # how much longer the first stage's rank computes in a rehearsal
+_RESUME_TAG = 2 ** 31 - 5  # the turn passed around the ranks measuring the resume penalty
 
 
 class ErrorBoard:
@@ -203,6 +204,33 @@ class DistCoordinator:
 
     def barrier(self) -> None:
         dist.barrier(self.group)
+
+    def resume_penalty(self, compute: Callable[[], float], rounds: int = 3,
+                       repeats: int = 10) -> list[float]:
+        """Back to back, every rank computes at once, as every rank times the units at compile;
+        resumed, the ranks take turns around the pipeline's ring, each woken from a receive
+        that the rank before it sends once it has computed. Rounds alternate the two; each
+        rank's figure is the difference of its medians (never below 0)."""
+        me = self.ranks.index(dist.get_rank())
+        after, before = self.ranks[(me + 1) % len(self.ranks)], self.ranks[me - 1]
+        token = torch.zeros(1, device=self.device)
+        compute()  # the first run after the last step allocates
+        back_to_back, resumed = [], []
+        for _ in range(rounds):
+            dist.barrier(self.group)
+            back_to_back += [compute() for _ in range(repeats)]
+            dist.barrier(self.group)
+            for _ in range(repeats):
+                if me == 0:  # starts the turn and waits for it to come round
+                    dist.send(token, after, self.group, _RESUME_TAG)
+                dist.recv(token, before, self.group, _RESUME_TAG)
+                resumed.append(compute())
+                if me != 0:
+                    dist.send(token, after, self.group, _RESUME_TAG)
+        mine = max(statistics.median(resumed) - statistics.median(back_to_back), 0.0)
+        everyone: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(everyone, (me, mine), group=self.group)
+        return [figure for _, figure in sorted(everyone)]  # in stage order
 
     def after_backward(self) -> None:
         if self.sync is not None:

@@ -88,6 +88,12 @@ class Coordinator(Protocol):
     def barrier(self) -> None:
         """Wait for every rank of the pipeline (to start something timed together)."""
 
+    def resume_penalty(self, compute: Callable[[], float]) -> list[float] | None:
+        """Per stage, how much longer `compute()` (this rank's stage once, returning its
+        seconds) runs right after the rank blocked waiting for a message than back to back;
+        the same list on every rank (None in one process, where no stage blocks in a
+        receive)."""
+
     def drain_events(self) -> list[Event]:
         """Timed work it did (all-reduces), in wall-clock seconds, since the last call."""
 
@@ -128,6 +134,9 @@ class LocalCoordinator:
         return seconds
 
     def barrier(self) -> None:
+        return None
+
+    def resume_penalty(self, compute):
         return None
 
     def drain_events(self) -> list[Event]:
@@ -311,6 +320,64 @@ class PipelineExecutor:
             self.coordinator.rehearse()
             seconds.append(time.perf_counter() - start - burst)
         return self.coordinator.from_first_stage(statistics.median(seconds))
+
+    def resume_penalty(self, flat_inputs: Sequence[Any] | None) -> list[float] | None:
+        """Per stage, how much longer its forward and backward of a micro-batch run right
+        after its rank blocked waiting for a message than back to back (a process woken from
+        a wait runs slower for a while, by how much depends on what it then computes), run
+        by each stage on the values a forward of `flat_inputs` hands it. None in one process
+        and on GPUs, whose host does not block in a receive. Leaves no gradient behind. Every
+        rank of the pipeline must call it."""
+        if self.everything_here or any(r.device.type != "cpu" for r in self.runners.values()):
+            return None
+        (runner,) = self.runners.values()
+        values = self._stage_inputs(runner, flat_inputs)
+        keys = itertools.count()
+
+        def compute() -> float:
+            start = time.perf_counter()
+            key = ("resume", next(keys))
+            outputs = runner.forward(key, values)
+            runner.backward(key, {name: torch.ones_like(value) for name, value in outputs.items()
+                                  if name in runner.io.outputs
+                                  and isinstance(value, torch.Tensor) and value.requires_grad})
+            return time.perf_counter() - start
+
+        params = [p for p in runner.stage.module.parameters() if p.requires_grad]
+        saved, policy = [p.grad for p in params], runner.policy
+        runner.policy = None  # a weight policy's bookkeeping is for steps
+        for param in params:  # accumulated into, as in a step
+            param.grad = torch.zeros_like(param)
+        try:
+            return self.coordinator.resume_penalty(compute)
+        finally:
+            runner.discard("resume")  # what a failed run left in flight
+            runner.policy = policy
+            for param, grad in zip(params, saved):
+                param.grad = grad
+
+    def _stage_inputs(self, runner: StageRunner, flat_inputs: Sequence[Any] | None
+                      ) -> dict[str, Any]:
+        """The first micro-batch's inputs of `runner`'s stage, as a forward of `flat_inputs`
+        through the pipeline (run without gradients) hands them over."""
+        call = self._call(flat_inputs if self.first else None)
+        programs = [[a for a in stage if a.kind in _FORWARD]
+                    for stage in self.forward_schedule.actions]
+        seen: dict[str, Any] = {}
+
+        def forward(mb: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+            if not seen:
+                seen.update({name: values[name] for name in runner.io.inputs})
+            return type(runner).forward(runner, mb, values)
+
+        runner.forward = forward  # type: ignore[method-assign]  # seen for this run only
+        try:
+            self.transport.prepare(call.key, call.sizes, call.seq)
+            with torch.no_grad():
+                self.driver.run(programs, Run(call.feeds, grad_enabled=False), call.key)
+        finally:
+            del runner.forward
+        return seen
 
     def posting_time(self, flat_inputs: Sequence[Any] | None) -> Posting | None:
         """The transport's seconds per tensor around a message (the sender's, the receiver's,

@@ -262,3 +262,26 @@ def test_a_stage_posts_its_receives_as_the_runtime_does(schedule, posting):
     assert len(receives) == 2 * 4
     assert min(e.duration for e in receives) == pytest.approx(posting)
     assert "3000000 us between computes" in str(pipe.link)
+
+
+def test_each_stage_pays_its_own_slowdown_after_a_wait():
+    """Link.resume may hold one figure per stage (under torchrun compile measures each
+    stage's own compute after a wait): a stage's first compute, after the wait every step
+    starts with, takes exactly its own stage's figure longer."""
+    x = torch.randn(8, 32)
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
+    figures = (1.0, 2.0)
+    vars(pipe)["link"] = dataclasses.replace(pipe.link, resume=0.0)
+    plain = pipe.predicted_timeline().events
+    vars(pipe)["link"] = dataclasses.replace(pipe.link, resume=figures)
+    slowed = pipe.predicted_timeline().events
+
+    def first_compute(events, stage):
+        return min((e for e in events if e.stage == stage and e.action.kind.is_compute),
+                   key=lambda e: e.start)
+
+    for stage, figure in enumerate(figures):
+        assert first_compute(slowed, stage).duration == pytest.approx(
+            first_compute(plain, stage).duration + figure)
+    assert "1000000/2000000 us slower after a wait (per stage)" in str(pipe.link)

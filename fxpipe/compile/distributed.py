@@ -25,6 +25,7 @@ from fxpipe.cost import Link, Partition
 from fxpipe.distributed import rank_device, rank_layout
 from fxpipe.errors import PlanError
 from fxpipe.passes.analysis.comm import default_link, measure_rank_link
+from fxpipe.passes.analysis.shape import preserved_state
 from fxpipe.passes.analysis.symbolic import annotate_symbolic
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
@@ -118,15 +119,22 @@ def _ping_pong(plan: Plan, layout, links: _LinkGroups, device: str) -> Link:
     if plan.stages == 1:
         return link
     return measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), links.get(0, 1),
-                             device, reply_group=links.get(1, 0)) or link
+                             device, reply_group=links.get(1, 0),
+                             resume=False) or link  # each stage's own: _with_posting
 
 
 def _with_posting(pipe: CompiledPipeline, link: Link, layout, flat: Sequence[Any]) -> Link:
     """`link` with the runtime's own time to send and receive a tensor, and how much it slows
     the compute after a send and while a message lands, measured on the first stage pair and
-    shared by its first rank (the plan's link as it is)."""
+    shared by its first rank; and with each stage's own slowdown after a wait, which depends
+    on what the stage computes, in place of the ping-pong's small probe (the plan's link as
+    it is)."""
     if isinstance(pipe.plan.link, tuple) or pipe.plan.stages == 1:
         return link
+    with preserved_state(pipe):  # its forwards leave no trace in buffers (batch norm's)
+        resume = pipe.executor.resume_penalty(flat)  # the list on every rank of the pipeline
+    if resume is not None:
+        link = dataclasses.replace(link, resume=tuple(resume))
     shared = [pipe.executor.posting_time(flat)]
     torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
     if shared[0] is None:

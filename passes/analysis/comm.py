@@ -99,14 +99,16 @@ def measure_local_link(src: str, dst: str, repeats: int = 10) -> Link:
 
 
 def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str = "cpu",
-                      repeats: int = 10, reply_group: Any = None) -> Link | None:
+                      repeats: int = 10, reply_group: Any = None, resume: bool = True
+                      ) -> Link | None:
     """Ping-pong between ranks `peer_a` and `peer_b` over torch.distributed (every rank of the
     group calls this; only the two peers exchange). Returns the fitted link on the two peers,
     None elsewhere. One-way time = half the round trip, median of `repeats` per size; `post`:
     the median time peer_a's isend call takes to hand over a small tensor; `resume`: how much
-    slower a rank computes right after it blocked in a receive (`_resume_penalty`; on the CPU
-    only). Messages from peer_a travel in `group`, replies in `reply_group` (default:
-    `group`), as the pipeline's one-way groups carry them."""
+    slower a rank computes right after it blocked in a receive (`_resume_penalty`, on a small
+    probe; on the CPU only, and unless `resume` is False: a compiled pipeline measures it on
+    each stage's own compute instead). Messages from peer_a travel in `group`, replies in
+    `reply_group` (default: `group`), as the pipeline's one-way groups carry them."""
     rank = dist.get_rank()
     if rank not in (peer_a, peer_b):
         return None
@@ -142,9 +144,9 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
     else:
         dist.recv(shared, other, group)
     on_cpu = torch.device(device).type == "cpu"
-    resume = _resume_penalty(rank == peer_a, other, group, reply) if on_cpu else 0.0
+    slower = _resume_penalty(rank == peer_a, other, group, reply) if on_cpu and resume else 0.0
     link = fit_link(_PROBE_BYTES, seconds, f"measured ping-pong rank {peer_a} <-> {peer_b}")
-    return dataclasses.replace(link, post=float(shared), resume=resume)
+    return dataclasses.replace(link, post=float(shared), resume=slower)
 
 
 def _resume_penalty(first: bool, other: int, group: Any, reply: Any, rounds: int = 3,

@@ -137,10 +137,18 @@ def train(name, stages, schedule, micro_batches, out):
         assert pipe.link.source.startswith("measured ping-pong") and pipe.link.post > 0
         assert pipe.link.post_recv is not None and pipe.link.post_recv > 0
         assert pipe.link.post_recv_between is not None and pipe.link.post_recv_between > 0
-        assert 0 <= pipe.link.resume < 0.05  # beyond 50 ms the measurement went wrong
+        # one figure per stage, each measured on the stage's own compute; beyond 50 ms the
+        # measurement went wrong
+        assert len(pipe.link.resume) == stages
+        assert all(0 <= figure < 0.05 for figure in pipe.link.resume)
         assert 0 <= pipe.link.after_send < 0.05
         assert 0 <= pipe.link.after_receive < 0.05
+        grads = [p.grad.clone() for p in pipe.parameters()]  # the last step's
+        buffers = [b.clone() for b in pipe.buffers()]
         compiled, again = pipe.link, pipe.measure_link(data[0][0])  # measured anew, kept
+        # its runs of the stages' forward and backward leave no trace
+        assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
+        assert all(torch.equal(b, c) for b, c in zip(pipe.buffers(), buffers))
         assert pipe.link is again and again is not compiled
         assert again.source == compiled.source and again.post > 0
         links: list = [None] * dist.get_world_size()  # the same figures on every rank
@@ -150,7 +158,6 @@ def train(name, stages, schedule, micro_batches, out):
         overheads: list = [None] * dist.get_world_size()  # the first stage's, on every rank
         dist.all_gather_object(overheads, pipe.step_overhead)
         assert overheads == [pipe.step_overhead] * len(overheads)
-        grads = [p.grad.clone() for p in pipe.parameters()]  # the last step's
         coordinator = pipe.executor.coordinator
         coordinator.expect(1)  # a rehearsal touches no gradient
         coordinator.loss(torch.zeros(()) if pipe.executor.last else None)
