@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 
@@ -101,18 +102,38 @@ def _plan(args: argparse.Namespace) -> None:
         print(f"\nplan written to {args.json}")
 
 
-def _against_even(rows: Sequence[BenchRow]) -> list[str]:
-    """Per schedule: the fastest automatic partition's measured step against `even`'s."""
+def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
+    """Per schedule: the fastest automatic partition's measured step (medians of `repeats`
+    steps) against `even`'s. Rows of one partition (units per stage and micro-batch count)
+    made by several partitioners count as one, at the median of their measured steps; one
+    that is even's own is no comparison, as any difference between such rows is the
+    machine's drift alone."""
     lines = []
     for schedule in dict.fromkeys(r.schedule for r in rows):
         evens = [r for r in rows if r.schedule == schedule and r.partitioner == "even"]
         automatic = [r for r in rows if r.schedule == schedule and r.partitioner != "even"]
-        if evens and automatic:
-            best = min(automatic, key=lambda r: r.measured_ms)
-            lines.append(f"{schedule}: best automatic partition {best.partitioner} "
-                         f"({'+'.join(map(str, best.sizes))}), {best.measured_ms:.1f} ms, is "
-                         f"{evens[0].measured_ms / best.measured_ms:.2f}x the speed of even "
-                         f"({evens[0].measured_ms:.1f} ms)")
+        if not (evens and automatic):
+            continue
+        even = evens[0]
+        by_partition: dict[tuple, list[BenchRow]] = {}
+        for r in automatic:
+            by_partition.setdefault((r.sizes, r.micro_batches), []).append(r)
+        same = by_partition.pop((even.sizes, even.micro_batches), [])
+        note = (f" ({', '.join(r.partitioner for r in same)}: even's own partition, not "
+                "compared)" if same else "")
+        if not by_partition:
+            lines.append(f"{schedule}: every automatic partition is even's own "
+                         f"({'+'.join(map(str, even.sizes))}, p={even.micro_batches}): "
+                         "nothing to compare")
+            continue
+        measured = {key: statistics.median(r.measured_ms for r in group)
+                    for key, group in by_partition.items()}
+        (sizes, p), fastest = min(measured.items(), key=lambda item: item[1])
+        names = "/".join(r.partitioner for r in by_partition[sizes, p])
+        lines.append(f"{schedule}: best automatic partition {names} "
+                     f"({'+'.join(map(str, sizes))}, p={p}), {fastest:.1f} ms, is "
+                     f"{even.measured_ms / fastest:.2f}x the speed of even "
+                     f"({even.measured_ms:.1f} ms; medians of {repeats} steps){note}")
     return lines
 
 
@@ -136,8 +157,8 @@ def _bench(args: argparse.Namespace) -> None:
         title += f", {args.nproc} processes under torchrun"
     print(title)
     print(format_rows(rows))
-    for line in _against_even(rows):
-        print(f"{line} (medians of {args.repeats} steps)")
+    for line in _against_even(rows, args.repeats):
+        print(line)
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
           "than that may be drift alone")

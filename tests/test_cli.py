@@ -6,6 +6,7 @@ import csv
 import io
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from hypothesis import given
 
-from fxpipe.cli import main
+from fxpipe.bench import BenchRow
+from fxpipe.cli import _against_even, main
 
 
 def test_demo_prints_stage_table_graph_and_a_falling_loss(capsys):
@@ -220,3 +222,31 @@ def test_every_option_says_what_it_is_for(command, capsys):
     assert not bare, f"options without help: {bare}"
     if command != "plan":  # plan's --stages is required, so it has no default to show
         assert "(default: 2)" in text
+
+
+_PARTITIONS = [((2, 2), 4), ((1, 3), 4), ((3, 1), 4), ((1, 3), 2)]  # (sizes, p); even: first
+
+
+@given(st.lists(st.tuples(st.sampled_from(_PARTITIONS), st.floats(1.0, 100.0)),
+                min_size=1, max_size=6), st.floats(1.0, 100.0))
+def test_bench_compares_only_partitions_other_than_evens_own(automatic, even_ms):
+    """Rows of even's own partition are never the "best automatic partition" (their
+    difference from even is drift), and rows of one partition count as one, at their median."""
+    def row(name, partition, ms):
+        (sizes, p) = partition
+        return BenchRow(name, "gpipe", sizes, p, 1.0, ms, 0.0, 0.0, (0.0, 0.0))
+
+    rows = [row("even", _PARTITIONS[0], even_ms)]
+    rows += [row(f"auto{i}", partition, ms) for i, (partition, ms) in enumerate(automatic)]
+    (line,) = _against_even(rows, repeats=10)
+    others: dict = {}
+    for partition, ms in automatic:
+        if partition != _PARTITIONS[0]:
+            others.setdefault(partition, []).append(ms)
+    if not others:
+        assert "every automatic partition is even's own (2+2, p=4)" in line
+        return
+    medians = {partition: statistics.median(ms) for partition, ms in others.items()}
+    (sizes, p), fastest = min(medians.items(), key=lambda item: item[1])
+    assert f"({'+'.join(map(str, sizes))}, p={p}), {fastest:.1f} ms, is " in line
+    assert f"{even_ms / fastest:.2f}x the speed of even" in line
