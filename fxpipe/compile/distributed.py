@@ -147,7 +147,8 @@ def _with_posting(pipe: CompiledPipeline, link: Link, layout, flat: Sequence[Any
 
 def _measure_link(pipe: CompiledPipeline, layout, links: _LinkGroups, device: str,
                   flat: Sequence[Any]) -> Link:
-    """The link measured again as compile measured it, the same on every rank of the job."""
+    """The link measured again as compile measured it, the same on every rank of a pipeline
+    (and of the job, but for each pipeline group's own per-stage slowdown after a wait)."""
     shared: list[Any] = [_ping_pong(pipe.plan, layout, links, device)]
     torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
     return _with_posting(pipe, shared[0], layout, flat)
