@@ -206,15 +206,20 @@ class DistCoordinator:
         dist.barrier(self.group)
 
     def resume_penalty(self, compute: Callable[[], float], rounds: int = 3,
-                       repeats: int = 10) -> list[float]:
+                       repeats: int = 10, budget: float = 0.1) -> list[float]:
         """Back to back, every rank computes at once, as every rank times the units at compile;
         resumed, the ranks take turns around the pipeline's ring, each woken from a receive
         that the rank before it sends once it has computed. Rounds alternate the two; each
-        rank's figure is the difference of its medians (never below 0)."""
+        rank's figure is the difference of its medians (never below 0). Each round computes
+        `repeats` times each way, fewer (at least 3) where the slowest stage's compute would
+        take longer than `budget` seconds, as measure_link repeats this for each prediction."""
         me = self.ranks.index(dist.get_rank())
         after, before = self.ranks[(me + 1) % len(self.ranks)], self.ranks[me - 1]
         token = torch.zeros(1, device=self.device)
-        compute()  # the first run after the last step allocates
+        seconds: list[Any] = [None] * len(self.ranks)
+        # the first run after the last step allocates; the slowest sets every rank's repeats
+        dist.all_gather_object(seconds, compute(), group=self.group)
+        repeats = max(3, min(repeats, int(budget / max(max(seconds), 1e-9))))
         back_to_back, resumed = [], []
         for _ in range(rounds):
             dist.barrier(self.group)
