@@ -1,9 +1,10 @@
 """Benchmark: how much slower a rank computes right after it blocked waiting, than back to back.
 The cost model times the units back to back; in a pipeline under torchrun a stage often
-blocks in a receive first, and a process woken from a wait runs slower for a while. The link
-ping-pong at compile measures this penalty on a small probe (`Link.resume`), which the
-simulator adds to a stage's first compute after a wait. This script measures it on a bundled
-model instead: each rank times one forward and backward of the model on a micro-batch, back
+blocks in a receive first, and a process woken from a wait runs slower for a while. Compile
+measures this penalty on each stage's own forward and backward (`Link.resume`, one figure per
+stage), which the simulator adds to a stage's first compute after a wait. This script
+measures it in more settings, on a whole bundled model: each rank times one forward and
+backward of the model on a micro-batch, back
 to back, after a sleep, after spinning (busy, not blocked) for as long, and right after a
 blocking receive from the other rank, which meanwhile computed (the ranks take turns, as
 adjacent stages do; in the other kinds both ranks compute at once, as every rank times the
