@@ -21,7 +21,7 @@ import torch
 from fxpipe.compile import compile, retime
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
-from fxpipe.inspect import format_bytes, format_table
+from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
@@ -221,7 +221,7 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
               "meas/pred", "pred spread", "late steps", "late ms", "bubble pred", "bubble meas",
               memory]
-    table = [[r.partitioner, r.schedule, "+".join(map(str, r.sizes)), r.micro_batches,
+    table = [[r.partitioner, r.schedule, format_sizes(r.sizes), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
               f"{r.predicted_spread:.0%}", f"{r.late_steps:.0%}", f"{r.late_ms:.1f}",
               f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",

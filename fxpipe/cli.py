@@ -26,7 +26,7 @@ from fxpipe.bench import (
 from fxpipe.compile import available_partitioners, compare_partitioners, compile, retime
 from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
-from fxpipe.inspect import format_bytes, format_table
+from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.models import MODELS, bundled
 from fxpipe.plan import PARTITIONERS, Plan
 from fxpipe.report import LATE_AFTER
@@ -123,7 +123,7 @@ def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
                 "compared)" if same else "")
         if not by_partition:
             lines.append(f"{schedule}: every automatic partition is even's own "
-                         f"({'+'.join(map(str, even.sizes))}, p={even.micro_batches}): "
+                         f"({format_sizes(even.sizes)}, p={even.micro_batches}): "
                          "nothing to compare")
             continue
         measured = {key: statistics.median(r.measured_ms for r in group)
@@ -131,7 +131,7 @@ def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
         (sizes, p), fastest = min(measured.items(), key=lambda item: item[1])
         names = "/".join(r.partitioner for r in by_partition[sizes, p])
         lines.append(f"{schedule}: best automatic partition {names} "
-                     f"({'+'.join(map(str, sizes))}, p={p}), {fastest:.1f} ms, is "
+                     f"({format_sizes(sizes)}, p={p}), {fastest:.1f} ms, is "
                      f"{even.measured_ms / fastest:.2f}x the speed of even "
                      f"({even.measured_ms:.1f} ms; medians of {repeats} steps){note}")
     return lines
@@ -235,7 +235,7 @@ def _comparison(pipe) -> str:
     rows = []
     for name, part in compare_partitioners(pipe).items():
         slowest = max(s.f + s.b for s in part.stages)
-        rows.append([name, "+".join(map(str, part.sizes)), part.micro_batches,
+        rows.append([name, format_sizes(part.sizes), part.micro_batches,
                      f"{part.predicted_time * 1e3:.2f}",
                      f"{part.bubble:.0%}", f"{slowest * 1e3:.2f}",
                      format_bytes(max(s.memory for s in part.stages))])

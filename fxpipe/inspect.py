@@ -14,7 +14,8 @@ from fxpipe.simulate import Event
 from fxpipe.units import Unit
 
 __all__ = [
-    "chrome_trace", "format_bytes", "format_graph", "format_stage_table", "format_table",
+    "chrome_trace", "format_bytes", "format_graph", "format_sizes", "format_stage_table",
+    "format_table",
 ]
 
 
@@ -24,6 +25,11 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_sizes(sizes: Sequence[int]) -> str:
+    """Units per stage, as `fxpipe plan` and `fxpipe bench` print them: (7, 15) -> "7+15"."""
+    return "+".join(map(str, sizes))
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
