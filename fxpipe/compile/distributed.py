@@ -103,11 +103,17 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
         micro_batches, traced.bind.unflatten, threads, coordinator,
     )
     pipe.executor.whole = whole
-    vars(pipe)["link"] = _with_posting(pipe, link, layout, traced.bind(args, kwargs))
     pipe.link_probe = functools.partial(_measure_link, pipe, layout, links, device)
-    if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
-        pipe.measure_step_overhead(*args, **kwargs)
+    if plan.costs != "none":  # what predicting whole steps takes, measured on the stages
+        vars(pipe)["link"] = _with_stage_terms(pipe, link, layout, traced.bind(args, kwargs))
+        pipe.measure_step_overhead(*args, **kwargs)  # the runtime's own time per step
     return pipe
+
+
+def _link_measured(plan: Plan) -> bool:
+    """Whether compile measures the link between the ranks: not where the plan gives its
+    figures, nor for one stage, which has none."""
+    return not isinstance(plan.link, tuple) and plan.stages > 1
 
 
 def _ping_pong(plan: Plan, layout, links: _LinkGroups, device: str) -> Link:
@@ -116,20 +122,21 @@ def _ping_pong(plan: Plan, layout, links: _LinkGroups, device: str) -> Link:
     if isinstance(plan.link, tuple):
         return stage_link(plan, [device, device])
     link = default_link(device, device, True)
-    if plan.stages == 1:
+    if not _link_measured(plan):
         return link
     return measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), links.get(0, 1),
                              device, reply_group=links.get(1, 0),
-                             resume=False) or link  # each stage's own: _with_posting
+                             resume=False) or link  # each stage's own: _with_stage_terms
 
 
-def _with_posting(pipe: CompiledPipeline, link: Link, layout, flat: Sequence[Any]) -> Link:
-    """`link` with the runtime's own time to send and receive a tensor, and how much it slows
-    the compute after a send and while a message lands, measured on the first stage pair and
-    shared by its first rank; and with each stage's own slowdown after a wait, which depends
-    on what the stage computes, in place of the ping-pong's small probe (the plan's link as
-    it is)."""
-    if isinstance(pipe.plan.link, tuple) or pipe.plan.stages == 1:
+def _with_stage_terms(pipe: CompiledPipeline, link: Link, layout, flat: Sequence[Any]
+                      ) -> Link:
+    """`link` with the terms measured on the pipeline's own stages: the runtime's own time to
+    send and receive a tensor, and how much it slows the compute after a send and while a
+    message lands, measured on the first stage pair and shared by its first rank; and each
+    stage's own slowdown after a wait, which depends on what the stage computes, in place of
+    the ping-pong's small probe (the plan's link as it is)."""
+    if not _link_measured(pipe.plan):
         return link
     with preserved_state(pipe):  # its forwards leave no trace in buffers (batch norm's)
         resume = pipe.executor.resume_penalty(flat)  # the list on every rank of the pipeline
@@ -151,7 +158,7 @@ def _measure_link(pipe: CompiledPipeline, layout, links: _LinkGroups, device: st
     (and of the job, but for each pipeline group's own per-stage slowdown after a wait)."""
     shared: list[Any] = [_ping_pong(pipe.plan, layout, links, device)]
     torch.distributed.broadcast_object_list(shared, src=layout.rank_of(0, 0))
-    return _with_posting(pipe, shared[0], layout, flat)
+    return _with_stage_terms(pipe, shared[0], layout, flat)
 
 
 def _agree(layout, plan: Plan, units: Sequence[Unit]) -> None:
