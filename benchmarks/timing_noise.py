@@ -3,13 +3,18 @@
 A prediction is only as good as the unit timings it was made from. This script compiles a
 bundled model into 2 stages once, then alternates, round by round: re-time the units
 (`fxpipe.retime`, as compile times them) and record the predicted step (the schedule plus the
-runtime's time per step, as `fxpipe bench` predicts it); run two untimed steps, then a few
-timed ones, and record the measured step. It prints both per round and their spread
-(max / min), so a user can see how far apart two identical timings land here before reading a
-measured/predicted ratio.
+runtime's time per step, as `fxpipe bench` predicts it); run untimed steps for 0.2 s (as
+`fxpipe bench` does by default), then a few timed ones, and record the measured step. It prints
+both per round and their spread (max / min), so a user can see how far apart two identical
+timings land here before reading a measured/predicted ratio. `--min-time` takes several values,
+comma-separated, to compare how long the units' timed repetitions run
+(`fxpipe.retime(min_time=...)`): each round then predicts once with each, against the same
+measured steps.
 
     python benchmarks/timing_noise.py --model vgg --rounds 8
     python benchmarks/timing_noise.py --model mlp --batch 32 --rounds 8 --steps 10
+    python benchmarks/timing_noise.py --model mlp --batch 32 --rounds 15 --steps 10 \
+        --partitioner even --min-time 0,0.05
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 import fxpipe
 from fxpipe.models import bundled
+from fxpipe.passes.analysis.profile import MIN_TIMED
 
 
 def main() -> None:
@@ -33,6 +39,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     parser.add_argument("--profile-repeats", type=int, default=5,
                         help="timed runs of each unit per re-timing (the median counts)")
+    parser.add_argument("--min-time", type=_seconds, default=[MIN_TIMED],
+                        help="seconds the timed runs of the units take at least, per "
+                             "re-timing; several, comma-separated, to compare them")
+    parser.add_argument("--partitioner", default="balanced")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
@@ -41,21 +51,26 @@ def main() -> None:
     torch.manual_seed(0)
     net = model.build()
     x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=2, partitioner="balanced", micro_batches=args.micro_batches,
+    plan = fxpipe.Plan(stages=2, partitioner=args.partitioner, micro_batches=args.micro_batches,
                        loss_fn=model.loss_fn)
     pipe = fxpipe.compile(net, plan, example_inputs=(x,), cache=False)
     for _ in range(2):
         pipe.step(x, y)
-    predicted, measured = [], []
+    predicted: dict[float, list[float]] = {t: [] for t in args.min_time}
+    measured = []
     print(f"{args.model}, 2 stages {list(pipe.partition.sizes)}, batch {args.batch}, "
           f"{args.micro_batches} micro-batches, gpipe")
-    print("round  predicted ms  measured ms  meas/pred")
+    print("round  " + "  ".join(f"predicted ms ({t:g} s)" for t in args.min_time)
+          + "  measured ms")
     for r in range(args.rounds):
-        # predicted as fxpipe bench predicts: the schedule plus the runtime's time per step
-        timeline = pipe.predicted_timeline(fxpipe.retime(pipe, (x,), target=y,
-                                                          repeats=args.profile_repeats))
-        predicted.append((timeline.makespan + pipe.measure_step_overhead(x)) * 1e3)
-        for _ in range(2):  # untimed, as in fxpipe bench: the first steps after a pause are slow
+        # each as fxpipe bench predicts: the schedule plus the runtime's time per step
+        for min_time in args.min_time if r % 2 == 0 else args.min_time[::-1]:
+            fresh = fxpipe.retime(pipe, (x,), target=y, repeats=args.profile_repeats,
+                                  min_time=min_time)
+            predicted[min_time].append((pipe.predicted_timeline(fresh).makespan
+                                        + pipe.measure_step_overhead(x)) * 1e3)
+        settled = time.perf_counter() + 0.2  # untimed steps, as fxpipe bench runs: after a
+        while time.perf_counter() < settled:  # pause, steps run at another speed for a while
             pipe.step(x, y)
         steps = []
         for _ in range(args.steps):
@@ -63,14 +78,29 @@ def main() -> None:
             pipe.step(x, y)
             steps.append((time.perf_counter() - start) * 1e3)
         measured.append(statistics.median(steps))
-        print(f"{r:5d}  {predicted[-1]:12.1f}  {measured[-1]:11.1f}  "
-              f"{measured[-1] / predicted[-1]:9.2f}")
-    for name, values in (("predicted", predicted), ("measured", measured)):
+        print(f"{r:5d}  " + "  ".join(f"{predicted[t][-1]:{len(f'predicted ms ({t:g} s)')}.1f}"
+                                      for t in args.min_time) + f"  {measured[-1]:11.1f}")
+    rows = [(f"predicted ({t:g} s)", values) for t, values in predicted.items()]
+    for name, values in [*rows, ("measured", measured)]:
         print(f"{name}: median {statistics.median(values):.1f} ms, spread (max / min) "
               f"{max(values) / min(values):.2f}")
-    print(f"median measured / median predicted: "
-          f"{statistics.median(measured) / statistics.median(predicted):.2f}")
+    for t, values in predicted.items():
+        ratios = [m / p for m, p in zip(measured, values)]
+        print(f"min_time {t:g} s: median measured / median predicted "
+              f"{statistics.median(measured) / statistics.median(values):.2f}; rounds' "
+              f"measured / predicted {min(ratios):.2f} .. {max(ratios):.2f}")
 
+
+def _seconds(text: str) -> list[float]:
+    """An argparse type: comma-separated non-negative seconds."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"give non-negative seconds, comma-separated, not "
+                                         f"{text!r}")
+    return values
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ from fxpipe.compile.front import example_args, measure_costs
 from fxpipe.cost import Partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
+from fxpipe.passes.analysis.profile import MIN_TIMED
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.runtime.microbatch import rows
 
@@ -32,7 +33,7 @@ class Timing:
 
 def retime(pipe: CompiledPipeline, example_inputs: Any,
            example_kwargs: Mapping[str, Any] | None = None, *, target: Any = None,
-           warmup: int = 2, repeats: int = 5) -> Partition:
+           warmup: int = 2, repeats: int = 5, min_time: float = MIN_TIMED) -> Partition:
     """The pipeline's partition scored with its units timed again, exactly as compile timed them
     (same micro-batch sizes, threads and concurrent stages; no cache). Under torchrun every rank
     must call it: they time at once and rank 0's table counts, as in compile. A shared
@@ -40,7 +41,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     steps is best made from timings taken right beside them. `target` (one row per sample of
     the inputs): the plan's loss_fn is timed too, on the last stage, where pipe.step runs it
     (compile has no target and leaves it out). `warmup`, `repeats`: runs of each unit, the
-    median of the repeats counts."""
+    median of the repeats counts; more repeats until they took `min_time` seconds."""
     timing: Timing | None = pipe.timing
     if timing is None:
         raise ValueError("retime() needs a pipeline made by fxpipe.compile")
@@ -53,7 +54,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
         else pipe.plan
     cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, [timing.device],
                          pipe.link, None, timing.threads, timing.concurrency, whole, warmup,
-                         repeats, loss)
+                         repeats, loss, min_time)
     if launched():
         shared: list[Any] = [cost]
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -1,19 +1,20 @@
 """Profile pass: measured forward and backward time of every unit at several micro-batch sizes.
 
 Each unit runs alone, as the rewrite pass cuts it when every unit is a stage of its own, on the
-outputs of the units before it: warm-up runs, then repeats, and the median counts. Inputs that
-carry gradients in training get them here too, so a unit's backward includes its input gradient
-as it will in a pipeline stage. A stage runs one backward call for all its units, and a call
-has a fixed cost (the autograd engine's start, the leaves' gradients) that timing each unit's
-backward on its own counts once per unit: each repetition also runs the units connected, with
-one backward call, and the difference gives that cost per call (`backward_call`), which the
-units' backward times then leave out. Given the loss (the plan's loss_fn with a target), its
-forward and backward on the model's outputs are timed too: the last stage runs them. One more,
-untimed, repetition measures each unit's peak memory (`memory.PeakMemory`). Nothing is left
-behind on the model: gradients accumulate into zeroed .grad (as in a stage) and the
-parameters' own .grad, buffers and random number generators are restored afterwards. Results
-are cached on disk by (model signature, device, micro-batch sizes, repeats), so compiling the
-same model twice measures it once.
+outputs of the units before it: warm-up runs, then repeats (more of them where they are short,
+see MIN_TIMED), and the median counts. Inputs that carry gradients in training get them here
+too, so a unit's backward includes its input gradient as it will in a pipeline stage. A stage
+runs one backward call for all its units, and a call has a fixed cost (the autograd engine's
+start, the leaves' gradients) that timing each unit's backward on its own counts once per unit:
+each repetition also runs the units connected, with one backward call, and the difference gives
+that cost per call (`backward_call`), which the units' backward times then leave out. Given the
+loss (the plan's loss_fn with a target), its forward and backward on the model's outputs are
+timed too: the last stage runs them (the backward, too, without the fixed cost of its call, as
+the stage's one call runs it). One more, untimed, repetition measures each unit's peak memory
+(`memory.PeakMemory`). Nothing is left behind on the model: gradients accumulate into zeroed
+.grad (as in a stage) and the parameters' own .grad, buffers and random number generators are
+restored afterwards. Results are cached on disk by (model signature, device, micro-batch sizes,
+repeats), so compiling the same model twice measures it once.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from fxpipe.passes.analysis.shape import preserved_state
 from fxpipe.units import Unit
 
 __all__ = [
+    "MIN_TIMED",
+    "MOST_REPEATS",
     "ProfileCache",
     "UnitProfile",
     "UnitTiming",
@@ -157,6 +160,7 @@ def profile_units(
     whole: Sequence[int] = (),
     loss: Callable[[Mapping[str, Any], int], torch.Tensor] | None = None,
     load: str = "stage",
+    min_time: float = 0.0,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
@@ -171,14 +175,16 @@ def profile_units(
     given (never cached). `load`: what the background workers run, "stage" (the units'
     forwards, then a backward, as a pipeline stage does), "forwards" (forwards only) or
     "backwards" (backwards only, again and again through one retained graph): the last two
-    show which kind of neighbour slows the units (benchmarks/profile_parts.py).
+    show which kind of neighbour slows the units (benchmarks/profile_parts.py). `min_time`:
+    after the `repeats`, more repetitions (at most MOST_REPEATS timed in all) until the timed
+    ones have taken that many seconds at each size (compile asks for MIN_TIMED).
     """
     if load not in LOADS:
         raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
-                     (concurrency, tuple(whole), load))
+                     (concurrency, tuple(whole), load, min_time))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
@@ -198,7 +204,8 @@ def profile_units(
                 background.size = size  # the neighbours run micro-batches of the timed size
                 rows.append(_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
                                      device, warmup, repeats,
-                                     loss=loss and functools.partial(loss, size=size)))
+                                     loss=loss and functools.partial(loss, size=size),
+                                     min_time=min_time))
         with preserved_state(graph), _gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
                                                  for size in sizes], device)
@@ -336,7 +343,8 @@ def _memory(graph, table, inputs_per_size, device) -> tuple[np.ndarray, np.ndarr
     return np.array(saved, dtype=float), np.array(peak, dtype=float)
 
 
-def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None):
+def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None,
+             min_time=0.0):
     """One micro-batch size: per-unit forward and backward times, crossing bytes, the fixed
     cost of a backward call (`_without_call_cost`; 0 when measuring memory), and the forward
     and backward times of `loss(outputs)` when given (else 0). With
@@ -375,7 +383,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
 
     connected_times: list[float] = []
     loss_times: list[tuple[float, float]] = []
-    for rep in range(warmup + repeats):
+    for rep in _repetitions(warmup, repeats, min_time):
         if connect:
             seconds = _connected_backward(table, modules, inputs, needs_grad, timer)
             if rep >= warmup:
@@ -414,8 +422,34 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
         backward_times, call = _without_call_cost(backward_times, np.array(called),
                                                   statistics.median(connected_times))
     loss_f, loss_b = (statistics.median(t) for t in zip(*loss_times)) if loss_times else (0, 0)
+    # the last stage runs the loss's backward in its one backward call, whose fixed cost the
+    # stage pays once (`call`): the loss's own call leaves it out, as the units' do
+    loss_b = max(loss_b - call, 0.0)
     crossing, crossing_grad = _crossing_bytes(table, env, units)
     return forward, list(backward_times), crossing, crossing_grad, call, loss_f, loss_b
+
+
+MOST_REPEATS = 100  # timed repetitions per micro-batch size at most, whatever min_time asks
+# Seconds of timed repetitions per micro-batch size that compile and fxpipe.retime ask for.
+# Units of tens of microseconds, timed a few times beside a busy stage thread (contending for
+# Python's interpreter lock), give medians that move a lot from one timing to the next; more
+# repetitions steady them, and cost little where a repetition is long anyway
+# (benchmarks/timing_noise.py --min-time 0,0.05 compares the two).
+MIN_TIMED = 0.05
+
+
+def _repetitions(warmup: int, repeats: int, min_time: float) -> Iterator[int]:
+    """The repetitions' indices: `warmup` untimed, `repeats` timed, then more timed ones until
+    the timed ones have taken `min_time` seconds (at most MOST_REPEATS timed in all)."""
+    started = time.perf_counter()
+    for rep in range(warmup + repeats):
+        if rep == warmup:
+            started = time.perf_counter()
+        yield rep
+    rep = warmup + repeats
+    while rep < warmup + MOST_REPEATS and time.perf_counter() - started < min_time:
+        yield rep
+        rep += 1
 
 
 def _time_loss(loss, table, env, timer) -> tuple[float, float]:

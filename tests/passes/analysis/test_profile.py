@@ -194,6 +194,59 @@ def test_the_loss_is_timed_and_counts_in_the_last_unit():
     np.testing.assert_array_equal(cost.backward_call, profile.backward_call)
 
 
+@given(st.integers(0, 3), st.integers(1, 10), st.floats(0.0, 1.0), st.floats(1e-4, 0.1))
+def test_short_repetitions_go_on_until_they_took_min_time(warmup, repeats, min_time, step):
+    """On a clock where each repetition takes `step` seconds: the warm-up and `repeats` timed
+    ones always run, and then more only while the timed ones took less than `min_time`, and
+    never more than MOST_REPEATS timed ones in all."""
+    clock = [0.0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module.time, "perf_counter", lambda: clock[0])
+        indices = []
+        for rep in profile_module._repetitions(warmup, repeats, min_time):
+            indices.append(rep)
+            clock[0] += step
+    timed = len(indices) - warmup
+    assert indices == list(range(len(indices)))
+    assert repeats <= timed <= profile_module.MOST_REPEATS
+    if timed > repeats:  # the last one ran as the ones before still came short
+        assert (timed - 1) * step < min_time + 1e-9
+    if timed < profile_module.MOST_REPEATS:  # they stopped because they took long enough
+        assert timed * step >= min_time - 1e-9
+
+
+@pytest.fixture(scope="module")
+def three_units():
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
+    _, graph, table = _per_unit(model, x)
+    return graph, table, x
+
+
+@given(call=st.floats(0.0, 1e-3), loss_work=st.floats(0.0, 1e-3))
+def test_the_loss_backward_leaves_out_the_call_the_last_stage_pays_once(three_units, call,
+                                                                        loss_work):
+    """On a clock where every backward call costs `call` beyond its work (none for the units,
+    `loss_work` for the loss), the units' one connected call and their own calls give the
+    call's cost, and the loss's backward keeps its work alone: the last stage's one backward
+    call runs it."""
+    graph, table, x = three_units
+
+    def clock(device):
+        def timed(fn, *args, **kwargs):
+            result = fn(*args, **kwargs)
+            if isinstance(getattr(fn, "__self__", None), torch.Tensor):  # loss.backward
+                return result, loss_work + call
+            return result, call if fn is torch.autograd.backward else 0.0
+        return timed
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "_timer", clock)
+        profile = profile_units(graph, table, [x], [4], warmup=0, repeats=1,
+                                loss=lambda outputs, size: outputs[table.graph_outputs[0]].sum())
+    assert profile.backward_call[0] == pytest.approx(call, abs=1e-15)
+    assert profile.loss_backward[0] == pytest.approx(loss_work, abs=1e-15)
+
+
 def test_an_unknown_background_load_is_named_with_the_choices():
     model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), torch.randn(4, 4)
     _, graph, table = _per_unit(model, x)
