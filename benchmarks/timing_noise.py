@@ -102,5 +102,6 @@ def _seconds(text: str) -> list[float]:
                                          f"{text!r}")
     return values
 
+
 if __name__ == "__main__":
     main()
