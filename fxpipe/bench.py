@@ -260,7 +260,10 @@ def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
     axis.set_xticks(list(positions), labels, fontsize=8)
     axis.set_ylabel("step time (ms)")
     axis.set_title(title, fontsize=10)
-    axis.legend()
+    tallest = max((v for r in rows for v in (r.predicted_high_ms, r.predicted_ms, r.measured_ms)
+                   if math.isfinite(v)), default=1.0)
+    axis.set_ylim(0, 1.3 * tallest)  # room above the bars for the legend
+    axis.legend(loc="upper left", ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
