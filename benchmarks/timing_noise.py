@@ -60,8 +60,8 @@ def main() -> None:
     measured = []
     print(f"{args.model}, 2 stages {list(pipe.partition.sizes)}, batch {args.batch}, "
           f"{args.micro_batches} micro-batches, gpipe")
-    print("round  " + "  ".join(f"predicted ms ({t:g} s)" for t in args.min_time)
-          + "  measured ms")
+    labels = [f"predicted ms ({t:g} s)" for t in args.min_time]
+    print("round  " + "  ".join(labels) + "  measured ms")
     for r in range(args.rounds):
         # each as fxpipe bench predicts: the schedule plus the runtime's time per step
         for min_time in args.min_time if r % 2 == 0 else args.min_time[::-1]:
@@ -78,8 +78,9 @@ def main() -> None:
             pipe.step(x, y)
             steps.append((time.perf_counter() - start) * 1e3)
         measured.append(statistics.median(steps))
-        print(f"{r:5d}  " + "  ".join(f"{predicted[t][-1]:{len(f'predicted ms ({t:g} s)')}.1f}"
-                                      for t in args.min_time) + f"  {measured[-1]:11.1f}")
+        print(f"{r:5d}  " + "  ".join(f"{predicted[t][-1]:{len(label)}.1f}"
+                                      for t, label in zip(args.min_time, labels))
+              + f"  {measured[-1]:11.1f}")
     rows = [(f"predicted ({t:g} s)", values) for t, values in predicted.items()]
     for name, values in [*rows, ("measured", measured)]:
         print(f"{name}: median {statistics.median(values):.1f} ms, spread (max / min) "

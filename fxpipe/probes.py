@@ -1,16 +1,18 @@
 """Pieces the timing probes share, in the cost model's passes and in the runtime: a fixed
-burst of compute, and two ranks swapping the figures they measured."""
+burst of compute, two ranks swapping the figures they measured, and a module's gradients set
+aside while its own compute is timed."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ComputeBurst", "swap_figures"]
+__all__ = ["ComputeBurst", "gradients_set_aside", "swap_figures"]
 
 
 class ComputeBurst:
@@ -53,3 +55,17 @@ def swap_figures(mine: Sequence[float], peer: int, first: bool, outbound: Any = 
         dist.recv(theirs, peer, outbound)
         dist.send(sent, peer, inbound)
     return theirs.tolist()
+
+
+@contextlib.contextmanager
+def gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
+    """The module's parameters accumulate into zeroed .grad meanwhile, as in a step; their own
+    .grad comes back after."""
+    saved = [(p, p.grad) for p in module.parameters() if p.requires_grad]
+    for param, _ in saved:
+        param.grad = torch.zeros_like(param)
+    try:
+        yield
+    finally:
+        for param, grad in saved:
+            param.grad = grad

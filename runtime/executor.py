@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.batching import input_dims
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Stage, StageHook
+from fxpipe.probes import gradients_set_aside
 from fxpipe.runtime.bridge import Call, Pipelined, inputs_wanting_grad, output_values
 from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.driver import Driver, Run
@@ -343,18 +344,13 @@ class PipelineExecutor:
                                   and isinstance(value, torch.Tensor) and value.requires_grad})
             return time.perf_counter() - start
 
-        params = [p for p in runner.stage.module.parameters() if p.requires_grad]
-        saved, policy = [p.grad for p in params], runner.policy
-        runner.policy = None  # a weight policy's bookkeeping is for steps
-        for param in params:  # accumulated into, as in a step
-            param.grad = torch.zeros_like(param)
+        policy, runner.policy = runner.policy, None  # a weight policy's bookkeeping is for steps
         try:
-            return self.coordinator.resume_penalty(compute)
+            with gradients_set_aside(runner.stage.module):
+                return self.coordinator.resume_penalty(compute)
         finally:
             runner.discard("resume")  # what a failed run left in flight
             runner.policy = policy
-            for param, grad in zip(params, saved):
-                param.grad = grad
 
     def _stage_inputs(self, runner: StageRunner, flat_inputs: Sequence[Any] | None
                       ) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from fxpipe.materialize import has_meta_tensors, kept_from, materialized_copy
 from fxpipe.meta import PROFILE
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.passes.analysis.shape import preserved_state
+from fxpipe.probes import gradients_set_aside
 from fxpipe.units import Unit
 
 __all__ = [
@@ -196,7 +197,7 @@ def profile_units(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with preserved_state(graph), _gradients_set_aside(graph), \
+        with preserved_state(graph), gradients_set_aside(graph), \
                 _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads,
                       load) as background:
             rows = []
@@ -206,7 +207,7 @@ def profile_units(
                                      device, warmup, repeats,
                                      loss=loss and functools.partial(loss, size=size),
                                      min_time=min_time))
-        with preserved_state(graph), _gradients_set_aside(graph):
+        with preserved_state(graph), gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
                                                  for size in sizes], device)
     finally:
@@ -218,19 +219,6 @@ def profile_units(
     if cache is not None:
         cache.put(key, profile)
     return profile
-
-
-@contextlib.contextmanager
-def _gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
-    """Parameters accumulate into zeroed .grad while timing; their own .grad comes back after."""
-    saved = [(p, p.grad) for p in module.parameters() if p.requires_grad]
-    for param, _ in saved:
-        param.grad = torch.zeros_like(param)
-    try:
-        yield
-    finally:
-        for param, grad in saved:
-            param.grad = grad
 
 
 LOADS = ("stage", "forwards", "backwards")
@@ -581,7 +569,9 @@ def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.n
 
 
 def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
-               concurrency) -> str:
+               how: tuple) -> str:
+    """`how`: the rest of what the timings depend on (concurrency, whole inputs, the
+    background load, min_time)."""
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
     signature = {
         "format": _FORMAT, "torch": torch.__version__, "device": device, "sizes": sizes,
@@ -591,7 +581,7 @@ def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                   for n, t in [*graph.named_parameters(), *graph.named_buffers()]],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in flat_inputs],
-        "threads": threads, "concurrency": concurrency,
+        "threads": threads, "how": how,
         "alone": has_meta_tensors(graph),  # a meta model's units are timed one at a time
         "memory kept": kept(),  # the allocator's handling of freed memory changes the times
     }
