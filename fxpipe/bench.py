@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from fxpipe.compile import compile, retime
+from fxpipe.compile import compile, retime, units_of
+from fxpipe.compile.front import check_stage_count
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
@@ -27,8 +28,8 @@ from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
 
 __all__ = [
-    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun", "format_rows",
-    "rows_to_json", "write_csv", "write_png",
+    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun",
+    "check_stage_count_of", "format_rows", "rows_to_json", "write_csv", "write_png",
 ]
 
 
@@ -76,6 +77,14 @@ def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[st
             for p in partitioners for s in schedules}  # chooses the micro-batch count itself
 
 
+def check_stage_count_of(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]],
+                         stages: int) -> None:
+    """Raise PlanError when the model `build()` returns cuts into fewer units than `stages`
+    (tracing it, no timing), so that the benchmark fails before any work."""
+    model, x, _, _ = build()
+    check_stage_count(model, Plan(stages=stages), units_of(model, (x,)))
+
+
 def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = 10, warmup: int = 2, progress: bool = True,
@@ -100,6 +109,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round."""
     rows = []
     plans = bench_plans(stages, micro_batches, partitioners, schedules)
+    check_stage_count_of(build, stages)
     rounds = max(1, min(rounds, repeats))
     for index, ((partitioner, schedule), plan) in enumerate(plans.items(), 1):
         if progress:

@@ -8,7 +8,7 @@ import importlib
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ from fxpipe.bench import (
     bench,
     bench_plans,
     bench_under_torchrun,
+    check_stage_count_of,
     format_rows,
     rows_to_json,
     write_csv,
@@ -145,12 +146,18 @@ def _bench(args: argparse.Namespace) -> None:
     for option, value in (("--repeats", args.repeats), ("--rounds", args.rounds)):
         if value < 1:
             raise FxpipeError(f"{option} {value}: give at least 1")
+    if args.nproc is not None and args.nproc != args.stages:
+        raise FxpipeError(f"--nproc {args.nproc} runs one stage per process: give --stages "
+                          f"{args.nproc}, or --nproc {args.stages}.")
     _factory(args.model)  # an unknown model fails here, before any progress is shown
     bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
+    build = _bench_build(args)
+    if args.nproc:  # and a model with too few units, before the job starts (bench checks too)
+        check_stage_count_of(build, args.stages)
     title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
              f"{args.micro_batches}")
     with StealMeter() as steal:
-        rows = _bench_rows(args, micro_batches, partitioners, schedules)
+        rows = _bench_rows(args, build, micro_batches, partitioners, schedules)
     if rows is None:  # a rank under torchrun: rank 0 of the job reports
         return
     if args.nproc:
@@ -179,16 +186,8 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"chart written to {args.png}")
 
 
-def _bench_rows(args: argparse.Namespace, micro_batches: int | str,
-                partitioners: Sequence[str], schedules: Sequence[str]) -> list | None:
-    """The benchmark's rows: run here, or under torchrun with --nproc (None on the ranks
-    of that job, whose rank 0 hands its rows back as JSON)."""
-    if args.nproc:
-        forwarded = _without_option(sys.argv[2:], "--nproc")
-        forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
-        return bench_under_torchrun(args.nproc, forwarded)
-    if launched():
-        torch.set_num_threads(1)
+def _bench_build(args: argparse.Namespace) -> Callable[[], tuple]:
+    """The benchmark's model factory: (model, x, y, loss_fn), fresh each call."""
 
     def build():
         torch.manual_seed(0)
@@ -197,6 +196,20 @@ def _bench_rows(args: argparse.Namespace, micro_batches: int | str,
         target, loss_fn = _target_and_loss(args.model, inputs, args.batch)
         return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
 
+    return build
+
+
+def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
+                micro_batches: int | str, partitioners: Sequence[str],
+                schedules: Sequence[str]) -> list | None:
+    """The benchmark's rows: run here, or under torchrun with --nproc (None on the ranks
+    of that job, whose rank 0 hands its rows back as JSON)."""
+    if args.nproc:
+        forwarded = _without_option(sys.argv[2:], "--nproc")
+        forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
+        return bench_under_torchrun(args.nproc, forwarded)
+    if launched():
+        torch.set_num_threads(1)
     rows = bench(build, args.stages, micro_batches, partitioners, schedules, args.repeats,
                  progress=not launched() or dist_rank() == 0, rounds=args.rounds)
     if not launched():

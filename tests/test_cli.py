@@ -40,6 +40,18 @@ def test_demo_reports_user_errors_without_a_traceback():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(("options", "error"), [
+    (["--stages", "50"], "Plan(stages=50) asks for more stages than MLP has units"),
+    (["--stages", "50", "--nproc", "50"], "Plan(stages=50) asks for more stages than MLP has"),
+    (["--stages", "3", "--nproc", "2"], "--nproc 2 runs one stage per process: give --stages 2"),
+])
+def test_bench_reports_user_errors_before_any_progress(capsys, options, error):
+    assert main(["bench", "mlp", *options]) == 2
+    captured = capsys.readouterr()
+    assert f"fxpipe: error: {error}" in captured.err
+    assert "1/" not in captured.err + captured.out  # no configuration was started
+
+
 def test_plan_prints_the_stage_table_compares_and_writes_json(capsys, tmp_path):
     import json
 
