@@ -41,6 +41,7 @@ _LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
 _TIED_TAG = 2 ** 31 - 4  # a tied weight's gradient from its other holder
 _LAGGING_BURSTS = 3  # how much longer the first stage's rank computes in a rehearsal
 _RESUME_TAG = 2 ** 31 - 5  # the turn passed around the ranks measuring the resume penalty
+_QUIET_TAG = 2 ** 31 - 6  # the first stage's rank's burst is done, in a quiet rehearsal
 
 
 class ErrorBoard:
@@ -190,9 +191,19 @@ class DistCoordinator:
         events, self.sync.events = self.sync.events, []
         return events
 
-    def rehearsal_burst(self) -> float:
-        bursts = 1 + (_LAGGING_BURSTS if dist.get_rank() == self.first else 0)
-        return sum(self._burst() for _ in range(bursts))
+    def rehearsal_burst(self, quiet: bool = False) -> float:
+        me = dist.get_rank()
+        seconds = sum(self._burst() for _ in range(1 + (_LAGGING_BURSTS if me == self.first
+                                                          else 0)))
+        if quiet:  # the other ranks go on to send their part once the first's burst is done
+            token = torch.zeros(1, device=self.device)
+            if me == self.first:
+                for rank in self.ranks:
+                    if rank != me:
+                        dist.send(token, rank, self.group, _QUIET_TAG)
+            else:
+                dist.recv(token, self.first, self.group, _QUIET_TAG)
+        return seconds
 
     def rehearse(self) -> None:
         self._sum_tied([torch.zeros_like(param) for param, _ in self.tied])

@@ -74,10 +74,11 @@ class Coordinator(Protocol):
         """Gradient work once the backward of a mini-batch is complete (tied weights; after
         expect())."""
 
-    def rehearsal_burst(self) -> float:
+    def rehearsal_burst(self, quiet: bool = False) -> float:
         """Stand in for the end of a step's backward when rehearsing one: a short burst of
         compute, longer on the first stage's rank, which ends its backward last while the
-        others wait; returns its seconds."""
+        others wait; returns its seconds. `quiet`: the other ranks wait for it to end before
+        they go on, so that nothing they send lands during it."""
 
     def rehearse(self) -> None:
         """The exchanges after_backward makes, on zeros, touching no gradient (to time them;
@@ -125,7 +126,7 @@ class LocalCoordinator:
     def after_backward(self) -> None:
         return None
 
-    def rehearsal_burst(self) -> float:
+    def rehearsal_burst(self, quiet: bool = False) -> float:
         return 0.0
 
     def rehearse(self) -> None:
@@ -300,15 +301,17 @@ class PipelineExecutor:
 
     def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 25) -> float:
         """Seconds a step spends outside its schedule's actions, measured with none of its
-        compute (median of `repeats`): splitting the inputs and the target and agreeing on the
-        micro-batch sizes, starting and joining the stage workers, sharing the loss and the
-        tied weights' gradients (these two after a burst of compute, as in a step, where they
-        follow a backward and run slower than after nothing). A step ends with the first
+        compute (medians of `repeats`): splitting the inputs and the target and agreeing on
+        the micro-batch sizes, starting and joining the stage workers, sharing the loss and
+        the tied weights' gradients (these two after a burst of compute, as in a step, where
+        they follow a backward and run slower than after nothing), and how much slower the
+        first stage's last backward runs as the others' part of these lands (the burst's time
+        against a quiet rehearsal's, where they wait for it to end). A step ends with the first
         stage's backward, the other ranks waiting for it, so what it pays past its schedule is
         the first stage's rank's time: every rank returns that figure. Every rank of the
         pipeline must call it."""
-        seconds = []
-        for _ in range(repeats):
+        seconds, bursts = [], {False: [], True: []}
+        for quiet in [False, True] * repeats:
             self.coordinator.barrier()
             start = time.perf_counter()
             call = self._call(flat_inputs if self.first else None)
@@ -316,11 +319,14 @@ class PipelineExecutor:
                 split([torch.empty(sum(call.sizes))], self.micro_batches)
             self.coordinator.expect(1)
             self.driver.run([[] for _ in self.comm.stages], Run(call.feeds), call.key)
-            burst = self.coordinator.rehearsal_burst()  # compute, not overhead
+            burst = self.coordinator.rehearsal_burst(quiet)  # compute, not overhead
             self.coordinator.loss(torch.zeros(()) if self.last else None)
             self.coordinator.rehearse()
-            seconds.append(time.perf_counter() - start - burst)
-        return self.coordinator.from_first_stage(statistics.median(seconds))
+            bursts[quiet].append(burst)
+            if not quiet:  # a quiet one's others waited for the burst to end
+                seconds.append(time.perf_counter() - start - burst)
+        landing = max(statistics.median(bursts[False]) - statistics.median(bursts[True]), 0.0)
+        return self.coordinator.from_first_stage(statistics.median(seconds) + landing)
 
     def resume_penalty(self, flat_inputs: Sequence[Any] | None) -> list[float] | None:
         """Per stage, how much longer its forward and backward of a micro-batch run right

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
+import time
 
 import pytest
 import torch
@@ -233,6 +235,26 @@ def test_compile_measures_the_runtimes_own_time_per_step_without_touching_gradie
     assert again < 20 * first and first < 20 * again  # the same work measured twice
     none = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,))
     assert none.step_overhead == 0.0  # not measured without costs
+
+
+def test_the_step_overhead_counts_what_the_others_messages_cost_the_first_stages_burst(
+        monkeypatch):
+    # a burst 2 ms longer while the other ranks' messages land than in a quiet rehearsal
+    # makes the step's overhead 2 ms longer
+    pipe = fxpipe.compile(fxpipe.models.MLP(), fxpipe.Plan(stages=2, micro_batches=2),
+                          example_inputs=(torch.randn(4, 32),), cache=False)
+    x = torch.randn(4, 32)
+    coordinator = pipe.executor.coordinator
+    overheads = []
+    for loud in (0.003, 0.005):
+        def burst(quiet: bool = False, loud: float = loud) -> float:
+            seconds = 0.003 if quiet else loud
+            time.sleep(seconds)
+            return seconds
+
+        monkeypatch.setattr(coordinator, "rehearsal_burst", burst)
+        overheads.append(statistics.median(pipe.measure_step_overhead(x) for _ in range(5)))
+    assert overheads[1] - overheads[0] == pytest.approx(0.002, abs=5e-4)
 
 
 def test_measure_link_measures_the_link_again_and_keeps_it():
