@@ -193,8 +193,8 @@ class DistCoordinator:
 
     def rehearsal_burst(self, quiet: bool = False) -> float:
         me = dist.get_rank()
-        seconds = sum(self._burst() for _ in range(1 + (_LAGGING_BURSTS if me == self.first
-                                                          else 0)))
+        bursts = 1 + (_LAGGING_BURSTS if me == self.first else 0)
+        seconds = sum(self._burst() for _ in range(bursts))
         if quiet:  # the other ranks go on to send their part once the first's burst is done
             token = torch.zeros(1, device=self.device)
             if me == self.first:
