@@ -66,6 +66,7 @@ class CompiledPipeline(torch.nn.Module):
             comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
             link=link, executor=None, intra_layer=[], timing=None,  # timing: set by compile
             step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
+            forward_overhead=(0.0,) * plan.stages,  # per stage: the runtime's own per forward
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
         )
 
@@ -150,14 +151,16 @@ class CompiledPipeline(torch.nn.Module):
 
     def predicted_timeline(self, partition: Partition | None = None) -> Timeline:
         """The event simulator's timeline of the last run's schedule (or the plan's), with the
-        stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`)."""
+        stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`),
+        every forward also taking the runtime's own time per forward (`forward_overhead`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
         post_f, post_b = self._posting(self.link.post)
         recv_post_f, recv_post_b = self._receive_posting(schedule)
         after_f, after_b = self._posting(self.link.after_send)
         landing_f, landing_b = self._posting(self.link.after_receive)
-        return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
+        forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
+        return simulate(schedule, forward, [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
                         recv_post_b=recv_post_b, resume=self.link.resume,
@@ -197,6 +200,15 @@ class CompiledPipeline(torch.nn.Module):
         flat = self.traced.bind(inputs, kwargs)
         vars(self)["step_overhead"] = self.executor.step_overhead(flat)
         return self.step_overhead
+
+    def measure_forward_overhead(self, *inputs: Any, **kwargs: Any) -> tuple[float, ...]:
+        """Per stage, the runtime's own seconds per forward action beyond its units' compute
+        (see PipelineExecutor.forward_overhead), measured now on `inputs` (a mini-batch) and
+        kept as `forward_overhead`, which `predicted_timeline` adds to every forward. Under
+        torchrun every rank of the pipeline must call it."""
+        flat = self.traced.bind(inputs, kwargs)
+        vars(self)["forward_overhead"] = tuple(self.executor.forward_overhead(flat))
+        return self.forward_overhead
 
     def measure_link(self, *inputs: Any, **kwargs: Any) -> Link:
         """The link between the stages measured now as compile measured it (the plan's figures

@@ -1,6 +1,6 @@
 """Pieces the timing probes share, in the cost model's passes and in the runtime: a fixed
-burst of compute, two ranks swapping the figures they measured, and a module's gradients set
-aside while its own compute is timed."""
+burst of compute, two ranks swapping the figures they measured, and a module's gradients,
+buffers and random number generators kept from what its timed compute does to them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ComputeBurst", "gradients_set_aside", "swap_figures"]
+__all__ = ["ComputeBurst", "gradients_set_aside", "preserved_state", "swap_figures"]
 
 
 class ComputeBurst:
@@ -69,3 +69,17 @@ def gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for param, grad in saved:
             param.grad = grad
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Run something on `module` without a trace: buffers and RNG state are put back after."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = sorted({b.device for b, _ in buffers if b.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)

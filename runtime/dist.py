@@ -243,10 +243,13 @@ class DistCoordinator:
                 resumed.append(compute())
                 if me != 0:
                     dist.send(token, after, self.group, _RESUME_TAG)
-        mine = max(statistics.median(resumed) - statistics.median(back_to_back), 0.0)
+        return self.per_stage({me: max(statistics.median(resumed)
+                                       - statistics.median(back_to_back), 0.0)})
+
+    def per_stage(self, figures: Mapping[int, float]) -> list[float]:
         everyone: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, (me, mine), group=self.group)
-        return [figure for _, figure in sorted(everyone)]  # in stage order
+        dist.all_gather_object(everyone, dict(figures), group=self.group)
+        return [figure for _, figure in sorted(f for share in everyone for f in share.items())]
 
     def after_backward(self) -> None:
         if self.sync is not None:

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.batching import input_dims
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Stage, StageHook
-from fxpipe.probes import gradients_set_aside
+from fxpipe.probes import gradients_set_aside, preserved_state
 from fxpipe.runtime.bridge import Call, Pipelined, inputs_wanting_grad, output_values
 from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.driver import Driver, Run
@@ -96,6 +96,10 @@ class Coordinator(Protocol):
         the same list on every rank (None in one process, where no stage blocks in a
         receive)."""
 
+    def per_stage(self, figures: Mapping[int, float]) -> list[float]:
+        """One figure per stage of the pipeline, in stage order, from `figures` (this process's
+        stages' own, by stage); the same list on every rank."""
+
     def drain_events(self) -> list[Event]:
         """Timed work it did (all-reduces), in wall-clock seconds, since the last call."""
 
@@ -140,6 +144,9 @@ class LocalCoordinator:
 
     def resume_penalty(self, compute):
         return None
+
+    def per_stage(self, figures):
+        return [figures[s] for s in sorted(figures)]
 
     def drain_events(self) -> list[Event]:
         return []
@@ -344,10 +351,7 @@ class PipelineExecutor:
         def compute() -> float:
             start = time.perf_counter()
             key = ("resume", next(keys))
-            outputs = runner.forward(key, values)
-            runner.backward(key, {name: torch.ones_like(value) for name, value in outputs.items()
-                                  if name in runner.io.outputs
-                                  and isinstance(value, torch.Tensor) and value.requires_grad})
+            runner.backward(key, _ones_for(runner, runner.forward(key, values)))
             return time.perf_counter() - start
 
         policy, runner.policy = runner.policy, None  # a weight policy's bookkeeping is for steps
@@ -357,6 +361,62 @@ class PipelineExecutor:
         finally:
             runner.discard("resume")  # what a failed run left in flight
             runner.policy = policy
+
+    def forward_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 30
+                         ) -> list[float]:
+        """Per stage, the runtime's own seconds per forward action beyond its stage module's
+        call (which the units' timings hold): detaching the inputs, the value dicts, the
+        in-flight bookkeeping. Each stage held here runs forward and backward `repeats` times on
+        the values a forward of `flat_inputs` hands it, every stage at once as in a step (stage
+        threads in one process contend for the interpreter lock, which makes this work slower
+        than alone); the median of the call's time less the module's counts. 0 on a GPU, whose
+        host prepares an action while the device computes the one before. Leaves no gradient,
+        buffer or random number generator changed. Every rank of the pipeline must call it."""
+        inputs: dict[int, dict[str, Any]] = {}  # per stage, what a forward hands it
+
+        def measure(s: int) -> float:
+            runner = self.runners[s]
+            if runner.device.type != "cpu":
+                return 0.0
+            if self.driver.threads is not None:
+                torch.set_num_threads(self.driver.threads)  # as the stage's worker runs
+            module, began, spans, overheads = runner.stage.module, [0.0], [], []
+            hooks = [module.register_forward_pre_hook(
+                         lambda *_: began.__setitem__(0, time.perf_counter())),
+                     module.register_forward_hook(
+                         lambda *_: spans.append(time.perf_counter() - began[0]))]
+            try:
+                with torch.enable_grad():  # a worker thread keeps the last run's mode
+                    for i in range(repeats):
+                        key = ("overhead", i)
+                        start = time.perf_counter()
+                        outputs = runner.forward(key, inputs[s])
+                        overheads.append(time.perf_counter() - start - spans[-1])
+                        runner.backward(key, _ones_for(runner, outputs))
+            finally:
+                runner.discard("overhead")
+                for hook in hooks:
+                    hook.remove()
+            return max(statistics.median(overheads), 0.0)
+
+        policies = {s: runner.policy for s, runner in self.runners.items()}
+        modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
+        try:
+            for runner in self.runners.values():
+                runner.policy = None  # a weight policy's bookkeeping is for steps
+            # at once: stages may share a tied weight; a forward updates batch norm's statistics
+            with gradients_set_aside(modules), preserved_state(modules):
+                inputs.update((s, self._stage_inputs(runner, flat_inputs))
+                              for s, runner in self.runners.items())
+                if self.driver.pool is None:
+                    mine = {s: measure(s) for s in self.runners}
+                else:
+                    futures = {s: self.driver.pool.submit(measure, s) for s in self.runners}
+                    mine = {s: future.result() for s, future in futures.items()}
+        finally:
+            for s, runner in self.runners.items():
+                runner.policy = policies[s]
+        return self.coordinator.per_stage(mine)
 
     def _stage_inputs(self, runner: StageRunner, flat_inputs: Sequence[Any] | None
                       ) -> dict[str, Any]:
@@ -501,6 +561,13 @@ class PipelineExecutor:
                   for mb in range(len(sizes))]
         merged = merge(per_mb, sizes)
         return self.unflatten(pytree.tree_unflatten(merged, self.output_spec))
+
+
+def _ones_for(runner: StageRunner, values: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """All-ones gradients for the stage's outputs among `values` that need one."""
+    return {name: torch.ones_like(value) for name, value in values.items()
+            if name in runner.io.outputs and isinstance(value, torch.Tensor)
+            and value.requires_grad}
 
 
 def lowered_schedule(name: str, stages: int, micro_batches: int, comm: CommTable,

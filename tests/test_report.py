@@ -142,7 +142,7 @@ def test_a_receive_is_paired_with_the_same_occurrence_of_its_send():
 
 def test_report_predicts_with_the_partition_it_is_given(trained):
     """E.g. one re-timed beside the run: here the compiled costs doubled, so the stages' predicted
-    times double and the measured ones stay."""
+    compute doubles (the runtime's own time per forward stays) and the measured times stay."""
     part = trained.partition
     doubled = dataclasses.replace(trained.cost, f=trained.cost.f * 2, b=trained.cost.b * 2)
     slower = Partition.evaluate(doubled, part.bounds, part.micro_batches, part.partitioner,
@@ -155,7 +155,8 @@ def test_report_predicts_with_the_partition_it_is_given(trained):
 
     plain, given = forward_ms(trained.report()), forward_ms(trained.report(partition=slower))
     assert given[0] == plain[0]
-    assert given[1] == pytest.approx(2 * plain[1], rel=0.02, abs=0.01)
+    own = trained.forward_overhead[0] * 1e3  # per forward, as the cell is
+    assert given[1] == pytest.approx(2 * plain[1] - own, rel=0.02, abs=0.01)
 
 
 def test_step_time_of_a_simulated_timeline_matches_the_simulator(trained):
@@ -255,6 +256,59 @@ def test_the_step_overhead_counts_what_the_others_messages_cost_the_first_stages
         monkeypatch.setattr(coordinator, "rehearsal_burst", burst)
         overheads.append(statistics.median(pipe.measure_step_overhead(x) for _ in range(5)))
     assert overheads[1] - overheads[0] == pytest.approx(0.002, abs=5e-4)
+
+
+def test_compile_measures_the_runtimes_own_time_per_forward_without_touching_gradients():
+    torch.manual_seed(0)
+    model = fxpipe.models.GPT(layers=2)  # a weight tied across the stages, timed at once
+    idx = torch.randint(0, 128, (8, 16))
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=lambda out, t: out.mean())
+    pipe = fxpipe.compile(model, plan, example_inputs=(idx,), cache=False)
+    assert len(pipe.forward_overhead) == 2
+    assert all(0 < figure < 0.05 for figure in pipe.forward_overhead)  # no compute in it
+    assert all(p.grad is None for p in pipe.parameters())
+    assert all(runner.in_flight == 0 for runner in pipe.executor.runners.values())
+    none = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,))
+    assert none.forward_overhead == (0.0, 0.0)  # not measured without costs
+
+
+def test_the_forward_overhead_is_the_runtimes_work_beside_the_module_call(monkeypatch):
+    # 2 ms more of the runner's own work per forward makes the figure 2 ms larger; 2 ms more
+    # in the stage module's call (which the units' timings hold) leaves it as it was
+    pipe = fxpipe.compile(fxpipe.models.MLP(), fxpipe.Plan(stages=2, micro_batches=2),
+                          example_inputs=(torch.randn(4, 32),), cache=False)
+    x = torch.randn(4, 32)
+    runner = pipe.executor.runners[1]
+    plain = pipe.measure_forward_overhead(x)
+    leaf = type(runner)._leaf
+
+    def slower_leaf(self, *args):
+        time.sleep(0.002)
+        return leaf(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "_leaf", slower_leaf.__get__(runner))
+        slower = pipe.measure_forward_overhead(x)
+    assert slower[1] - plain[1] == pytest.approx(0.002, abs=1e-3)
+    assert slower[0] == pytest.approx(plain[0], abs=1e-3)
+    hook = runner.stage.module.register_forward_hook(lambda *_: time.sleep(0.002))
+    try:
+        in_module = pipe.measure_forward_overhead(x)
+    finally:
+        hook.remove()
+    assert in_module[1] == pytest.approx(plain[1], abs=1e-3)
+
+
+def test_the_predicted_timeline_adds_the_forward_overhead_to_every_forward():
+    plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9))  # no per-message terms
+    pipe = fxpipe.compile(fxpipe.models.MLP(), plan, example_inputs=(torch.randn(6, 32),),
+                          cache=False)
+    vars(pipe)["forward_overhead"] = (0.001, 0.003)
+    stages = pipe.partition.stages
+    forwards = [e for e in pipe.predicted_timeline().events if e.action.kind is ActionKind.F]
+    assert len(forwards) == 6
+    for e in forwards:
+        assert e.duration == pytest.approx(stages[e.stage].f + (0.001, 0.003)[e.stage])
 
 
 def test_measure_link_measures_the_link_again_and_keeps_it():

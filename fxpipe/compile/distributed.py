@@ -25,11 +25,11 @@ from fxpipe.cost import Link, Partition
 from fxpipe.distributed import rank_device, rank_layout
 from fxpipe.errors import PlanError
 from fxpipe.passes.analysis.comm import default_link, measure_rank_link
-from fxpipe.passes.analysis.shape import preserved_state
 from fxpipe.passes.analysis.symbolic import annotate_symbolic
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
+from fxpipe.probes import preserved_state
 from fxpipe.runtime.dist import DistCoordinator, DistTransport
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.hooks import GradientSync
@@ -107,6 +107,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     if plan.costs != "none":  # what predicting whole steps takes, measured on the stages
         vars(pipe)["link"] = _with_stage_terms(pipe, link, layout, traced.bind(args, kwargs))
         pipe.measure_step_overhead(*args, **kwargs)  # the runtime's own time per step
+        pipe.measure_forward_overhead(*args, **kwargs)  # and per forward
     return pipe
 
 

@@ -29,10 +29,11 @@ from fxpipe.passes.analysis.profile import (
     profile_units,
     unit_parameters,
 )
-from fxpipe.passes.analysis.shape import annotate_shapes, preserved_state, record_values
+from fxpipe.passes.analysis.shape import annotate_shapes, record_values
 from fxpipe.passes.analysis.symbolic import flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
+from fxpipe.probes import preserved_state
 from fxpipe.runtime.transport import LocalTransport
 from fxpipe.trace import trace
 from fxpipe.units import Unit, cut_units

@@ -117,6 +117,7 @@ def compile(
         partition.micro_batches, traced.bind.unflatten, threads=threads,
     )
     pipe.executor.whole = whole
-    if plan.costs != "none":  # the runtime's own time per step, for predicting whole steps
+    if plan.costs != "none":  # the runtime's own time, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
+        pipe.measure_forward_overhead(*args, **kwargs)
     return pipe

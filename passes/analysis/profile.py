@@ -43,8 +43,7 @@ from fxpipe.ir import CommTable
 from fxpipe.materialize import has_meta_tensors, kept_from, materialized_copy
 from fxpipe.meta import PROFILE
 from fxpipe.passes.analysis.memory import PeakMemory
-from fxpipe.passes.analysis.shape import preserved_state
-from fxpipe.probes import gradients_set_aside
+from fxpipe.probes import gradients_set_aside, preserved_state
 from fxpipe.units import Unit
 
 __all__ = [

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
 from fxpipe.materialize import has_meta_tensors, meta_twin, on_meta
 from fxpipe.meta import SHAPE, ValueInfo
+from fxpipe.probes import preserved_state
 
-__all__ = ["annotate_shapes", "preserved_state", "record_values"]
+__all__ = ["annotate_shapes", "record_values"]
 
 
 class _ShapeRecorder(fx.Interpreter):
@@ -48,15 +47,3 @@ def annotate_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> None:
         node.meta[SHAPE] = values[node.name]
 
 
-@contextlib.contextmanager
-def preserved_state(module: torch.nn.Module) -> Iterator[None]:
-    """Run something on `module` without a trace: buffers and RNG state are put back after."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = sorted({b.device for b, _ in buffers if b.device.type == "cuda"}, key=str)
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
