@@ -45,6 +45,7 @@ def main() -> None:
     for _ in range(args.rounds):
         fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1, repeats=5)
         overhead = pipe.measure_step_overhead(x)
+        pipe.measure_forward_overhead(x)  # which the predicted timeline adds
         predicted = pipe.predicted_timeline(fresh)
         setup.warm_up(50)  # the cores settle after the timing (benchmarks/after_pause.py)
         walls, kept = [], []
