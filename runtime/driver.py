@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +28,7 @@ from fxpipe.simulate import Event
 __all__ = ["Driver", "Run"]
 
 K = ActionKind
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -92,6 +93,19 @@ class Driver:
                                ) from error
         run.events.sort(key=lambda e: (e.stage, e.start))
         return run
+
+    def on_stage_workers(self, fn: Callable[[int], T]) -> dict[int, T]:
+        """fn(s) for every stage s held here, each on the stage's worker thread (with its
+        intra-op threads) and all at once, as the stages run in a step; inline for one."""
+        def on_worker(s: int) -> T:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+            return fn(s)
+
+        if self.pool is None:
+            return {s: on_worker(s) for s in self.runners}
+        futures = {s: self.pool.submit(on_worker, s) for s in self.runners}
+        return {s: future.result() for s, future in futures.items()}
 
     def _stage_loop(self, s: int, program: Sequence[Action], run: Run, key: Any,
                     start: float) -> None:

@@ -11,10 +11,11 @@ one rank knows (the micro-batch sizes, the loss).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -354,68 +355,30 @@ class PipelineExecutor:
             runner.backward(key, _ones_for(runner, runner.forward(key, values)))
             return time.perf_counter() - start
 
-        policy, runner.policy = runner.policy, None  # a weight policy's bookkeeping is for steps
         try:
-            with gradients_set_aside(runner.stage.module):
+            with _without_policies([runner]), gradients_set_aside(runner.stage.module):
                 return self.coordinator.resume_penalty(compute)
         finally:
             runner.discard("resume")  # what a failed run left in flight
-            runner.policy = policy
 
     def forward_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 30
                          ) -> list[float]:
         """Per stage, the runtime's own seconds per forward action beyond its stage module's
         call (which the units' timings hold): detaching the inputs, the value dicts, the
         in-flight bookkeeping. Each stage held here runs forward and backward `repeats` times on
-        the values a forward of `flat_inputs` hands it, every stage at once as in a step (stage
-        threads in one process contend for the interpreter lock, which makes this work slower
-        than alone); the median of the call's time less the module's counts. 0 on a GPU, whose
-        host prepares an action while the device computes the one before. Leaves no gradient,
-        buffer or random number generator changed. Every rank of the pipeline must call it."""
-        inputs: dict[int, dict[str, Any]] = {}  # per stage, what a forward hands it
-
-        def measure(s: int) -> float:
-            runner = self.runners[s]
-            if runner.device.type != "cpu":
-                return 0.0
-            if self.driver.threads is not None:
-                torch.set_num_threads(self.driver.threads)  # as the stage's worker runs
-            module, began, spans, overheads = runner.stage.module, [0.0], [], []
-            hooks = [module.register_forward_pre_hook(
-                         lambda *_: began.__setitem__(0, time.perf_counter())),
-                     module.register_forward_hook(
-                         lambda *_: spans.append(time.perf_counter() - began[0]))]
-            try:
-                with torch.enable_grad():  # a worker thread keeps the last run's mode
-                    for i in range(repeats):
-                        key = ("overhead", i)
-                        start = time.perf_counter()
-                        outputs = runner.forward(key, inputs[s])
-                        overheads.append(time.perf_counter() - start - spans[-1])
-                        runner.backward(key, _ones_for(runner, outputs))
-            finally:
-                runner.discard("overhead")
-                for hook in hooks:
-                    hook.remove()
-            return max(statistics.median(overheads), 0.0)
-
-        policies = {s: runner.policy for s, runner in self.runners.items()}
+        the values a forward of `flat_inputs` hands it, every stage at once on its worker as in
+        a step (stage threads in one process contend for the interpreter lock, which makes this
+        work slower than alone); the median of the call's time less the module's counts. 0 on
+        a GPU, whose host prepares an action while the device computes the one before. Leaves
+        no gradient, buffer or random number generator changed. Every rank of the pipeline
+        must call it."""
         modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
-        try:
-            for runner in self.runners.values():
-                runner.policy = None  # a weight policy's bookkeeping is for steps
-            # at once: stages may share a tied weight; a forward updates batch norm's statistics
-            with gradients_set_aside(modules), preserved_state(modules):
-                inputs.update((s, self._stage_inputs(runner, flat_inputs))
-                              for s, runner in self.runners.items())
-                if self.driver.pool is None:
-                    mine = {s: measure(s) for s in self.runners}
-                else:
-                    futures = {s: self.driver.pool.submit(measure, s) for s in self.runners}
-                    mine = {s: future.result() for s, future in futures.items()}
-        finally:
-            for s, runner in self.runners.items():
-                runner.policy = policies[s]
+        # at once: stages may share a tied weight; a forward updates batch norm's statistics
+        with _without_policies(self.runners.values()), gradients_set_aside(modules), \
+                preserved_state(modules):
+            inputs = {s: self._stage_inputs(r, flat_inputs) for s, r in self.runners.items()}
+            mine = self.driver.on_stage_workers(
+                lambda s: _own_time_per_forward(self.runners[s], inputs[s], repeats))
         return self.coordinator.per_stage(mine)
 
     def _stage_inputs(self, runner: StageRunner, flat_inputs: Sequence[Any] | None
@@ -561,6 +524,44 @@ class PipelineExecutor:
                   for mb in range(len(sizes))]
         merged = merge(per_mb, sizes)
         return self.unflatten(pytree.tree_unflatten(merged, self.output_spec))
+
+
+@contextlib.contextmanager
+def _without_policies(runners: Iterable[StageRunner]) -> Iterator[None]:
+    """The runners run without their weight consistency policies meanwhile: a policy's
+    bookkeeping is for steps, not for timing the stages."""
+    policies = [(runner, runner.policy) for runner in runners]
+    for runner, _ in policies:
+        runner.policy = None
+    try:
+        yield
+    finally:
+        for runner, policy in policies:
+            runner.policy = policy
+
+
+def _own_time_per_forward(runner: StageRunner, values: Mapping[str, Any], repeats: int
+                          ) -> float:
+    """The median of `repeats` forwards' time in `runner.forward` outside its stage module's
+    call, each forward followed by its backward, as a stage runs (0 on a GPU)."""
+    if runner.device.type != "cpu":
+        return 0.0
+    module, began, spans, overheads = runner.stage.module, [0.0], [], []
+    hooks = [module.register_forward_pre_hook(lambda *_: began.__setitem__(0, time.perf_counter())),
+             module.register_forward_hook(lambda *_: spans.append(time.perf_counter() - began[0]))]
+    try:
+        with torch.enable_grad():  # a worker thread keeps the last run's grad mode
+            for i in range(repeats):
+                key = ("overhead", i)
+                start = time.perf_counter()
+                outputs = runner.forward(key, values)
+                overheads.append(time.perf_counter() - start - spans[-1])
+                runner.backward(key, _ones_for(runner, outputs))
+    finally:
+        runner.discard("overhead")
+        for hook in hooks:
+            hook.remove()
+    return max(statistics.median(overheads), 0.0)
 
 
 def _ones_for(runner: StageRunner, values: Mapping[str, Any]) -> dict[str, torch.Tensor]:
