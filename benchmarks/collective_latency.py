@@ -4,7 +4,7 @@ A pipelined step under torchrun starts with a collective (the micro-batch sizes)
 gloo ends without one since the loss and tied gradients go point to point into receives
 posted ahead (a weight three ranks hold is still all-reduced): a collective waits for ranks
 that sat idle to wake up, which this script measures. fxpipe predicts the step's time outside
-its schedule from a run with no compute (`pipe.step_overhead`). It times one all-reduce of a
+its schedule from a few steps timed at compile (`pipe.step_overhead`). It times one all-reduce of a
 small tensor (by default the bundled GPT's tied embedding, 128 x 64 floats) right after each
 rank has: done nothing, computed (matrix products), slept, or one rank computed while the
 other waited in the collective. Medians, 90th percentiles and the share of calls over 1 ms.

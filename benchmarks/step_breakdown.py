@@ -54,7 +54,7 @@ def main() -> None:
     print(f"link between the stages     {pipe.link}")
     print(f"predicted schedule          {predicted.makespan * 1e3:8.2f} ms (units timed after "
           "the steps)")
-    print(f"predicted outside it        {overhead:8.2f} ms (the runtime with no compute)")
+    print(f"predicted outside it        {overhead:8.2f} ms (pipe.step_overhead)")
     print(f"step on the wall clock      {wall:8.2f} ms")
     print(f"span of the schedule        {span:8.2f} ms")
     print(f"outside the schedule        {wall - span:8.2f} ms ({(wall - span) / wall:.0%})")

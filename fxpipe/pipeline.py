@@ -194,9 +194,10 @@ class CompiledPipeline(torch.nn.Module):
         return forward, backward
 
     def measure_step_overhead(self, *inputs: Any, **kwargs: Any) -> float:
-        """Seconds a step spends outside its schedule here, with none of its compute (see
-        PipelineExecutor.step_overhead), measured now on `inputs` (a mini-batch) and kept as
-        `step_overhead`. Under torchrun every rank of the pipeline must call it."""
+        """Seconds a step spends outside its schedule here (see PipelineExecutor.step_overhead:
+        timed on a few steps with a stand-in loss, which leave nothing behind), measured now on
+        `inputs` (a mini-batch) and kept as `step_overhead`. Under torchrun every rank of the
+        pipeline must call it."""
         flat = self.traced.bind(inputs, kwargs)
         vars(self)["step_overhead"] = self.executor.step_overhead(flat)
         return self.step_overhead

@@ -290,51 +290,97 @@ class PipelineExecutor:
                                   f"loss of a micro-batch), got {type(value).__name__}.")
             return value * (call.sizes[mb] / calls[mb // p].total)
 
+        return self._run_step(call, len(batches), loss, schedule)[0]
+
+    def _run_step(self, call: Call, batches: int,
+                  loss: Callable[[int, dict[str, Any]], torch.Tensor], schedule: Schedule
+                  ) -> tuple[list[torch.Tensor], Run]:
+        """Run `schedule` on `call`, cut into `batches` mini-batches, with `loss(mb, outputs)`
+        on the last stage; returns each mini-batch's loss, on every rank, and the run."""
+        p = self.micro_batches
+
         def on_action(action: Action) -> None:
             if action.kind is K.STEP:
                 self.runners[action.stage].step()
 
-        self.coordinator.expect(len(batches))  # once the inputs and targets passed their checks
+        self.coordinator.expect(batches)  # once the inputs and targets passed their checks
         run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action), call,
                         schedule=schedule)
         losses = []  # shared first: the last stage sends them once its schedule ends
-        for i in range(len(batches)):
+        for i in range(batches):
             mine = (torch.stack([run.losses[i * p + m] for m in range(p)]).sum()
                     if self.last else None)
             losses.append(self.coordinator.loss(mine))
         self.coordinator.after_backward()
         self._trace += [Event(e.stage, e.action, e.start - run.started, e.end - run.started)
                         for e in self.coordinator.drain_events()]
-        return losses
+        return losses, run
 
-    def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 25) -> float:
-        """Seconds a step spends outside its schedule's actions, measured with none of its
-        compute (medians of `repeats`): splitting the inputs and the target and agreeing on
-        the micro-batch sizes, starting and joining the stage workers, sharing the loss and
-        the tied weights' gradients (these two after a burst of compute, as in a step, where
-        they follow a backward and run slower than after nothing), and how much slower the
-        first stage's last backward runs as the others' part of these lands (the burst's time
-        against a quiet rehearsal's, where they wait for it to end). A step ends with the first
-        stage's backward, the other ranks waiting for it, so what it pays past its schedule is
-        the first stage's rank's time: every rank returns that figure. Every rank of the
-        pipeline must call it."""
-        seconds, bursts = [], {False: [], True: []}
+    def step_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 25,
+                      budget: float = 0.25) -> float:
+        """Seconds a step spends outside its schedule's actions: splitting the inputs and the
+        target and agreeing on the micro-batch sizes, starting and joining the stage workers,
+        their bookkeeping around the actions, sharing the loss and the tied weights'
+        gradients. Measured on steps of `flat_inputs` (their loss a stand-in: the sum of the
+        outputs, times 0; as many steps as fill `budget` seconds, 3 to `repeats`), as each
+        step's time less the span of its actions, the median counting; they leave no
+        gradient, buffer, random number generator or trace behind. Plus how much slower the
+        first stage's last backward runs as the others' part of those exchanges lands on it
+        (see `_landing`). A step ends with the first stage's backward, the other ranks
+        waiting for it, so what it pays past its schedule is the first stage's rank's time:
+        every rank returns that figure. Every rank of the pipeline must call it."""
+        # an asynchronous schedule steps the stages' optimizers: its flushed form stands in
+        steps_optimizers = any(a.kind is K.STEP for stage in self.schedule.actions for a in stage)
+        schedule = (self.schedule if not steps_optimizers
+                    else lowered_schedule("gpipe", len(self.comm.stages), self.micro_batches,
+                                          self.comm))
+        kept = self._trace, self.trace_origin, self.last_schedule
+        modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
+        try:
+            with _without_policies(self.runners.values()), gradients_set_aside(modules), \
+                    preserved_state(modules):
+                self._outside_of_step(flat_inputs, schedule)  # the first one allocates
+                step_seconds = self.coordinator.from_first_stage(self._outside_of_step(
+                    flat_inputs, schedule, wall=True))  # every rank then runs as many
+                steps = max(3, min(repeats, int(budget / max(step_seconds, 1e-9))))
+                outside = [self._outside_of_step(flat_inputs, schedule) for _ in range(steps)]
+        finally:
+            self._trace, self.trace_origin, self.last_schedule = kept
+        return self.coordinator.from_first_stage(statistics.median(outside)
+                                                 + self._landing(flat_inputs, repeats))
+
+    def _outside_of_step(self, flat_inputs: Sequence[Any] | None, schedule: Schedule,
+                         wall: bool = False) -> float:
+        """One step's seconds outside the span of its actions here (`wall`: the whole step's),
+        its loss a stand-in and its target a stand-in split as a target is; the ranks start
+        together."""
+        self.coordinator.barrier()
+        start = time.perf_counter()
+        call = self._call(flat_inputs if self.first else None)
+        if self.last:  # the target is split as the inputs are (a stand-in of its rows)
+            split([torch.empty(sum(call.sizes))], self.micro_batches)
+        _, run = self._run_step(call, 1, lambda mb, outputs: _stand_in_loss(outputs), schedule)
+        seconds = time.perf_counter() - start
+        if wall or not run.events:
+            return seconds
+        return seconds - (max(e.end for e in run.events) - min(e.start for e in run.events))
+
+    def _landing(self, flat_inputs: Sequence[Any] | None, repeats: int) -> float:
+        """How much slower the first stage's last backward runs as the others' share of the
+        loss and the tied weights' gradients lands on it: rehearsals of a step's end with no
+        compute but a burst in the backward's place, the burst's median time against quiet
+        rehearsals', where the other ranks wait for it to end (`repeats` of each; never
+        below 0)."""
+        bursts: dict[bool, list[float]] = {False: [], True: []}
         for quiet in [False, True] * repeats:
             self.coordinator.barrier()
-            start = time.perf_counter()
             call = self._call(flat_inputs if self.first else None)
-            if self.last:  # the target is split as the inputs are (a stand-in of its rows)
-                split([torch.empty(sum(call.sizes))], self.micro_batches)
             self.coordinator.expect(1)
             self.driver.run([[] for _ in self.comm.stages], Run(call.feeds), call.key)
-            burst = self.coordinator.rehearsal_burst(quiet)  # compute, not overhead
+            bursts[quiet].append(self.coordinator.rehearsal_burst(quiet))
             self.coordinator.loss(torch.zeros(()) if self.last else None)
             self.coordinator.rehearse()
-            bursts[quiet].append(burst)
-            if not quiet:  # a quiet one's others waited for the burst to end
-                seconds.append(time.perf_counter() - start - burst)
-        landing = max(statistics.median(bursts[False]) - statistics.median(bursts[True]), 0.0)
-        return self.coordinator.from_first_stage(statistics.median(seconds) + landing)
+        return max(statistics.median(bursts[False]) - statistics.median(bursts[True]), 0.0)
 
     def resume_penalty(self, flat_inputs: Sequence[Any] | None) -> list[float] | None:
         """Per stage, how much longer its forward and backward of a micro-batch run right
@@ -562,6 +608,14 @@ def _own_time_per_forward(runner: StageRunner, values: Mapping[str, Any], repeat
         for hook in hooks:
             hook.remove()
     return max(statistics.median(overheads), 0.0)
+
+
+def _stand_in_loss(outputs: Mapping[str, Any]) -> torch.Tensor:
+    """A loss with a step's backward and no target: the sum of the floating outputs that carry
+    a gradient, times 0."""
+    leaves = [value.sum() for value in outputs.values() if isinstance(value, torch.Tensor)
+              and value.is_floating_point() and value.requires_grad]
+    return torch.stack(leaves).sum() * 0.0 if leaves else torch.zeros((), requires_grad=True)
 
 
 def _ones_for(runner: StageRunner, values: Mapping[str, Any]) -> dict[str, torch.Tensor]:

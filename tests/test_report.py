@@ -238,6 +238,36 @@ def test_compile_measures_the_runtimes_own_time_per_step_without_touching_gradie
     assert none.step_overhead == 0.0  # not measured without costs
 
 
+def test_the_step_overhead_is_a_steps_time_outside_its_actions(monkeypatch):
+    # measured on steps: 2 ms more of the runtime's work before the actions start makes it
+    # 2 ms larger; 2 ms more inside every forward action leaves it as it was
+    pipe = fxpipe.compile(fxpipe.models.MLP(), fxpipe.Plan(stages=2, micro_batches=2),
+                          example_inputs=(torch.randn(4, 32),), cache=False)
+    x = torch.randn(4, 32)
+
+    def overhead() -> float:
+        return statistics.median(pipe.measure_step_overhead(x) for _ in range(3))
+
+    plain = overhead()
+    prepare = pipe.executor.transport.prepare
+
+    def slower_prepare(*args):
+        time.sleep(0.002)
+        return prepare(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipe.executor.transport, "prepare", slower_prepare)
+        assert overhead() - plain == pytest.approx(0.002, abs=1e-3)
+    hooks = [stage.module.register_forward_hook(lambda *_: time.sleep(0.002))
+             for stage in pipe.stages]
+    try:
+        assert overhead() == pytest.approx(plain, abs=1e-3)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert pipe.last_trace() == [] and pipe.executor.last_schedule is None  # no step ran
+
+
 def test_the_step_overhead_counts_what_the_others_messages_cost_the_first_stages_burst(
         monkeypatch):
     # a burst 2 ms longer while the other ranks' messages land than in a quiet rehearsal
