@@ -334,18 +334,12 @@ class PipelineExecutor:
         schedule = (self.schedule if not steps_optimizers
                     else lowered_schedule("gpipe", len(self.comm.stages), self.micro_batches,
                                           self.comm))
-        kept = self._trace, self.trace_origin, self.last_schedule
-        modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
-        try:
-            with _without_policies(self.runners.values()), gradients_set_aside(modules), \
-                    preserved_state(modules):
-                self._outside_of_step(flat_inputs, schedule)  # the first one allocates
-                step_seconds = self.coordinator.from_first_stage(self._outside_of_step(
-                    flat_inputs, schedule, wall=True))  # every rank then runs as many
-                steps = max(3, min(repeats, int(budget / max(step_seconds, 1e-9))))
-                outside = [self._outside_of_step(flat_inputs, schedule) for _ in range(steps)]
-        finally:
-            self._trace, self.trace_origin, self.last_schedule = kept
+        with self._timing_the_stages():
+            self._outside_of_step(flat_inputs, schedule)  # the first one allocates
+            step_seconds = self.coordinator.from_first_stage(self._outside_of_step(
+                flat_inputs, schedule, wall=True))  # every rank then runs as many
+            steps = max(3, min(repeats, int(budget / max(step_seconds, 1e-9))))
+            outside = [self._outside_of_step(flat_inputs, schedule) for _ in range(steps)]
         return self.coordinator.from_first_stage(statistics.median(outside)
                                                  + self._landing(flat_inputs, repeats))
 
@@ -387,12 +381,12 @@ class PipelineExecutor:
         after its rank blocked waiting for a message than back to back (a process woken from
         a wait runs slower for a while, by how much depends on what it then computes), run
         by each stage on the values a forward of `flat_inputs` hands it. None in one process
-        and on GPUs, whose host does not block in a receive. Leaves no gradient behind. Every
-        rank of the pipeline must call it."""
+        and on GPUs, whose host does not block in a receive. Leaves no gradient, buffer or
+        trace behind. Every rank of the pipeline must call it."""
         if self.everything_here or any(r.device.type != "cpu" for r in self.runners.values()):
             return None
         (runner,) = self.runners.values()
-        values = self._stage_inputs(runner, flat_inputs)
+        values = self._stage_inputs(flat_inputs)[runner.index]
         keys = itertools.count()
 
         def compute() -> float:
@@ -402,7 +396,7 @@ class PipelineExecutor:
             return time.perf_counter() - start
 
         try:
-            with _without_policies([runner]), gradients_set_aside(runner.stage.module):
+            with self._timing_the_stages():
                 return self.coordinator.resume_penalty(compute)
         finally:
             runner.discard("resume")  # what a failed run left in flight
@@ -418,37 +412,51 @@ class PipelineExecutor:
         a GPU, whose host prepares an action while the device computes the one before. Leaves
         no gradient, buffer or random number generator changed. Every rank of the pipeline
         must call it."""
-        modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
-        # at once: stages may share a tied weight; a forward updates batch norm's statistics
-        with _without_policies(self.runners.values()), gradients_set_aside(modules), \
-                preserved_state(modules):
-            inputs = {s: self._stage_inputs(r, flat_inputs) for s, r in self.runners.items()}
+        with self._timing_the_stages():
+            inputs = self._stage_inputs(flat_inputs)
             mine = self.driver.on_stage_workers(
                 lambda s: _own_time_per_forward(self.runners[s], inputs[s], repeats))
         return self.coordinator.per_stage(mine)
 
-    def _stage_inputs(self, runner: StageRunner, flat_inputs: Sequence[Any] | None
-                      ) -> dict[str, Any]:
-        """The first micro-batch's inputs of `runner`'s stage, as a forward of `flat_inputs`
+    def _stage_inputs(self, flat_inputs: Sequence[Any] | None) -> dict[int, dict[str, Any]]:
+        """Per stage held here, its first micro-batch's inputs, as one forward of `flat_inputs`
         through the pipeline (run without gradients) hands them over."""
         call = self._call(flat_inputs if self.first else None)
         programs = [[a for a in stage if a.kind in _FORWARD]
                     for stage in self.forward_schedule.actions]
-        seen: dict[str, Any] = {}
+        seen: dict[int, dict[str, Any]] = {}
 
-        def forward(mb: Any, values: Mapping[str, Any]) -> dict[str, Any]:
-            if not seen:
-                seen.update({name: values[name] for name in runner.io.inputs})
-            return type(runner).forward(runner, mb, values)
+        def watching(s: int, runner: StageRunner) -> Callable[..., dict[str, Any]]:
+            def forward(mb: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+                seen.setdefault(s, {name: values[name] for name in runner.io.inputs})
+                return type(runner).forward(runner, mb, values)
+            return forward
 
-        runner.forward = forward  # type: ignore[method-assign]  # seen for this run only
+        for s, runner in self.runners.items():  # seen for this run only
+            runner.forward = watching(s, runner)  # type: ignore[method-assign]
         try:
             self.transport.prepare(call.key, call.sizes, call.seq)
             with torch.no_grad():
                 self.driver.run(programs, Run(call.feeds, grad_enabled=False), call.key)
         finally:
-            del runner.forward
+            for runner in self.runners.values():
+                del runner.forward
         return seen
+
+    @contextlib.contextmanager
+    def _timing_the_stages(self) -> Iterator[None]:
+        """Meanwhile the stages run only to be timed: without their weight consistency
+        policies (whose bookkeeping is for steps), their gradients set aside, and their
+        buffers, the random number generators and the trace put back after. All stages'
+        modules at once, as stages may share a tied weight."""
+        modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
+        kept = self._trace, self.trace_origin, self.last_schedule
+        try:
+            with _without_policies(self.runners.values()), gradients_set_aside(modules), \
+                    preserved_state(modules):
+                yield
+        finally:
+            self._trace, self.trace_origin, self.last_schedule = kept
 
     def posting_time(self, flat_inputs: Sequence[Any] | None) -> Posting | None:
         """The transport's seconds per tensor around a message (the sender's, the receiver's,
