@@ -2,9 +2,10 @@
 
 Times a bundled model's units as compile does (micro-batch size batch / micro-batches), with
 the plan's loss on a target: with no other work (concurrency 1), and beside a background
-worker (concurrency 2) that runs the units as a second stage does (what the local runtime's 2
-stage threads are timed with), runs only their forwards, or only their backwards (through one
-retained graph); `--rounds` times each, alternating. It prints the sums of the units' forward
+worker (concurrency 2) that runs the units as a second stage does, runs only their forwards,
+only their backwards (through one retained graph), or the other kind of work than the timed one
+(what the local runtime's 2 stage threads are timed with: forwards beside backwards, backwards
+beside forwards); `--rounds` times each, alternating. It prints the sums of the units' forward
 and backward times, the fixed cost of one backward call the profile takes out of them, and the
 loss's forward and backward: how much each kind of neighbour slows each part (for a small
 model, mostly through Python's global interpreter lock, which a forward holds between its
@@ -25,7 +26,7 @@ from fxpipe.passes.rewrite.stages import split_stages
 
 # what runs beside the timed units: (label, concurrency, the background worker's load)
 NEIGHBOURS = [("nothing", 1, "stage"), ("a stage", 2, "stage"), ("forwards", 2, "forwards"),
-              ("backwards", 2, "backwards")]
+              ("backwards", 2, "backwards"), ("other kind", 2, "crossed")]
 
 
 def main() -> None:

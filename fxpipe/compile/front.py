@@ -220,11 +220,12 @@ def units_of(
 def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                   cache: ProfileCache | None, threads: int, concurrency: int = 1,
                   whole: Sequence[int] = (), warmup: int = 2, repeats: int = 5,
-                  loss: Any = None, min_time: float = MIN_TIMED) -> CostTable:
+                  loss: Any = None, min_time: float = MIN_TIMED,
+                  load: str = "crossed") -> CostTable:
     """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only;
-    `concurrency` stages busy at once while timing, `warmup` and `repeats` runs of each unit
-    (more until they took `min_time` seconds), `loss(outputs, size)` timed too when given (see
-    profile_units)."""
+    `concurrency` stages busy at once while timing, running `load`, `warmup` and `repeats`
+    runs of each unit (more until they took `min_time` seconds), `loss(outputs, size)` timed
+    too when given (see profile_units)."""
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
                                           [devices[0]] * len(units))
     names = [u.name for u in units]
@@ -244,7 +245,7 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
                             devices[0], warmup=warmup, repeats=repeats, cache=cache,
                             threads=threads, concurrency=concurrency, whole=whole, loss=loss,
-                            min_time=min_time)
+                            load=load, min_time=min_time)
     annotate_profile(gm, units, profile)
     annotate_comm(gm, link)
     cost = cost_table(profile, link, batch, names)

@@ -87,7 +87,8 @@ def compile(
     threads = threads_per_stage(devices)
     timing = Timing(devices[0], threads, busy_stages(devices))
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
-                         profile_cache(cache), timing.threads, timing.concurrency, whole)
+                         profile_cache(cache), timing.threads, timing.concurrency, whole,
+                         load=timing.load)
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []
     if plan.intra_layer is not None:

@@ -24,11 +24,12 @@ __all__ = ["Timing", "retime"]
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """How compile timed the units: on which device, with how many threads, beside how many
-    busy stages."""
+    busy stages, running what (profile_units' `load`)."""
 
     device: str
     threads: int
     concurrency: int
+    load: str = "crossed"
 
 
 def retime(pipe: CompiledPipeline, example_inputs: Any,
@@ -54,7 +55,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
         else pipe.plan
     cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, [timing.device],
                          pipe.link, None, timing.threads, timing.concurrency, whole, warmup,
-                         repeats, loss, min_time)
+                         repeats, loss, min_time, timing.load)
     if launched():
         shared: list[Any] = [cost]
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -58,7 +58,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 8  # bump when the cached record changes (or how it is measured)
+_FORMAT = 9  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -159,7 +159,7 @@ def profile_units(
     concurrency: int = 1,
     whole: Sequence[int] = (),
     loss: Callable[[Mapping[str, Any], int], torch.Tensor] | None = None,
-    load: str = "stage",
+    load: str = "crossed",
     min_time: float = 0.0,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
@@ -172,10 +172,16 @@ def profile_units(
     sharing caches and memory bandwidth cause (a unit alone on a quiet machine runs faster
     than it will inside the pipeline). `loss(outputs, size)`: the loss of a micro-batch of
     `size` samples from the graph's output values by name, timed forward and backward when
-    given (never cached). `load`: what the background workers run, "stage" (the units'
-    forwards, then a backward, as a pipeline stage does), "forwards" (forwards only) or
-    "backwards" (backwards only, again and again through one retained graph): the last two
-    show which kind of neighbour slows the units (benchmarks/profile_parts.py). `min_time`:
+    given (never cached). `load`: what the background workers run, "crossed" (each kind of
+    work timed beside the other: the forwards, and the loss's forward, beside workers running
+    backwards only; the backwards, and the loss's backward, beside workers running forwards
+    only: two timings of each size), "stage" (the units' forwards, then a backward, as a
+    pipeline stage does), "forwards" (forwards only) or "backwards" (backwards only, again and
+    again through one retained graph); profile_parts.py in benchmarks compares what each
+    makes of the units. Stage threads of one process slow each other mostly through Python's
+    interpreter lock, which a forward holds between its operators and a backward mostly does
+    not. Predictions from "crossed" timings came closer to the local runtime's steps where the
+    lock sets the units' pace, and as close elsewhere (the note at LOADS). `min_time`:
     after the `repeats`, more repetitions (at most MOST_REPEATS timed in all) until the timed
     ones have taken that many seconds at each size (compile asks for MIN_TIMED).
     """
@@ -196,16 +202,25 @@ def profile_units(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with preserved_state(graph), gradients_set_aside(graph), \
-                _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device, threads,
-                      load) as background:
-            rows = []
-            for size in sizes:
-                background.size = size  # the neighbours run micro-batches of the timed size
-                rows.append(_measure(graph, table, _on(resize(flat_inputs, dims, size), device),
-                                     device, warmup, repeats,
-                                     loss=loss and functools.partial(loss, size=size),
-                                     min_time=min_time))
+        def timed_beside(kind: str) -> list[tuple]:
+            with preserved_state(graph), gradients_set_aside(graph), \
+                    _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device,
+                          threads, kind) as background:
+                rows = []
+                for size in sizes:
+                    background.size = size  # the neighbours run micro-batches of this size
+                    rows.append(_measure(graph, table,
+                                         _on(resize(flat_inputs, dims, size), device), device,
+                                         warmup, repeats,
+                                         loss=loss and functools.partial(loss, size=size),
+                                         min_time=min_time))
+                return rows
+
+        if load != "crossed" or concurrency < 2:
+            rows = timed_beside("stage" if load == "crossed" else load)
+        else:
+            rows = [_crossed(forwards, backwards) for forwards, backwards in
+                    zip(timed_beside("backwards"), timed_beside("forwards"))]
         with preserved_state(graph), gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
                                                  for size in sizes], device)
@@ -220,7 +235,21 @@ def profile_units(
     return profile
 
 
-LOADS = ("stage", "forwards", "backwards")
+LOADS = ("crossed", "stage", "forwards", "backwards")
+# Why "crossed" by default: `python benchmarks/profile_loads.py --model mlp --schedule S` (10
+# rounds) measured the bundled MLP's step in 2 stage threads at 1.05 (1f1b) and 1.03 (gpipe) of
+# the step predicted from crossed timings, and at 1.08 and 1.10 of the one from "stage" timings;
+# with `--partitioner balanced` the GPT (1f1b), ResNet (1f1b) and VGG (gpipe, --batch 64) came
+# to 0.96, 0.98 and 0.97 crossed, and 0.92, 0.99 and 1.04 beside a stage.
+
+
+def _crossed(forwards: tuple, backwards: tuple) -> tuple:
+    """One size's row of _measure from two timings: the forward figures (the units', the
+    crossing bytes, the loss's forward) of the one, the backward figures (the units', the fixed
+    cost of a call, the loss's backward) of the other."""
+    forward, _, crossing, crossing_grad, _, loss_f, _ = forwards
+    _, backward, _, _, call, _, loss_b = backwards
+    return forward, backward, crossing, crossing_grad, call, loss_f, loss_b
 
 
 class _Load:

@@ -136,16 +136,17 @@ def test_the_background_load_runs_the_units_as_one_stage():
         torch.testing.assert_close(split[name], param.grad, msg=name)
 
 
-def test_a_failing_background_load_fails_the_timing(monkeypatch):
+@pytest.mark.parametrize("load, part", [("stage", "_as_a_stage"), ("crossed", "_backward_from")])
+def test_a_failing_background_load_fails_the_timing(monkeypatch, load, part):
     model, x = VGG(), torch.randn(4, 3, 32, 32)
     _, graph, table = _per_unit(model, x)
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise ValueError("load broke")
 
-    monkeypatch.setattr(profile_module, "_as_a_stage", broken)
+    monkeypatch.setattr(profile_module, part, broken)  # run by the load's thread alone
     with pytest.raises(RuntimeError, match="background load") as failure:
-        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=2)
+        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=2, load=load)
     assert isinstance(failure.value.__cause__, ValueError)
 
 
@@ -250,8 +251,45 @@ def test_the_loss_backward_leaves_out_the_call_the_last_stage_pays_once(three_un
 def test_an_unknown_background_load_is_named_with_the_choices():
     model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), torch.randn(4, 4)
     _, graph, table = _per_unit(model, x)
-    with pytest.raises(ValueError, match="'stage', 'forwards', 'backwards'"):
+    with pytest.raises(ValueError, match="'crossed', 'stage', 'forwards', 'backwards'"):
         profile_units(graph, table, [x], [2], concurrency=2, load="sideways")
+
+
+@given(concurrency=st.sampled_from([1, 2]))
+def test_crossed_timings_take_each_kind_beside_the_other(three_units, concurrency):
+    """On a clock whose every reading depends on what the neighbour runs, a crossed profile
+    keeps the forward figures timed beside backwards only and the backward figures timed
+    beside forwards only; with no neighbour it times once, as a stage's neighbour would."""
+    graph, table, x = three_units
+    beside: list[str | None] = [None]
+    enter = profile_module._Load.__enter__
+
+    def noting_the_neighbour(load):
+        beside[0] = load.kind if load.workers else None
+        return enter(load)
+
+    # seconds of a forward and of a backward call, by what runs beside them
+    forward_s = {"backwards": 1.0, "forwards": 2.0, "stage": 3.0, None: 4.0}
+    backward_s = {"forwards": 10.0, "backwards": 20.0, "stage": 30.0, None: 40.0}
+
+    def clock(device):
+        def timed(fn, *args, **kwargs):
+            result = fn(*args, **kwargs)
+            is_backward = fn is torch.autograd.backward or getattr(fn, "__name__", "") == "backward"
+            return result, (backward_s if is_backward else forward_s)[beside[0]]
+        return timed
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module._Load, "__enter__", noting_the_neighbour)
+        patch.setattr(profile_module, "_timer", clock)
+        prof = profile_units(graph, table, [x], [2, 4], warmup=0, repeats=1,
+                             concurrency=concurrency,
+                             loss=lambda outputs, size: outputs[table.graph_outputs[0]].sum())
+    expected = ("backwards", "forwards") if concurrency == 2 else (None, None)
+    assert np.all(prof.forward == forward_s[expected[0]])
+    assert np.all(prof.loss_forward == forward_s[expected[0]])
+    # every backward call took the same: the whole of it is the call's fixed cost
+    assert np.all(prof.backward_call == backward_s[expected[1]])
 
 
 @pytest.mark.parametrize("load", ["forwards", "backwards"])

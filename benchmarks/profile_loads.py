@@ -1,0 +1,74 @@
+"""Benchmark: the step predicted from units timed beside each kind of neighbour, against the
+measured step.
+
+Stage threads of one process slow each other, so compile times the units beside a busy
+neighbour, and what that neighbour runs (profile_units' `load`) shapes the prediction. This
+script compiles a bundled model into 2 stage threads, then alternates, round by round: for
+each load (in turn first), re-time the units with it (`fxpipe.retime`, the target's loss too)
+and predict the step as `fxpipe bench` does (the schedule plus the runtime's time per step and
+per forward, measured once per round); then run untimed steps for 0.2 s and a few timed ones.
+It prints, per load, the median measured step over the median predicted one, and how far the
+rounds' predictions spread (max / min): ratios measured side by side, against the same steps.
+
+    python benchmarks/profile_loads.py --model mlp --schedule 1f1b
+    python benchmarks/profile_loads.py --model gpt --schedule gpipe --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+from two_stages import add_model_arguments, at_least_one, two_stages
+
+import fxpipe
+from fxpipe.passes.analysis.profile import LOADS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "mlp", schedule=True, steps=3)
+    parser.add_argument("--partitioner", default="even")
+    parser.add_argument("--rounds", type=at_least_one, default=10)
+    parser.add_argument("--loads", default="crossed,stage",
+                        help=f"comma-separated, of {', '.join(LOADS)}")
+    args = parser.parse_args()
+    loads = args.loads.split(",")
+    if not set(loads) <= set(LOADS):
+        parser.error(f"--loads takes some of {', '.join(LOADS)}, not {args.loads!r}")
+    setup = two_stages(args, schedule=args.schedule, partitioner=args.partitioner)
+    if setup.distributed:
+        parser.error("the units are timed beside a neighbour only in one process: run it "
+                     "with python, not torchrun")
+    pipe, x, y = setup.pipe, setup.x, setup.y
+    compiled = pipe.timing
+    predicted: dict[str, list[float]] = {load: [] for load in loads}
+    measured = []
+    setup.warm_up(2)
+    for r in range(args.rounds):
+        pipe.measure_link(x)
+        overhead = pipe.measure_step_overhead(x)
+        pipe.measure_forward_overhead(x)
+        for load in loads[r % len(loads):] + loads[:r % len(loads)]:
+            pipe.timing = dataclasses.replace(compiled, load=load)
+            fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1)
+            predicted[load].append(pipe.predicted_timeline(fresh).makespan + overhead)
+        pipe.timing = compiled
+        settled = time.perf_counter() + 0.2  # as fxpipe bench settles before its timed steps
+        while time.perf_counter() < settled:
+            pipe.step(x, y)
+        measured.append(statistics.median(setup.timed_step() for _ in range(args.steps)))
+    print(f"{args.model}, {setup.where} {list(pipe.partition.sizes)}, batch {args.batch}, "
+          f"{args.micro_batches} micro-batches, {args.schedule}, {args.rounds} rounds: "
+          f"measured step {statistics.median(measured) * 1e3:.2f} ms (median)")
+    print("load      predicted ms  measured / predicted  spread of the predictions")
+    for load, values in predicted.items():
+        print(f"{load:9s} {statistics.median(values) * 1e3:12.2f}  "
+              f"{statistics.median(measured) / statistics.median(values):20.2f}  "
+              f"{max(values) / min(values):25.2f}")
+
+
+if __name__ == "__main__":
+    main()
