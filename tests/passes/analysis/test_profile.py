@@ -259,7 +259,7 @@ def test_an_unknown_background_load_is_named_with_the_choices():
 def test_crossed_timings_take_each_kind_beside_the_other(three_units, concurrency):
     """On a clock whose every reading depends on what the neighbour runs, a crossed profile
     keeps the forward figures timed beside backwards only and the backward figures timed
-    beside forwards only; with no neighbour it times once, as a stage's neighbour would."""
+    beside forwards only; with one busy stage, the timed one, nothing runs beside the units."""
     graph, table, x = three_units
     beside: list[str | None] = [None]
     enter = profile_module._Load.__enter__
