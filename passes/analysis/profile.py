@@ -253,8 +253,10 @@ def _crossed(forwards: tuple, backwards: tuple) -> tuple:
 
 
 class _Load:
-    """Background workers running the same units while the measurement runs, as a pipeline
-    stage runs them: the forwards in a row on connected values, then one backward. (Running
+    """Background workers running the same units while the measurement runs: of `kind`
+    "stage", as a pipeline stage runs them, the forwards in a row on connected values, then
+    one backward; of kind "forwards" or "backwards", that kind of work alone (a crossed
+    profile times with one of each in turn). (Running
     them as the timed thread does, with a timer and a backward call per unit, loaded the
     interpreter more than a stage does: `fxpipe bench gpt` measured 0.79-0.89 of the
     predicted step.) They run micro-batches of `size`, the one being timed, as the other
