@@ -30,7 +30,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.models import MODELS, bundled
 from fxpipe.plan import PARTITIONERS, Plan
-from fxpipe.report import LATE_AFTER
+from fxpipe.report import LATE_AFTER, shared_cores_lines
 
 __all__ = ["main"]
 
@@ -166,6 +166,9 @@ def _bench(args: argparse.Namespace) -> None:
     print(format_rows(rows))
     for line in _against_even(rows, args.repeats):
         print(line)
+    if not torch.cuda.is_available():  # the bundled models' stages compute on the CPU
+        for line in shared_cores_lines(args.stages, os.cpu_count() or 1):
+            print(line)
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
           "than that may be drift alone")

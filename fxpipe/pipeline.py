@@ -228,17 +228,23 @@ class CompiledPipeline(torch.nn.Module):
 
     def report(self, file: Any = None, partition: Partition | None = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
-        communication and idle shares, and the stage that bounds the pipeline. Printed (to
+        communication and idle shares, and the stage that bounds the pipeline (and, where
+        more stage threads compute on the CPU than it has cores, that the prediction gave
+        each a core of its own). Printed (to
         `file`, default stdout; rank 0 under torchrun, where every rank must call it) and
         returned. `partition`: the stage costs to predict with (default: the compiled ones;
         e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages
+        # stage threads of one process sharing its host's cores (under torchrun a rank does
+        # not know here which others share its host)
+        on_cpu = sum(torch.device(d).type == "cpu" for d in self.devices)
+        cores = (on_cpu, os.cpu_count() or 1) if self.executor.everything_here else None
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead, interference(measured),
-                             late_messages(measured, predicted))
+                             late_messages(measured, predicted), cores)
         if self._speaks():
             print(text, file=file)
         return text

@@ -13,7 +13,7 @@ from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
 __all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime", "StepTime", "format_report",
-           "interference", "late_messages", "receive_waits", "step_time"]
+           "interference", "late_messages", "receive_waits", "shared_cores_lines", "step_time"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
@@ -181,10 +181,12 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
                   overhead: float = 0.0, slowdowns: Sequence[Interference] = (),
-                  late: LateMessages | None = None) -> str:
+                  late: LateMessages | None = None,
+                  cores: tuple[int, int] | None = None) -> str:
     """Predicted against measured, per stage and in total, and what bounds the pipeline;
     `overhead`: the runtime's own seconds per step outside the schedule, if measured;
-    `slowdowns`: the measured timeline's `interference`; `late`: its `late_messages`."""
+    `slowdowns`: the measured timeline's `interference`; `late`: its `late_messages`;
+    `cores`: (stages computing on this host's CPU, its cores), for `shared_cores_lines`."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
     rows = []
     for m, p in zip(measured.stages, predicted.stages):
@@ -207,7 +209,21 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         f"{_ms(measured.makespan)} ms step)",
     ] + ([f"outside the schedule: the runtime's own work (splitting, starting the stages, "
           f"sharing sizes and the loss) adds a predicted {_ms(overhead)} ms to a step"]
-         if overhead > 0 else []) + _interference_lines(slowdowns) + _late_lines(late))
+         if overhead > 0 else []) + _interference_lines(slowdowns) + _late_lines(late)
+        + (shared_cores_lines(*cores) if cores else []))
+
+
+def shared_cores_lines(stages: int, cores: int) -> list[str]:
+    """What to tell a user whose `stages` stages compute on a host's CPU of `cores` cores:
+    nothing when each can have a core, else that the prediction assumed it could (the
+    simulator runs every stage's compute at its timed pace, whatever else runs)."""
+    if stages <= cores:
+        return []
+    return [f"shared cores: {stages} stages compute on this host's {cores} CPU "
+            f"core{'s' if cores > 1 else ''}, and the "
+            "prediction gives each stage a core of its own, so steps run slower than "
+            f"predicted, the more so the more stages share a core; with at most {cores} CPU "
+            "stages here every stage has one"]
 
 
 def _late_lines(late: LateMessages | None) -> list[str]:

@@ -176,6 +176,21 @@ def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
     assert row.predicted_spread > 0.3  # the compute scaled by 1.6; the links did not
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores):
+    import fxpipe.cli
+
+    row = BenchRow("even", "gpipe", (2, 2), 2, 1.0, 1.0, 0.0, 0.0, (0.0, 0.0))
+    monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: [row])
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "mlp", "--stages", "2", "--partitioners", "even",
+                 "--schedules", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert ("shared cores: 2 stages compute on this host's 1 CPU core, " in out) == (cores == 1)
+    assert ("shared cores" in out) == (cores == 1)
+
+
 def test_each_round_of_bench_first_runs_untimed_steps_for_the_settling_time(monkeypatch):
     import dataclasses
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -16,7 +17,14 @@ from hypothesis import strategies as st
 import fxpipe
 from fxpipe.cost import Partition
 from fxpipe.models import MLP, VGG
-from fxpipe.report import LATE_AFTER, format_report, interference, late_messages, step_time
+from fxpipe.report import (
+    LATE_AFTER,
+    format_report,
+    interference,
+    late_messages,
+    shared_cores_lines,
+    step_time,
+)
 from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
@@ -211,6 +219,23 @@ def test_replan_moves_work_away_from_a_stage_measured_slower():
     result = fxpipe.replan(pipe)
     assert result.changed and result.dispersion > 0.05
     assert result.proposed.sizes[0] < result.current.sizes[0]
+
+
+@given(stages=st.integers(1, 16), cores=st.integers(1, 16))
+def test_stages_sharing_cores_are_named_exactly_when_there_are_more_than_cores(stages, cores):
+    lines = shared_cores_lines(stages, cores)
+    assert bool(lines) == (stages > cores)
+    for line in lines:
+        assert f"{stages} stages compute on this host's {cores} CPU core" in line
+
+
+@pytest.mark.parametrize("cores", [2, 3])
+def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, cores):
+    """The 3 stage threads of `trained` on 2 cores, then on 3."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    text = trained.report()
+    assert ("shared cores: 3 stages compute on this host's 2 CPU cores" in text) == (cores == 2)
+    assert ("shared cores" in text) == (cores == 2)
 
 
 def test_report_before_any_run():
