@@ -230,10 +230,10 @@ class CompiledPipeline(torch.nn.Module):
         """Predicted against measured for the last run: per stage and in total, bubble,
         communication and idle shares, and the stage that bounds the pipeline (and, where
         more stage threads compute on the CPU than it has cores, that the prediction gave
-        each a core of its own). Printed (to
-        `file`, default stdout; rank 0 under torchrun, where every rank must call it) and
-        returned. `partition`: the stage costs to predict with (default: the compiled ones;
-        e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
+        each a core of its own). Printed (to `file`, default stdout; rank 0 under torchrun,
+        where every rank must call it) and returned. `partition`: the stage costs to predict
+        with (default: the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`, timed
+        beside the run)."""
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages
