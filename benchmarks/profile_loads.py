@@ -3,12 +3,13 @@ measured step.
 
 Stage threads of one process slow each other, so compile times the units beside a busy
 neighbour, and what that neighbour runs (profile_units' `load`) shapes the prediction. This
-script compiles a bundled model into 2 stage threads, then alternates, round by round: for
-each load (in turn first), re-time the units with it (`fxpipe.retime`, the target's loss too)
-and predict the step as `fxpipe bench` does (the schedule plus the runtime's time per step and
-per forward, measured once per round); then run untimed steps for 0.2 s and a few timed ones.
-It prints, per load, the median measured step over the median predicted one, and how far the
-rounds' predictions spread (max / min): ratios measured side by side, against the same steps.
+script compiles a bundled model into 2 stage threads, then alternates, round by round: for each
+load, re-time the units with it (`fxpipe.retime`, the target's loss too) and predict the step
+as `fxpipe bench` does (the schedule plus the runtime's time per step and per forward, measured
+once per round); then run untimed steps for 0.2 s and a few timed ones. The load that goes
+first rotates from round to round. It prints, per load, the median measured step over the
+median predicted one, and how far the rounds' predictions spread (max / min): ratios measured
+side by side, against the same steps.
 
     python benchmarks/profile_loads.py --model mlp --schedule 1f1b
     python benchmarks/profile_loads.py --model gpt --schedule gpipe --rounds 6
@@ -43,6 +44,9 @@ def main() -> None:
         parser.error("the units are timed beside a neighbour only in one process: run it "
                      "with python, not torchrun")
     pipe, x, y = setup.pipe, setup.x, setup.y
+    if pipe.timing.concurrency < 2:
+        parser.error("the units are timed beside no neighbour here (one core, or stages on "
+                     "GPUs), so every load times them alike")
     compiled = pipe.timing
     predicted: dict[str, list[float]] = {load: [] for load in loads}
     measured = []

@@ -58,7 +58,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 9  # bump when the cached record changes (or how it is measured)
+_FORMAT = 8  # bump when the cached record changes (or how it is measured)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -175,13 +175,15 @@ def profile_units(
     given (never cached). `load`: what the background workers run, "crossed" (each kind of
     work timed beside the other: the forwards, and the loss's forward, beside workers running
     backwards only; the backwards, and the loss's backward, beside workers running forwards
-    only: two timings of each size), "stage" (the units' forwards, then a backward, as a
+    only: two timings of each size, so the timing takes about twice as long; once, as "stage",
+    on a model on the meta device), "stage" (the units' forwards, then a backward, as a
     pipeline stage does), "forwards" (forwards only) or "backwards" (backwards only, again and
     again through one retained graph); profile_parts.py in benchmarks compares what each
     makes of the units. Stage threads of one process slow each other mostly through Python's
     interpreter lock, which a forward holds between its operators and a backward mostly does
-    not. Predictions from "crossed" timings came closer to the local runtime's steps where the
-    lock sets the units' pace, and as close elsewhere (the note at LOADS). `min_time`:
+    not. With 2 stage threads, predictions from "crossed" timings came closer to the local
+    runtime's steps than from "stage" ones where the lock sets the units' pace, and about as
+    close elsewhere (the note at LOADS). `min_time`:
     after the `repeats`, more repetitions (at most MOST_REPEATS timed in all) until the timed
     ones have taken that many seconds at each size (compile asks for MIN_TIMED).
     """
@@ -216,7 +218,8 @@ def profile_units(
                                          min_time=min_time))
                 return rows
 
-        if load != "crossed" or concurrency < 2:
+        # a meta model's neighbours time copies of the units one at a time, whatever the load
+        if load != "crossed" or concurrency < 2 or has_meta_tensors(graph):
             rows = timed_beside("stage" if load == "crossed" else load)
         else:
             rows = [_crossed(forwards, backwards) for forwards, backwards in
@@ -237,10 +240,13 @@ def profile_units(
 
 LOADS = ("crossed", "stage", "forwards", "backwards")
 # Why "crossed" by default: `python benchmarks/profile_loads.py --model mlp --schedule S` (10
-# rounds) measured the bundled MLP's step in 2 stage threads at 1.05 (1f1b) and 1.03 (gpipe) of
-# the step predicted from crossed timings, and at 1.08 and 1.10 of the one from "stage" timings;
-# with `--partitioner balanced` the GPT (1f1b), ResNet (1f1b) and VGG (gpipe, --batch 64) came
-# to 0.96, 0.98 and 0.97 crossed, and 0.92, 0.99 and 1.04 beside a stage.
+# rounds, one run each) measured the bundled MLP's step in 2 stage threads at 1.05 (1f1b) and
+# 1.03 (gpipe) of the step predicted from crossed timings (the rounds' predictions spread
+# 1.43x and 1.45x, max/min), and at 1.08 and 1.10 of the one from "stage" timings (1.58x and
+# 1.98x); with `--partitioner balanced --rounds 6` the GPT (1f1b), ResNet (1f1b) and VGG (gpipe,
+# --batch 64) came to 0.96, 0.98 and 0.97 crossed, and 0.92, 0.99 and 1.04 beside a stage
+# (spreads 1.03x to 1.24x). All of it on 2 cores: with more stage threads every neighbour runs
+# the other kind as well, which nothing here measured.
 
 
 def _crossed(forwards: tuple, backwards: tuple) -> tuple:
@@ -281,7 +287,9 @@ class _Load:
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
             alone = any(has_meta_tensors(m) for m in modules)  # timed on copies, one at a time
             needs_grad = _needs_grad(table)
-            retained: dict[int, list[Any]] = {}  # per size: outputs of one forward, kept
+            # the outputs of one forward of the size being timed, kept (one size at a time:
+            # a graph kept per size would hold several micro-batches' activations)
+            retained: dict[int, list[Any]] = {}
             while not self.stop.is_set():
                 i = sizes.index(self.size)
                 values = inputs[i]
@@ -293,7 +301,7 @@ class _Load:
                     _connected_forward(table, modules, values, needs_grad)
                 else:  # backwards, again and again through one graph per size
                     if i not in retained:
-                        retained[i] = _connected_forward(table, modules, values, needs_grad)
+                        retained = {i: _connected_forward(table, modules, values, needs_grad)}
                     _backward_from(retained[i], retain_graph=True)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
             self.errors.append(error)
