@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["AFFINITIES", "choose_share", "core_share", "format_cpus", "pin_process", "pin_rank"]
+__all__ = ["AFFINITIES", "choose_share", "core_share", "format_cpus", "pin_process", "pin_rank",
+           "usable_cores"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
@@ -91,3 +92,11 @@ def format_cpus(cpus: Sequence[int]) -> str:
         else:
             parts.append([cpu])
     return ",".join(f"{p[0]}-{p[-1]}" if len(p) > 2 else ",".join(map(str, p)) for p in parts)
+
+
+def usable_cores() -> int:
+    """How many CPUs this process may run on: its affinity (taskset, a cpuset, a rank's
+    share), else the host's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

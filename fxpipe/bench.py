@@ -54,6 +54,7 @@ class BenchRow:
     late_steps: float = float("nan")
     # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
     late_ms: float = float("nan")
+    on_cpu: bool = True  # whether the stages computed on the CPU (else on GPUs)
 
     @property
     def ratio(self) -> float:
@@ -158,7 +159,10 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
                              memory, kind, totals[0][0] * 1e3, totals[-1][0] * 1e3,
                              statistics.fmean(found.late > 0 for found in late),
-                             statistics.fmean(found.excess for found in late) * 1e3))
+                             statistics.fmean(found.excess for found in late) * 1e3,
+                             # this process's stages (under torchrun, this rank's)
+                             all(r.device.type == "cpu"
+                                 for r in pipe.executor.runners.values())))
     if progress:
         print(file=sys.stderr)
     return rows

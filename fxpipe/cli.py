@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fxpipe.affinity import usable_cores
 from fxpipe.bench import (
     BenchRow,
     StealMeter,
@@ -166,8 +167,8 @@ def _bench(args: argparse.Namespace) -> None:
     print(format_rows(rows))
     for line in _against_even(rows, args.repeats):
         print(line)
-    if not torch.cuda.is_available():  # the bundled models' stages compute on the CPU
-        for line in shared_cores_lines(args.stages, os.cpu_count() or 1):
+    if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
+        for line in shared_cores_lines(args.stages, usable_cores()):
             print(line)
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "

@@ -12,7 +12,7 @@ import torch
 from torch import fx
 from torch.utils.hooks import RemovableHandle
 
-from fxpipe.affinity import format_cpus
+from fxpipe.affinity import format_cpus, usable_cores
 from fxpipe.allocator import describe
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
@@ -229,18 +229,18 @@ class CompiledPipeline(torch.nn.Module):
     def report(self, file: Any = None, partition: Partition | None = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
         communication and idle shares, and the stage that bounds the pipeline (and, where
-        more stage threads compute on the CPU than it has cores, that the prediction gave
-        each a core of its own). Printed (to `file`, default stdout; rank 0 under torchrun,
-        where every rank must call it) and returned. `partition`: the stage costs to predict
-        with (default: the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`, timed
-        beside the run)."""
+        more stage threads compute on the CPU than the process may use cores, that the
+        prediction gave each a core of its own). Printed (to `file`, default stdout; rank 0
+        under torchrun, where every rank must call it) and returned. `partition`: the stage
+        costs to predict with (default: the compiled ones; e.g. `fxpipe.retime(pipe, x,
+        target=y)`, timed beside the run)."""
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages
-        # stage threads of one process sharing its host's cores (under torchrun a rank does
-        # not know here which others share its host)
-        on_cpu = sum(torch.device(d).type == "cpu" for d in self.devices)
-        cores = (on_cpu, os.cpu_count() or 1) if self.executor.everything_here else None
+        # stage threads of one process sharing the cores it may use (under torchrun a rank
+        # does not know here which others share its host)
+        on_cpu = sum(r.device.type == "cpu" for r in self.executor.runners.values())
+        cores = (on_cpu, usable_cores()) if self.executor.everything_here else None
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead, interference(measured),

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxpipe.affinity import choose_share, core_share, format_cpus, pin_process, pin_rank
+from fxpipe.affinity import (
+    choose_share,
+    core_share,
+    format_cpus,
+    pin_process,
+    pin_rank,
+    usable_cores,
+)
 
 
 @given(cpus=st.sets(st.integers(0, 127), min_size=1, max_size=64),
@@ -77,3 +84,14 @@ def test_binding_reaches_threads_already_running_and_the_ones_started_later():
         before.join()
         pin_process(allowed)
     assert os.sched_getaffinity(0) == allowed
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_usable_cores_are_the_cpus_the_process_may_run_on():
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})  # as under `taskset -c N`
+        assert usable_cores() == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert usable_cores() == len(allowed)

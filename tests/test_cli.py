@@ -123,6 +123,7 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
                else float(r["late_ms"]) == 0 for r in rows)
     assert "late ms: those receives' waits beyond the predicted ones" in out
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
+    assert {r["on_cpu"] for r in rows} == {"True"}  # the bundled MLP's stages, on the CPU
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -176,19 +177,19 @@ def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
     assert row.predicted_spread > 0.3  # the compute scaled by 1.6; the links did not
 
 
-@pytest.mark.parametrize("cores", [1, 2])
-def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores):
+@pytest.mark.parametrize("cores, on_cpu", [(1, True), (2, True), (1, False)])
+def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores, on_cpu):
     import fxpipe.cli
 
-    row = BenchRow("even", "gpipe", (2, 2), 2, 1.0, 1.0, 0.0, 0.0, (0.0, 0.0))
+    row = BenchRow("even", "gpipe", (2, 2), 2, 1.0, 1.0, 0.0, 0.0, (0.0, 0.0), on_cpu=on_cpu)
     monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: [row])
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(fxpipe.cli, "usable_cores", lambda: cores)
     assert main(["bench", "mlp", "--stages", "2", "--partitioners", "even",
                  "--schedules", "gpipe"]) == 0
     out = capsys.readouterr().out
-    assert ("shared cores: 2 stages compute on this host's 1 CPU core, " in out) == (cores == 1)
-    assert ("shared cores" in out) == (cores == 1)
+    shared = cores == 1 and on_cpu
+    assert ("shared cores: 2 stages compute on this host's 1 CPU core, " in out) == shared
+    assert ("shared cores" in out) == shared
 
 
 def test_each_round_of_bench_first_runs_untimed_steps_for_the_settling_time(monkeypatch):

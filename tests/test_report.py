@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import time
 
@@ -229,13 +228,18 @@ def test_stages_sharing_cores_are_named_exactly_when_there_are_more_than_cores(s
         assert f"{stages} stages compute on this host's {cores} CPU core" in line
 
 
-@pytest.mark.parametrize("cores", [2, 3])
-def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, cores):
-    """The 3 stage threads of `trained` on 2 cores, then on 3."""
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+@pytest.mark.parametrize("cores, device", [(2, "cpu"), (3, "cpu"), (2, "cuda:0")])
+def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, cores, device):
+    """The 3 stage threads of `trained` on 2 cores, then on 3; stages on GPUs share none."""
+    import fxpipe.pipeline
+
+    monkeypatch.setattr(fxpipe.pipeline, "usable_cores", lambda: cores)
+    for runner in trained.executor.runners.values():
+        monkeypatch.setattr(runner, "device", torch.device(device))
     text = trained.report()
-    assert ("shared cores: 3 stages compute on this host's 2 CPU cores" in text) == (cores == 2)
-    assert ("shared cores" in text) == (cores == 2)
+    shared = cores == 2 and device == "cpu"
+    assert ("shared cores: 3 stages compute on this host's 2 CPU cores" in text) == shared
+    assert ("shared cores" in text) == shared
 
 
 def test_report_before_any_run():

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe.affinity import usable_cores
 from fxpipe.batching import input_dims, resize
 from fxpipe.cost import CostTable, Link, fit_to_flops
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
@@ -293,7 +294,7 @@ def busy_stages(devices: Sequence[str]) -> int:
     """How many stages compute at once on this host's CPU in steady state (GPU stages each
     have their own device): at most one per core."""
     on_cpu = sum(torch.device(d).type == "cpu" for d in devices)
-    return max(1, min(on_cpu, os.cpu_count() or 1))
+    return max(1, min(on_cpu, usable_cores()))
 
 
 def threads_per_stage(devices: Sequence[str]) -> int:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import pathlib
 import sys
@@ -169,6 +170,9 @@ def train(name, stages, schedule, micro_batches, out):
         coordinator.rehearse()
         assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
         assert retimed.bounds == pipe.partition.bounds and retimed.predicted_time > 0
+        # every rank reports (rank 0 prints); no rank knows who shares its host
+        report = pipe.report(file=io.StringIO())
+        assert report.startswith("step (") and "shared cores" not in report
     else:
         model, data, loss_fn = build(name)
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
