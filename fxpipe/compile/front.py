@@ -23,6 +23,7 @@ from fxpipe.meta import SHAPE, ValueInfo
 from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
+    DEFAULT_LOAD,
     MIN_TIMED,
     ProfileCache,
     annotate_profile,
@@ -222,7 +223,7 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                   cache: ProfileCache | None, threads: int, concurrency: int = 1,
                   whole: Sequence[int] = (), warmup: int = 2, repeats: int = 5,
                   loss: Any = None, min_time: float = MIN_TIMED,
-                  load: str = "crossed") -> CostTable:
+                  load: str = DEFAULT_LOAD) -> CostTable:
     """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only;
     `concurrency` stages busy at once while timing, running `load`, `warmup` and `repeats`
     runs of each unit (more until they took `min_time` seconds), `loss(outputs, size)` timed

@@ -14,7 +14,7 @@ from fxpipe.compile.front import example_args, measure_costs
 from fxpipe.cost import Partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
-from fxpipe.passes.analysis.profile import MIN_TIMED
+from fxpipe.passes.analysis.profile import DEFAULT_LOAD, MIN_TIMED
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.runtime.microbatch import rows
 
@@ -29,7 +29,7 @@ class Timing:
     device: str
     threads: int
     concurrency: int
-    load: str = "crossed"
+    load: str = DEFAULT_LOAD
 
 
 def retime(pipe: CompiledPipeline, example_inputs: Any,

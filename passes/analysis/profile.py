@@ -47,6 +47,8 @@ from fxpipe.probes import gradients_set_aside, preserved_state
 from fxpipe.units import Unit
 
 __all__ = [
+    "DEFAULT_LOAD",
+    "LOADS",
     "MIN_TIMED",
     "MOST_REPEATS",
     "ProfileCache",
@@ -59,6 +61,18 @@ __all__ = [
 ]
 
 _FORMAT = 8  # bump when the cached record changes (or how it is measured)
+
+# what the background workers can run while the units are timed (profile_units' `load`)
+LOADS = ("crossed", "stage", "forwards", "backwards")
+DEFAULT_LOAD = "crossed"
+# Why "crossed" by default: `python benchmarks/profile_loads.py --model mlp --schedule S` (10
+# rounds, one run each) measured the bundled MLP's step in 2 stage threads at 1.05 (1f1b) and
+# 1.03 (gpipe) of the step predicted from crossed timings (the rounds' predictions spread
+# 1.43x and 1.45x, max/min), and at 1.08 and 1.10 of the one from "stage" timings (1.58x and
+# 1.98x); with `--partitioner balanced --rounds 6` the GPT (1f1b), ResNet (1f1b) and VGG (gpipe,
+# --batch 64) came to 0.96, 0.98 and 0.97 crossed, and 0.92, 0.99 and 1.04 beside a stage
+# (spreads 1.03x to 1.24x). All of it on 2 cores: with more stage threads every neighbour runs
+# the other kind as well, which nothing here measured.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -159,7 +173,7 @@ def profile_units(
     concurrency: int = 1,
     whole: Sequence[int] = (),
     loss: Callable[[Mapping[str, Any], int], torch.Tensor] | None = None,
-    load: str = "crossed",
+    load: str = DEFAULT_LOAD,
     min_time: float = 0.0,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
@@ -236,17 +250,6 @@ def profile_units(
     if cache is not None:
         cache.put(key, profile)
     return profile
-
-
-LOADS = ("crossed", "stage", "forwards", "backwards")
-# Why "crossed" by default: `python benchmarks/profile_loads.py --model mlp --schedule S` (10
-# rounds, one run each) measured the bundled MLP's step in 2 stage threads at 1.05 (1f1b) and
-# 1.03 (gpipe) of the step predicted from crossed timings (the rounds' predictions spread
-# 1.43x and 1.45x, max/min), and at 1.08 and 1.10 of the one from "stage" timings (1.58x and
-# 1.98x); with `--partitioner balanced --rounds 6` the GPT (1f1b), ResNet (1f1b) and VGG (gpipe,
-# --batch 64) came to 0.96, 0.98 and 0.97 crossed, and 0.92, 0.99 and 1.04 beside a stage
-# (spreads 1.03x to 1.24x). All of it on 2 cores: with more stage threads every neighbour runs
-# the other kind as well, which nothing here measured.
 
 
 def _crossed(forwards: tuple, backwards: tuple) -> tuple:
