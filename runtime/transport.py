@@ -62,22 +62,26 @@ class LocalTransport:
         self.devices = [torch.device(d) for d in devices]
         self.timeout = timeout
         self._messages: dict[Key, tuple[dict[str, Any], Any]] = {}
-        self._ready = threading.Condition()
+        # one condition per receiving stage, on one lock: a send wakes only its receiver (with
+        # one condition for all, every send woke every waiting stage thread, which took the
+        # interpreter lock and CPU from the stages computing)
+        self._lock = threading.Lock()
+        self._ready = [threading.Condition(self._lock) for _ in self.devices]
         self._error: BaseException | None = None
         self._copy_streams: dict[torch.device, Any] = {}
 
     def send(self, src: int, dst: int, direction: str, mb: Any,
              values: Mapping[str, Any]) -> None:
         payload, event = self._to_device(values, self.devices[dst])
-        with self._ready:
+        with self._lock:
             self._messages[(src, dst, direction, mb)] = (payload, event)
-            self._ready.notify_all()
+            self._ready[dst].notify_all()
 
     def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
         key = (src, dst, direction, mb)
-        with self._ready:
-            arrived = self._ready.wait_for(lambda: key in self._messages or self._error,
-                                           self.timeout)
+        with self._lock:
+            arrived = self._ready[dst].wait_for(lambda: key in self._messages or self._error,
+                                                self.timeout)
             if self._error is not None:
                 raise PipelineAborted(f"stage {dst} stopped: {self._error}") from self._error
             if not arrived:
@@ -92,12 +96,13 @@ class LocalTransport:
 
     def abort(self, error: BaseException) -> None:
         """Wake every waiting receiver with `error`."""
-        with self._ready:
+        with self._lock:
             self._error = error
-            self._ready.notify_all()
+            for ready in self._ready:
+                ready.notify_all()
 
     def reset(self) -> None:
-        with self._ready:
+        with self._lock:
             self._messages.clear()
             self._error = None
 

@@ -1,0 +1,110 @@
+"""The local transport: every receiver gets exactly its messages, whatever the order of sends and
+receives; a send wakes only the stage it is for; an abort wakes every stage."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxpipe.runtime.transport import LocalTransport, PipelineAborted
+
+STAGES = 4
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts how often a thread waited on it, and says when one first did."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.waits = 0
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def _receive_all(transport: LocalTransport, dst: int, keys: list, got: dict, failed: list
+                 ) -> None:
+    try:
+        for src, direction, mb in keys:
+            got[src, dst, direction, mb] = transport.recv(src, dst, direction, mb)["value"]
+    except BaseException as error:  # reported by the test, not lost in the thread
+        failed.append(error)
+
+
+messages = st.lists(
+    st.tuples(st.integers(0, STAGES - 1), st.integers(0, STAGES - 1),
+              st.sampled_from(["F", "B"]), st.integers(0, 3)).filter(lambda k: k[0] != k[1]),
+    min_size=1, max_size=12, unique=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(messages, st.randoms(use_true_random=False))
+def test_every_receiver_gets_exactly_its_messages_in_any_order(keys, random):
+    transport = LocalTransport(["cpu"] * STAGES, timeout=20.0)
+    got: dict = {}
+    failed: list = []
+    receivers = []
+    for dst in range(STAGES):
+        mine = [(src, direction, mb) for src, d, direction, mb in keys if d == dst]
+        random.shuffle(mine)
+        receivers.append(threading.Thread(target=_receive_all,
+                                          args=(transport, dst, mine, got, failed)))
+    for receiver in receivers:
+        receiver.start()
+    sends = list(keys)
+    random.shuffle(sends)
+    for key in sends:
+        transport.send(*key, {"value": torch.tensor(keys.index(key))})
+    for receiver in receivers:
+        receiver.join(30)
+    assert not failed
+    assert {key: int(value) for key, value in got.items()} == {
+        key: i for i, key in enumerate(keys)}
+
+
+@pytest.mark.timeout(60)
+def test_a_send_wakes_only_the_stage_it_is_for():
+    transport = LocalTransport(["cpu"] * STAGES, timeout=20.0)
+    transport._ready = [CountingCondition(transport._lock) for _ in range(STAGES)]
+    waiting = transport._ready[2]
+    got: dict = {}
+    failed: list = []
+    receiver = threading.Thread(target=_receive_all,
+                                args=(transport, 2, [(0, "F", 0)], got, failed))
+    receiver.start()
+    assert waiting.waiting.wait(20)
+    for mb in range(20):  # messages for stage 1, which nobody receives: stage 2 sleeps on
+        transport.send(0, 1, "F", mb, {"value": torch.tensor(mb)})
+        time.sleep(0.005)  # time for a woken stage 2 to look and wait again
+    transport.send(0, 2, "F", 0, {"value": torch.tensor(7)})
+    receiver.join(20)
+    assert not failed and int(got[0, 2, "F", 0]) == 7
+    assert waiting.waits == 1  # it waited once, and its own message ended the wait
+
+
+@pytest.mark.timeout(60)
+def test_an_abort_wakes_every_waiting_stage_with_the_error():
+    transport = LocalTransport(["cpu"] * STAGES, timeout=50.0)
+    transport._ready = [CountingCondition(transport._lock) for _ in range(STAGES)]
+    failed: list = []
+    receivers = [threading.Thread(target=_receive_all,
+                                  args=(transport, dst, [(0, "F", 0)], {}, failed))
+                 for dst in range(1, STAGES)]
+    for receiver in receivers:
+        receiver.start()
+    for dst in range(1, STAGES):
+        assert transport._ready[dst].waiting.wait(20)
+    transport.abort(RuntimeError("stage 0 failed"))
+    for receiver in receivers:
+        receiver.join(5)  # far less than their timeout: the abort woke them
+        assert not receiver.is_alive()
+    assert len(failed) == STAGES - 1
+    assert all(isinstance(e, PipelineAborted) and "stage 0 failed" in str(e) for e in failed)
