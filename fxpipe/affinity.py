@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["AFFINITIES", "choose_share", "core_share", "format_cpus", "pin_process", "pin_rank",
-           "usable_cores"]
+__all__ = ["AFFINITIES", "choose_share", "core_share", "format_cpus", "host_share", "pin_process",
+           "pin_rank", "ranks_on_host", "usable_cores"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
@@ -100,3 +100,25 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def ranks_on_host(rank: int, everyone: Sequence[tuple[str, bool, Sequence[int]]]
+                  ) -> tuple[int, int]:
+    """From every rank's (host, whether it computes on the CPU, CPUs it may use): how many
+    ranks compute on the CPU of `rank`'s host, and how many CPUs the ranks there may use
+    between them."""
+    host = everyone[rank][0]
+    here = [(on_cpu, cpus) for h, on_cpu, cpus in everyone if h == host]
+    return sum(on_cpu for on_cpu, _ in here), len(set().union(*(cpus for _, cpus in here)))
+
+
+def host_share(device: str) -> tuple[int, int]:
+    """(ranks computing on this host's CPU, the CPUs they may use): what a rank cannot see by
+    itself, for telling whether the ranks on its host outnumber its cores. Every rank of the
+    job must call it (the ranks compare their hosts), before any is bound to its share."""
+    allowed = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else list(range(os.cpu_count() or 1)))
+    mine = (socket.gethostname(), torch.device(device).type == "cpu", allowed)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return ranks_on_host(dist.get_rank(), everyone)

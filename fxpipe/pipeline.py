@@ -68,6 +68,8 @@ class CompiledPipeline(torch.nn.Module):
             step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
             forward_overhead=(0.0,) * plan.stages,  # per stage: the runtime's own per forward
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
+            # under torchrun: (ranks computing on this host's CPU, its cores), set by compile
+            host_cores=None,
         )
 
     @property
@@ -229,18 +231,19 @@ class CompiledPipeline(torch.nn.Module):
     def report(self, file: Any = None, partition: Partition | None = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
         communication and idle shares, and the stage that bounds the pipeline (and, where
-        more stage threads compute on the CPU than the process may use cores, that the
-        prediction gave each a core of its own). Printed (to `file`, default stdout; rank 0
+        more stages compute on a host's CPU than they may use cores, that the prediction gave
+        each a core of its own: stage threads of this process, or under torchrun the ranks on
+        rank 0's host). Printed (to `file`, default stdout; rank 0
         under torchrun, where every rank must call it) and returned. `partition`: the stage
         costs to predict with (default: the compiled ones; e.g. `fxpipe.retime(pipe, x,
         target=y)`, timed beside the run)."""
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages
-        # stage threads of one process sharing the cores it may use (under torchrun a rank
-        # does not know here which others share its host)
+        # stage threads of one process sharing the cores it may use, or under torchrun the
+        # ranks on this rank's host (which compile found out)
         on_cpu = sum(r.device.type == "cpu" for r in self.executor.runners.values())
-        cores = (on_cpu, usable_cores()) if self.executor.everything_here else None
+        cores = (on_cpu, usable_cores()) if self.executor.everything_here else self.host_cores
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead, interference(measured),

@@ -15,6 +15,7 @@ from fxpipe.affinity import (
     format_cpus,
     pin_process,
     pin_rank,
+    ranks_on_host,
     usable_cores,
 )
 
@@ -33,6 +34,24 @@ def test_every_rank_gets_an_equal_share_of_its_own(cpus, world):
     for share in shares:  # consecutive in the allowed set, not scattered
         first = ordered.index(share[0])
         assert list(share) == ordered[first:first + len(share)]
+
+
+@given(st.lists(st.tuples(st.sampled_from("ab"), st.booleans(),
+                          st.sets(st.integers(0, 7), min_size=1)), min_size=1, max_size=8),
+       st.data())
+def test_a_rank_counts_the_cpu_ranks_of_its_host_and_the_cpus_they_may_use(everyone, data):
+    rank = data.draw(st.integers(0, len(everyone) - 1))
+    host = everyone[rank][0]
+    ranks, cpus = ranks_on_host(rank, everyone)
+    assert ranks == sum(1 for h, on_cpu, _ in everyone if h == host and on_cpu)
+    mine = set().union(*(c for h, _, c in everyone if h == host))
+    assert cpus == len(mine) >= len(everyone[rank][2])
+    assert ranks_on_host(rank, [*everyone, ("c", True, {0})]) == (ranks, cpus)  # other hosts
+
+
+def test_ranks_on_gpus_do_not_count_but_their_cpus_do():
+    everyone = [("a", True, {0, 1}), ("a", False, {2, 3}), ("a", True, {0, 1})]
+    assert ranks_on_host(1, everyone) == (2, 4)
 
 
 def test_a_rank_outside_its_world_gets_nothing():

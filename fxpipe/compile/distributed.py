@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.affinity import pin_rank
+from fxpipe.affinity import host_share, pin_rank
 from fxpipe.allocator import keep_for
 from fxpipe.compile.front import (
     check_batched_inputs,
@@ -49,6 +49,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
                         "intra_layer, or run in one process with Plan(devices=[...]).")
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
+    on_host = host_share(device)  # before pin_rank narrows what this rank may use
     cpus = pin_rank(device, plan.cpu_affinity)  # before anything is timed
     keep_for(plan.cpu_memory, [device])
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
@@ -82,6 +83,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     pipe.materialize_stage(layout.stage, device, model)  # of a meta model, only this one
     stage.to(device)
     pipe.state_dict_keys, pipe.timing = list(model.state_dict()), timing
+    pipe.host_cores = on_host
     pipe.restrict_to_stage(layout.stage, layout.rank, cpus)
     pipeline = _pipeline_group(layout)
     hook = pipe.stage_hook(layout.stage)

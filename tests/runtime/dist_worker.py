@@ -170,9 +170,14 @@ def train(name, stages, schedule, micro_batches, out):
         coordinator.rehearse()
         assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
         assert retimed.bounds == pipe.partition.bounds and retimed.predicted_time > 0
-        # every rank reports (rank 0 prints); no rank knows who shares its host
+        # every rank reports (rank 0 prints), and says whether the ranks on its host (all
+        # of them here) outnumber the CPUs they may use
+        ranks, cores = pipe.host_cores  # counted before pinning, which may narrow affinity
+        assert ranks == dist.get_world_size()
+        assert len(os.sched_getaffinity(0)) <= cores <= os.cpu_count()
         report = pipe.report(file=io.StringIO())
-        assert report.startswith("step (") and "shared cores" not in report
+        assert report.startswith("step (")
+        assert ("shared cores" in report) == (pipe.host_cores[0] > pipe.host_cores[1])
     else:
         model, data, loss_fn = build(name)
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
