@@ -68,7 +68,7 @@ class CompiledPipeline(torch.nn.Module):
             step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
             forward_overhead=(0.0,) * plan.stages,  # per stage: the runtime's own per forward
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
-            # under torchrun: (ranks computing on this host's CPU, its cores), set by compile
+            # under torchrun: (ranks computing on this host's CPU, the CPUs they may use)
             host_cores=None,
         )
 
@@ -233,10 +233,9 @@ class CompiledPipeline(torch.nn.Module):
         communication and idle shares, and the stage that bounds the pipeline (and, where
         more stages compute on a host's CPU than they may use cores, that the prediction gave
         each a core of its own: stage threads of this process, or under torchrun the ranks on
-        rank 0's host). Printed (to `file`, default stdout; rank 0
-        under torchrun, where every rank must call it) and returned. `partition`: the stage
-        costs to predict with (default: the compiled ones; e.g. `fxpipe.retime(pipe, x,
-        target=y)`, timed beside the run)."""
+        rank 0's host). Printed (to `file`, default stdout; rank 0 under torchrun, where every
+        rank must call it) and returned. `partition`: the stage costs to predict with (default:
+        the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages
