@@ -28,8 +28,9 @@ from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
 
 __all__ = [
-    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun",
-    "check_stage_count_of", "format_rows", "rows_to_json", "write_csv", "write_png",
+    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun", "check_output_path",
+    "check_stage_count_of", "first_rank_error", "format_rows", "png_path", "rows_to_json",
+    "write_csv", "write_png",
 ]
 
 
@@ -164,7 +165,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              all(r.device.type == "cpu"
                                  for r in pipe.executor.runners.values())))
     if progress:
-        print(file=sys.stderr)
+        _progress(len(plans) + 1, len(plans), "done")
+        if not launched():  # a bar of its own line ends with it
+            print(file=sys.stderr)
     return rows
 
 
@@ -221,12 +224,22 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
                                stderr=subprocess.PIPE, text=True)
         errors = _relay_progress(job.stderr)
         if job.wait() != 0:
+            ours = first_rank_error(errors)
+            if ours:
+                raise FxpipeError(f"under torchrun: {ours}")
             # the launcher's own report of a failed rank alone takes about 2000 characters:
             # keep enough before it for the rank's message
             raise FxpipeError(f"the torchrun benchmark failed:\n{errors[-8000:]}")
         with open(out) as handle:
             return [BenchRow(**{**row, "sizes": tuple(row["sizes"]),
                                 "memory": tuple(row["memory"])}) for row in json.load(handle)]
+
+
+def first_rank_error(stderr: str) -> str | None:
+    """The first message a rank printed for an FxpipeError (each rank may print it, the
+    launcher's traceback follows), or None."""
+    found = _ERROR.search(stderr)
+    return found.group(1).strip() if found else None
 
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
@@ -243,6 +256,35 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
               f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
               " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
     return format_table(header, table)
+
+
+def check_output_path(option: str, path: str) -> None:
+    """Raise FxpipeError unless a file can be written at `path` (given with `option`): checked
+    before the benchmark runs, not after."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise FxpipeError(f"{option} {path}: that is a folder; give a file name in it.")
+    if not os.path.isdir(folder):
+        raise FxpipeError(f"{option} {path}: there is no folder {folder}; create it first.")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise FxpipeError(f"{option} {path}: not writable here; give a path you can write.")
+
+
+def png_path(path: str) -> str:
+    """The file the chart goes to: `path`, with .png added when it has no extension. Raises
+    FxpipeError without matplotlib or for an extension it cannot write."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as e:
+        raise FxpipeError("--png needs matplotlib: pip install 'fxpipe[plot]'") from e
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if not extension:
+        return path + ".png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension not in formats:
+        raise FxpipeError(f"--png {path}: matplotlib cannot write .{extension} files; end the "
+                          f"name with one of {', '.join('.' + f for f in sorted(formats))}.")
+    return path
 
 
 def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
@@ -333,8 +375,8 @@ def _relay_progress(stream) -> str:
         if chunk not in "\r\n":
             continue
         line, pending = pending, ""
-        if _PROGRESS.fullmatch(line.strip()):
-            print("\r" + line.strip(), end="", file=sys.stderr, flush=True)
+        if _PROGRESS.fullmatch(line.strip()):  # padded, to cover a longer label before it
+            print("\r" + line.strip("\r\n"), end="", file=sys.stderr, flush=True)
             shown = True
         elif line.strip():
             rest.append(line)
@@ -344,11 +386,14 @@ def _relay_progress(stream) -> str:
 
 
 _PROGRESS = re.compile(r"\[[#.]+\] \d+/\d+ .*")
+# what `fxpipe` prints for an FxpipeError, up to the end of its line or another rank's message
+_ERROR = re.compile(r"fxpipe: error: (.+?)(?=fxpipe: error: |\n|$)")
 
 
 def _progress(index: int, total: int, label: str) -> None:
+    """The bar as configuration `index` of `total` starts (`total + 1`: all are done)."""
     width = 24
     done = int(width * (index - 1) / total)
     # under torchrun each update is a line of its own, for the parent to relay at once
-    print(f"\r[{'#' * done}{'.' * (width - done)}] {index}/{total} {label:<24}",
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {min(index, total)}/{total} {label:<24}",
           end="\n" if launched() else "", file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
 """The `fxpipe` command: `demo` trains a bundled model through a compiled pipeline on the CPU;
-`plan` prints the stage table of any importable model."""
+`plan` prints the stage table of any importable model; `bench` compares partitioners and
+schedules on one, predicted against measured."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from fxpipe.bench import (
     bench,
     bench_plans,
     bench_under_torchrun,
+    check_output_path,
     check_stage_count_of,
     format_rows,
+    png_path,
     rows_to_json,
     write_csv,
     write_png,
@@ -85,10 +88,10 @@ def dist_rank() -> int:
 def _plan(args: argparse.Namespace) -> None:
     model, inputs = _load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
-    micro_batches = args.micro_batches if args.micro_batches == "auto" \
-        else int(args.micro_batches)
+    if args.json:
+        check_output_path("--json", args.json)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
-                micro_batches=micro_batches, schedule=args.schedule, tracer=args.tracer)
+                micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer)
     pipe = compile(model, plan, example_inputs=inputs)
     print(pipe)
     if args.compare:
@@ -140,16 +143,27 @@ def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    micro_batches = args.micro_batches if args.micro_batches == "auto" \
-        else int(args.micro_batches)
+    micro_batches = args.micro_batches
     partitioners = args.partitioners.split(",")
     schedules = args.schedules.split(",")
-    for option, value in (("--repeats", args.repeats), ("--rounds", args.rounds)):
-        if value < 1:
-            raise FxpipeError(f"{option} {value}: give at least 1")
     if args.nproc is not None and args.nproc != args.stages:
         raise FxpipeError(f"--nproc {args.nproc} runs one stage per process: give --stages "
                           f"{args.nproc}, or --nproc {args.stages}.")
+    if args.nproc == 1:
+        raise FxpipeError("--nproc 1 runs one process, as the run without --nproc does: drop "
+                          "--nproc, or give at least 2 stages and as many processes.")
+    if "async-1f1b" in schedules:
+        raise FxpipeError("fxpipe bench times pipe.step, and async-1f1b trains only through "
+                          "pipe.step_many with an attached optimizer: compare gpipe and 1f1b.")
+    if micro_batches != "auto" and args.batch < micro_batches:
+        raise FxpipeError(f"--batch {args.batch} cannot fill --micro-batches {micro_batches} "
+                          f"(each needs a sample at least): give --batch {micro_batches} or "
+                          f"more, or fewer micro-batches.")
+    for option, path in (("--csv", args.csv), ("--png", args.png)):
+        if path:
+            check_output_path(option, path)
+    if args.png:
+        args.png = png_path(args.png)
     _factory(args.model)  # an unknown model fails here, before any progress is shown
     bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
     build = _bench_build(args)
@@ -209,7 +223,7 @@ def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
     """The benchmark's rows: run here, or under torchrun with --nproc (None on the ranks
     of that job, whose rank 0 hands its rows back as JSON)."""
     if args.nproc:
-        forwarded = _without_option(sys.argv[2:], "--nproc")
+        forwarded = _without_option(args.argv[1:], "--nproc")  # the words after "bench"
         forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
         return bench_under_torchrun(args.nproc, forwarded)
     if launched():
@@ -301,10 +315,19 @@ def _factory(spec: str):
                               "MODULE:FACTORY (e.g. mypkg.models:make_model).")
         return None
     module_name, _, factory_name = spec.partition(":")
+    if not module_name or not factory_name:
+        raise FxpipeError(f"{spec!r} names no {'module' if not module_name else 'factory'}: "
+                          "give MODULE:FACTORY, e.g. mypkg.models:make_model.")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would find it
+        sys.path.insert(0, os.getcwd())
     try:
-        return getattr(importlib.import_module(module_name), factory_name)
+        factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as e:
         raise FxpipeError(f"cannot load {spec!r}: {e}") from e
+    if isinstance(factory, torch.nn.Module):
+        raise FxpipeError(f"{spec} is a model, not a function that makes one: give a factory, "
+                          f"e.g. def make_model(): return {type(factory).__name__}(...).")
+    return factory
 
 
 def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> tuple:
@@ -330,6 +353,28 @@ def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> 
     return tuple(inputs)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"give a whole number of at least 1, not {text!r}")
+    return value
+
+
+def _micro_batches(text: str) -> int | str:
+    """An argparse type: a micro-batch count of at least 1, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"give a whole number of at least 1, or auto, not "
+                                         f"{text!r}") from None
+
+
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
     """Help that ends with the option's default, where it has one."""
 
@@ -340,21 +385,23 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__)
+    # no abbreviated options: bench hands its own words on to torchrun's processes
+    parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    shown = {"formatter_class": _DefaultsShown}
+    shown = {"formatter_class": _DefaultsShown, "allow_abbrev": False}
     demo = commands.add_parser("demo", help="compile a bundled model and train a few steps",
                                **shown)
     demo.add_argument("--model", choices=sorted(MODELS), default="resnet",
                       help="the bundled model to train")
-    demo.add_argument("--stages", type=int, default=2, help="pipeline stages")
+    demo.add_argument("--stages", type=_positive, default=2, help="pipeline stages")
     demo.add_argument("--partitioner", default="balanced",
                       help="how to split the model into stages")
-    demo.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    demo.add_argument("--micro-batches", type=_positive, default=4,
+                      help="micro-batches per step")
     demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
                       help="the pipeline schedule")
-    demo.add_argument("--batch", type=int, default=32, help="mini-batch size")
-    demo.add_argument("--steps", type=int, default=5, help="training steps")
+    demo.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
+    demo.add_argument("--steps", type=_positive, default=5, help="training steps")
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
     demo.set_defaults(run=_demo)
@@ -362,12 +409,13 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="print the stage table of a model's pipeline",
                                **shown)
     plan.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: {', '.join(MODELS)}")
-    plan.add_argument("--stages", type=int, required=True, help="pipeline stages")
+    plan.add_argument("--stages", type=_positive, required=True, help="pipeline stages")
     plan.add_argument("--partitioner", default="even",
                       help=f"one of {', '.join(PARTITIONERS)} (available: "
                            f"{', '.join(available_partitioners())}), or units per stage: 4,6")
-    plan.add_argument("--batch", type=int, default=16, help="example mini-batch size")
-    plan.add_argument("--micro-batches", default="1", help="a number, or auto")
+    plan.add_argument("--batch", type=_positive, default=16, help="example mini-batch size")
+    plan.add_argument("--micro-batches", type=_micro_batches, default="1",
+                      help="a number, or auto")
     plan.add_argument("--schedule", default="gpipe", help="the pipeline schedule")
     plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
     plan.add_argument("--input-shape", action="append", help="per-sample shape, e.g. 3x32x32")
@@ -381,19 +429,20 @@ def _parser() -> argparse.ArgumentParser:
                                                   "predicted and measured step times", **shown)
     bench_cmd.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: "
                                          f"{', '.join(MODELS)}")
-    bench_cmd.add_argument("--stages", type=int, default=2, help="pipeline stages")
-    bench_cmd.add_argument("--batch", type=int, default=32, help="mini-batch size")
-    bench_cmd.add_argument("--micro-batches", default="4", help="a number, or auto")
+    bench_cmd.add_argument("--stages", type=_positive, default=2, help="pipeline stages")
+    bench_cmd.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
+    bench_cmd.add_argument("--micro-batches", type=_micro_batches, default="4",
+                           help="a number, or auto")
     bench_cmd.add_argument("--partitioners", default="even,params,balanced,ampa,imd,csimd",
                            help="the partitioners to compare, comma-separated")
     bench_cmd.add_argument("--schedules", default="gpipe,1f1b",
                            help="the schedules to compare, comma-separated")
-    bench_cmd.add_argument("--repeats", type=int, default=10, help="timed steps per "
+    bench_cmd.add_argument("--repeats", type=_positive, default=10, help="timed steps per "
                                                                    "configuration")
-    bench_cmd.add_argument("--rounds", type=int, default=5,
+    bench_cmd.add_argument("--rounds", type=_positive, default=5,
                            help="the timed steps come in this many rounds, each right after "
                                 "the units are timed again for the prediction")
-    bench_cmd.add_argument("--nproc", type=int, help="run every configuration under torchrun "
+    bench_cmd.add_argument("--nproc", type=_positive, help="run every configuration under torchrun "
                                                      "with this many processes (one stage each)")
     bench_cmd.add_argument("--input-shape", action="append",
                            help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
@@ -409,7 +458,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv
     try:
         args.run(args)
     except FxpipeError as e:

@@ -236,6 +236,12 @@ class CompiledPipeline(torch.nn.Module):
         rank 0's host). Printed (to `file`, default stdout; rank 0 under torchrun, where every
         rank must call it) and returned. `partition`: the stage costs to predict with (default:
         the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
+        if partition is not None and not isinstance(partition, Partition):
+            raise FxpipeError(f"pipe.report(partition=...) takes a Partition, e.g. "
+                              f"fxpipe.retime(pipe, x, target=y), not {partition!r}.")
+        if file is not None and not hasattr(file, "write"):
+            raise FxpipeError(f"pipe.report(file=...) takes an open text file (or None for "
+                              f"stdout), not {file!r}: e.g. open('report.txt', 'w').")
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages

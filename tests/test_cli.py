@@ -75,8 +75,18 @@ def test_plan_needs_an_input_description(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "nosuch", "--stages", "2"], "'nosuch' is neither a bundled model"),
-    (["bench", "mlp", "--repeats", "0"], "--repeats 0: give at least 1"),
-    (["bench", "mlp", "--rounds", "0"], "--rounds 0: give at least 1"),
+    (["bench", "mlp", "--stages", "1", "--nproc", "1"], "--nproc 1 runs one process, as the "
+     "run without --nproc does"),
+    (["bench", "mlp", "--schedules", "gpipe,async-1f1b"], "async-1f1b trains only through "
+     "pipe.step_many"),
+    (["bench", "mlp", "--batch", "3"], "--batch 3 cannot fill --micro-batches 4"),
+    (["bench", "mlp", "--csv", "/nonexistent/folder/rows.csv"],
+     "--csv /nonexistent/folder/rows.csv: there is no folder /nonexistent/folder"),
+    (["bench", "mlp", "--png", "chart.xyz"], "--png chart.xyz: matplotlib cannot write .xyz"),
+    (["plan", "mlp", "--stages", "2", "--json", "/nonexistent/plan.json"],
+     "--json /nonexistent/plan.json: there is no folder /nonexistent"),
+    (["plan", ":make", "--stages", "2"], "':make' names no module: give MODULE:FACTORY"),
+    (["plan", "fxpipe.models:", "--stages", "2"], "'fxpipe.models:' names no factory"),
     (["bench", "mlp", "--partitioners", "even,nope"], "Plan(partitioner='nope') is not known"),
     (["bench", "mlp", "--schedules", "gpipe,zb"], "Plan(schedule='zb') is not known"),
     (["bench", "mlp", "--stages", "2", "--nproc", "2", "--partitioners", "nope"],
@@ -95,6 +105,80 @@ def test_command_line_mistakes_are_reported_before_any_work(capsys, argv, messag
     err = capsys.readouterr().err
     assert message in err
     assert "1/" not in err  # failed before the progress bar started
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "mlp", "--repeats", "0"], "argument --repeats: give a whole number of at least "
+     "1, not '0'"),
+    (["bench", "mlp", "--rounds", "-2"], "argument --rounds: give a whole number of at least 1"),
+    (["bench", "mlp", "--nproc", "0"], "argument --nproc: give a whole number of at least 1"),
+    (["bench", "mlp", "--micro-batches", "abc"], "argument --micro-batches: give a whole "
+     "number of at least 1, or auto, not 'abc'"),
+    (["plan", "mlp", "--stages", "2", "--micro-batches", "0"], "argument --micro-batches"),
+    (["demo", "--stages", "0"], "argument --stages: give a whole number of at least 1"),
+    (["bench", "mlp", "--npro", "2"], "unrecognized arguments: --npro 2"),  # torchrun's would
+])
+def test_options_that_are_not_numbers_of_the_right_kind_are_refused_by_name(capsys, argv,
+                                                                            message):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_output_paths_that_cannot_be_written_are_refused_before_any_work(capsys, tmp_path,
+                                                                         monkeypatch):
+    assert main(["bench", "mlp", "--csv", str(tmp_path)]) == 2  # a folder
+    assert f"--csv {tmp_path}: that is a folder" in capsys.readouterr().err
+    # a folder this user may not write in (root may write anywhere, so the check is faked)
+    monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != str(tmp_path))
+    assert main(["bench", "mlp", "--png", str(tmp_path / "chart.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"--png {tmp_path / 'chart.png'}: not writable here" in err and "1/" not in err
+
+
+def test_a_chart_named_without_an_extension_is_a_png_and_says_so(tmp_path):
+    from fxpipe.bench import png_path
+
+    assert png_path(str(tmp_path / "chart")) == str(tmp_path / "chart.png")
+    assert png_path(str(tmp_path / "chart.svg")) == str(tmp_path / "chart.svg")
+
+
+def test_a_model_factory_in_the_current_folder_is_found_and_a_model_instance_refused(
+        capsys, tmp_path, monkeypatch):
+    (tmp_path / "fxpipe_cli_models.py").write_text(
+        "from torch import nn\n"
+        "def make():\n    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+        "MADE = make()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "fxpipe_cli_models", raising=False)
+    assert main(["plan", "fxpipe_cli_models:make", "--stages", "2", "--input-shape", "4"]) == 0
+    assert "CompiledPipeline(Sequential)" in capsys.readouterr().out
+    assert main(["plan", "fxpipe_cli_models:MADE", "--stages", "2", "--input-shape", "4"]) == 2
+    assert ("fxpipe_cli_models:MADE is a model, not a function that makes one"
+            in capsys.readouterr().err)
+
+
+def test_a_ranks_own_error_is_what_a_failed_torchrun_bench_reports():
+    from fxpipe.bench import first_rank_error
+
+    stderr = ("\r[........] 1/1 even/gpipe\n[rank1]: fxpipe: error: bad batch; fix itfxpipe: "
+              "error: bad batch; fix it\nTraceback (most recent call last):\n  ...\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert first_rank_error(stderr) == "bad batch; fix it"
+    assert first_rank_error("Traceback (most recent call last):\n  boom\n") is None
+
+
+def test_the_progress_bar_ends_full_and_relayed_lines_cover_longer_ones(capsys):
+    from fxpipe.bench import _progress, _relay_progress
+
+    _progress(3, 2, "done")
+    assert capsys.readouterr().err == f"\r[{'#' * 24}] 2/2 {'done':<24}"
+    _relay_progress(io.StringIO(f"\r[........] 1/2 {'csimd/gpipe':<24}\n"
+                                f"\r[####....] 2/2 {'ab':<24}\n"))
+    assert f"2/2 {'ab':<24}" in capsys.readouterr().err  # covers "csimd/gpipe" before it
 
 
 def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path):

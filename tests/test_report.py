@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import time
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 import fxpipe
 from fxpipe.cost import Partition
+from fxpipe.errors import FxpipeError
 from fxpipe.models import MLP, VGG
 from fxpipe.report import (
     LATE_AFTER,
@@ -202,6 +204,35 @@ def test_replan_never_proposes_a_worse_partition(trained):
     assert not by_params.changed
     assert by_params.proposed is by_params.current
     assert "keep the current partition" in str(by_params)
+
+
+def test_replan_prints_where_the_report_would_and_refuses_an_unknown_partitioner(trained,
+                                                                                  capsys):
+    fxpipe.replan(trained, threshold=0.0)
+    assert "measured stage imbalance" in capsys.readouterr().out
+    vars(trained)["rank"] = 1  # another rank than 0 of a torchrun job: it stays quiet
+    try:
+        result = fxpipe.replan(trained, threshold=0.0)
+    finally:
+        del vars(trained)["rank"]
+    assert capsys.readouterr().out == "" and result.proposed is not None
+    with pytest.raises(FxpipeError, match=r"replan\(partitioner='foo'\) is not known; "
+                                          r"choose one of even, params, balanced"):
+        fxpipe.replan(trained, partitioner="foo")
+
+
+def test_the_pipeline_calls_say_what_they_take_when_given_something_else(trained, tmp_path):
+    x = torch.randn(2, 3, 32, 32)
+    with pytest.raises(FxpipeError, match=re.escape(
+            "replan() takes the pipeline fxpipe.compile returned, not Linear")):
+        fxpipe.replan(torch.nn.Linear(2, 2))
+    with pytest.raises(FxpipeError, match=re.escape(
+            "retime() takes the pipeline fxpipe.compile returned, not Linear")):
+        fxpipe.retime(torch.nn.Linear(2, 2), x)
+    with pytest.raises(FxpipeError, match=re.escape("report(partition=...) takes a Partition")):
+        trained.report(partition="balanced")
+    with pytest.raises(FxpipeError, match=re.escape("report(file=...) takes an open text file")):
+        trained.report(file=str(tmp_path / "report.txt"))
 
 
 def test_replan_moves_work_away_from_a_stage_measured_slower():

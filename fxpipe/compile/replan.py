@@ -8,6 +8,7 @@ import numpy as np
 
 from fxpipe.compile.partitioning import PARTITIONERS
 from fxpipe.cost import Partition
+from fxpipe.errors import FxpipeError
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.report import step_time
 
@@ -52,6 +53,12 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
     measured stages are imbalanced beyond `threshold` (GroPipe's dispersion test), propose the
     partition the plan's partitioner (or `partitioner`; 'balanced' for even/explicit plans)
     finds with the corrected costs. Never proposes one with a worse predicted step time."""
+    if not isinstance(pipe, CompiledPipeline):
+        raise FxpipeError(f"replan() takes the pipeline fxpipe.compile returned, not "
+                          f"{type(pipe).__name__}.")
+    if partitioner is not None and partitioner not in PARTITIONERS:
+        raise FxpipeError(f"replan(partitioner={partitioner!r}) is not known; choose one of "
+                          f"{', '.join(PARTITIONERS)}.")
     events = pipe.full_trace("replan()")
     measured = step_time(events, pipe.plan.stages).stages
     p = pipe.partition.micro_batches
@@ -69,8 +76,8 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
                                  schedule=schedule)
     name = partitioner or (pipe.plan.partitioner if isinstance(pipe.plan.partitioner, str)
                            and pipe.plan.partitioner != "even" else "balanced")
-    if name not in PARTITIONERS:
-        name = "even"
+    if name not in PARTITIONERS:  # the plan's own, where this version cannot run it
+        name = "balanced"
     proposed = current
     if dispersion > threshold:
         found = PARTITIONERS[name](cost, pipe.plan.stages, p)
@@ -78,5 +85,6 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
         if found.predicted_time < current.predicted_time:
             proposed = found
     result = Replan(current, proposed, dispersion, threshold)
-    print(result)
+    if pipe._speaks():  # rank 0 under torchrun, as pipe.report()
+        print(result)
     return result

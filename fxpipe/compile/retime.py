@@ -43,9 +43,10 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     the inputs): the plan's loss_fn is timed too, on the last stage, where pipe.step runs it
     (compile has no target and leaves it out). `warmup`, `repeats`: runs of each unit, the
     median of the repeats counts; more repeats until they took `min_time` seconds."""
-    timing: Timing | None = pipe.timing
-    if timing is None:
-        raise ValueError("retime() needs a pipeline made by fxpipe.compile")
+    if not isinstance(pipe, CompiledPipeline) or pipe.timing is None:
+        raise FxpipeError(f"retime() takes the pipeline fxpipe.compile returned, not "
+                          f"{type(pipe).__name__}.")
+    timing: Timing = pipe.timing
     args, kwargs = example_args(example_inputs, example_kwargs)
     flat = pipe.traced.bind(args, kwargs)
     whole = pipe.executor.whole if pipe.executor is not None else ()
