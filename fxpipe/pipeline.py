@@ -21,8 +21,15 @@ from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.materialize import materialize
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
-from fxpipe.report import format_report, interference, late_messages, step_time
-from fxpipe.schedules import Schedule, forwards_first
+from fxpipe.report import (
+    format_report,
+    interference,
+    late_messages,
+    step_time,
+    unlike_prediction_lines,
+)
+from fxpipe.runtime.microbatch import split_sizes
+from fxpipe.schedules import ActionKind, Schedule, forwards_first
 from fxpipe.simulate import Event, Timeline, simulate
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
@@ -249,10 +256,16 @@ class CompiledPipeline(torch.nn.Module):
         # ranks on this rank's host (which compile found out)
         on_cpu = sum(r.device.type == "cpu" for r in self.executor.runners.values())
         cores = (on_cpu, usable_cores()) if self.executor.everything_here else self.host_cores
+        # compile's prediction is of its example's micro-batches (under data parallelism a
+        # group's share of it, which is not known here)
+        known = partition is None and self.cost.batch is not None and self.plan.groups == 1
+        notes = unlike_prediction_lines(
+            split_sizes(self.cost.batch, self.partition.micro_batches) if known else None,
+            self.executor.last_sizes or [], any(e.action.kind is ActionKind.B for e in measured))
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead, interference(measured),
-                             late_messages(measured, predicted), cores)
+                             late_messages(measured, predicted), cores, notes)
         if self._speaks():
             print(text, file=file)
         return text

@@ -13,7 +13,8 @@ from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
 __all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime", "StepTime", "format_report",
-           "interference", "late_messages", "receive_waits", "shared_cores_lines", "step_time"]
+           "interference", "late_messages", "receive_waits", "shared_cores_lines", "step_time",
+           "unlike_prediction_lines"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
@@ -182,11 +183,12 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
                   overhead: float = 0.0, slowdowns: Sequence[Interference] = (),
                   late: LateMessages | None = None,
-                  cores: tuple[int, int] | None = None) -> str:
+                  cores: tuple[int, int] | None = None, notes: Sequence[str] = ()) -> str:
     """Predicted against measured, per stage and in total, and what bounds the pipeline;
     `overhead`: the runtime's own seconds per step outside the schedule, if measured;
     `slowdowns`: the measured timeline's `interference`; `late`: its `late_messages`;
-    `cores`: (stages computing on this host's CPU, its cores), for `shared_cores_lines`."""
+    `cores`: (stages computing on this host's CPU, its cores), for `shared_cores_lines`;
+    `notes`: lines shown right below the first (`unlike_prediction_lines`)."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
     rows = []
     for m, p in zip(measured.stages, predicted.stages):
@@ -201,6 +203,7 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
     return "\n".join([
         f"step ({schedule}): measured {_ms(measured.makespan)} ms, predicted "
         f"{_ms(predicted.makespan)} ms (measured / predicted = {ratio:.2f})",
+        *notes,
         format_table(header, rows),
         f"bubble: measured {measured.bubble:.0%}, predicted {predicted.bubble:.0%}; "
         f"communication {measured.share('communication'):.0%} and idle "
@@ -224,6 +227,28 @@ def shared_cores_lines(stages: int, cores: int) -> list[str]:
             "prediction gives each stage a core of its own, so steps run slower than "
             f"predicted, the more so the more stages share a core; with at most {cores} CPU "
             "stages here every stage has one"]
+
+
+def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],
+                            backward: bool) -> list[str]:
+    """What to tell a user whose last run is not the step the prediction is of: micro-batches
+    of other sizes than `predicted` (compile's example; None: not known), or forwards
+    without their backwards."""
+    lines = []
+    if predicted is not None and list(predicted) != list(ran):
+        lines.append(f"not the predicted run: its micro-batches held {_samples(ran)}, the "
+                     f"prediction's (compile's example) {_samples(predicted)}; compile with "
+                     "an example of the batch you run to predict it")
+    if not backward:
+        lines.append("not the predicted run: it ran forwards only, and the prediction is of a "
+                     "training step, forwards and backwards")
+    return lines
+
+
+def _samples(sizes: Sequence[int]) -> str:
+    if len(set(sizes)) == 1:
+        return f"{sizes[0]} sample{'s' if sizes[0] != 1 else ''} each"
+    return f"{', '.join(map(str, sizes))} samples"
 
 
 def _late_lines(late: LateMessages | None) -> list[str]:

@@ -194,6 +194,7 @@ class PipelineExecutor:
         self.trace_origin = 0.0
         self.whole: tuple[int, ...] = ()  # inputs every micro-batch receives whole
         self.last_schedule: Schedule | None = None  # what the last run executed
+        self.last_sizes: list[int] | None = None  # and its micro-batches' sizes (samples)
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -450,13 +451,13 @@ class PipelineExecutor:
         buffers, the random number generators and the trace put back after. All stages'
         modules at once, as stages may share a tied weight."""
         modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
-        kept = self._trace, self.trace_origin, self.last_schedule
+        kept = self._trace, self.trace_origin, self.last_schedule, self.last_sizes
         try:
             with _without_policies(self.runners.values()), gradients_set_aside(modules), \
                     preserved_state(modules):
                 yield
         finally:
-            self._trace, self.trace_origin, self.last_schedule = kept
+            self._trace, self.trace_origin, self.last_schedule, self.last_sizes = kept
 
     def posting_time(self, flat_inputs: Sequence[Any] | None) -> Posting | None:
         """The transport's seconds per tensor around a message (the sender's, the receiver's,
@@ -556,7 +557,7 @@ class PipelineExecutor:
 
     def _run(self, kinds, run: Run, call: Call, append: bool = False,
              schedule: Schedule | None = None) -> Run:
-        self.last_schedule = schedule or self.schedule
+        self.last_schedule, self.last_sizes = schedule or self.schedule, list(call.sizes)
         programs = [[a for a in stage if kinds is None or a.kind in kinds]
                     for stage in self.last_schedule.actions]
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0

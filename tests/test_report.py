@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 import statistics
@@ -271,6 +272,25 @@ def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, co
     shared = cores == 2 and device == "cpu"
     assert ("shared cores: 3 stages compute on this host's 2 CPU cores" in text) == shared
     assert ("shared cores" in text) == shared
+
+
+def test_report_says_when_the_last_run_is_not_the_step_it_predicts():
+    model = MLP((16, 32, 32, 10))
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe.step(x, y)  # compile's example: micro-batches of 2
+    assert "not the predicted run" not in pipe.report(file=io.StringIO())
+    pipe.step(torch.randn(14, 16), torch.randint(0, 10, (14,)))
+    text = pipe.report(file=io.StringIO())
+    assert ("not the predicted run: its micro-batches held 4, 4, 3, 3 samples, the "
+            "prediction's (compile's example) 2 samples each") in text
+    assert text.splitlines()[1].startswith("not the predicted run")  # right below the totals
+    with torch.no_grad():
+        pipe(x)
+    text = pipe.report(file=io.StringIO())
+    assert "not the predicted run: it ran forwards only" in text
+    assert "micro-batches held" not in text  # compile's sizes again
 
 
 def test_report_before_any_run():
