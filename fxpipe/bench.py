@@ -56,6 +56,7 @@ class BenchRow:
     # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
     late_ms: float = float("nan")
     on_cpu: bool = True  # whether the stages computed on the CPU (else on GPUs)
+    rounds: int = 0  # how many predictions predicted_ms is the median of (0: not known)
 
     @property
     def ratio(self) -> float:
@@ -65,7 +66,7 @@ class BenchRow:
     def predicted_spread(self) -> float:
         """How far the rounds' predictions spread (largest / smallest - 1). Each round times
         the units afresh, so this is how much the machine's speed moved during the row."""
-        if not self.predicted_low_ms > 0:
+        if not self.predicted_low_ms > 0 or self.rounds == 1:  # one round: no spread to tell
             return float("nan")
         return self.predicted_high_ms / self.predicted_low_ms - 1
 
@@ -163,7 +164,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              statistics.fmean(found.excess for found in late) * 1e3,
                              # this process's stages (under torchrun, this rank's)
                              all(r.device.type == "cpu"
-                                 for r in pipe.executor.runners.values())))
+                                 for r in pipe.executor.runners.values()), len(predictions)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")
         if not launched():  # a bar of its own line ends with it
@@ -252,7 +253,7 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
               memory]
     table = [[r.partitioner, r.schedule, format_sizes(r.sizes), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
-              f"{r.predicted_spread:.0%}", f"{r.late_steps:.0%}", f"{r.late_ms:.1f}",
+              _percent(r.predicted_spread), f"{r.late_steps:.0%}", f"{r.late_ms:.1f}",
               f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
               " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
     return format_table(header, table)
@@ -287,14 +288,28 @@ def png_path(path: str) -> str:
     return path
 
 
+def _percent(share: float) -> str:
+    return "-" if math.isnan(share) else f"{share:.0%}"
+
+
 def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow([f.name for f in dataclasses.fields(BenchRow)]
                         + ["ratio", "predicted_spread"])
         for r in rows:
-            writer.writerow([*(getattr(r, f.name) for f in dataclasses.fields(BenchRow)),
+            writer.writerow([*(_csv_cell(getattr(r, f.name)) for f in dataclasses.fields(BenchRow)),
                              r.ratio, r.predicted_spread])
+
+
+def _csv_cell(value: Any) -> Any:
+    """A per-stage tuple as one cell a spreadsheet keeps as text: units per stage as the table
+    shows them (4+5), bytes separated by spaces."""
+    if not isinstance(value, tuple):
+        return value
+    if all(isinstance(v, int) for v in value):
+        return format_sizes(value)
+    return " ".join(f"{v:.0f}" for v in value)
 
 
 def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:

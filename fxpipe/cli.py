@@ -135,11 +135,17 @@ def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
                     for key, group in by_partition.items()}
         (sizes, p), fastest = min(measured.items(), key=lambda item: item[1])
         names = "/".join(r.partitioner for r in by_partition[sizes, p])
+        count = (f"; its units per stage are even's, so the difference is the micro-batch "
+                 f"count's (p={p} against {even.micro_batches})" if sizes == even.sizes else "")
         lines.append(f"{schedule}: best automatic partition {names} "
                      f"({format_sizes(sizes)}, p={p}), {fastest:.1f} ms, is "
                      f"{even.measured_ms / fastest:.2f}x the speed of even "
-                     f"({even.measured_ms:.1f} ms; medians of {repeats} steps){note}")
+                     f"({even.measured_ms:.1f} ms; {_medians(repeats)}){count}{note}")
     return lines
+
+
+def _medians(steps: int) -> str:
+    return f"medians of {steps} steps" if steps > 1 else "one step each"
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -243,9 +243,7 @@ class CompiledPipeline(torch.nn.Module):
         rank 0's host). Printed (to `file`, default stdout; rank 0 under torchrun, where every
         rank must call it) and returned. `partition`: the stage costs to predict with (default:
         the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
-        if partition is not None and not isinstance(partition, Partition):
-            raise FxpipeError(f"pipe.report(partition=...) takes a Partition, e.g. "
-                              f"fxpipe.retime(pipe, x, target=y), not {partition!r}.")
+        _check_partition("report", partition)
         if file is not None and not hasattr(file, "write"):
             raise FxpipeError(f"pipe.report(file=...) takes an open text file (or None for "
                               f"stdout), not {file!r}: e.g. open('report.txt', 'w').")
@@ -283,26 +281,31 @@ class CompiledPipeline(torch.nn.Module):
         """Whether this process prints and writes reports: always, or rank 0 under torchrun."""
         return vars(self).get("rank", 0) == 0
 
-    def save_timeline(self, path: str | os.PathLike) -> None:
+    def save_timeline(self, path: str | os.PathLike, partition: Partition | None = None) -> None:
         """Draw the last run's measured timeline above the predicted one (PNG, SVG, PDF...;
-        needs matplotlib: pip install 'fxpipe[plot]')."""
+        needs matplotlib: pip install 'fxpipe[plot]'). `partition`: the stage costs to predict
+        with, as in `report`."""
+        _check_partition("save_timeline", partition)
         measured = self.full_trace("save_timeline()")
         if not self._speaks():
             return
-        save_timeline(path, {"measured": measured, "predicted": self.predicted_timeline().events},
+        predicted = self.predicted_timeline(partition).events
+        save_timeline(path, {"measured": measured, "predicted": predicted},
                       self.plan.stages, f"{self.model_name}: {self.plan.stages} stages, "
                       f"{self.partition.micro_batches} micro-batches, partition "
                       f"{self.partition.partitioner} {list(self.partition.sizes)}")
 
-    def save_trace(self, path: str | os.PathLike) -> None:
+    def save_trace(self, path: str | os.PathLike, partition: Partition | None = None) -> None:
         """Write the last run's measured timeline and the predicted one as Chrome/Perfetto
         trace JSON (open it at ui.perfetto.dev or chrome://tracing); with pipeline groups,
-        one measured process per group (every rank of the job must call it)."""
+        one measured process per group (every rank of the job must call it). `partition`: the
+        stage costs to predict with, as in `report`."""
+        _check_partition("save_trace", partition)
         self.full_trace("save_trace()")  # something has run
         groups = self.executor.job_trace()
         measured = ({"measured": groups[0]} if len(groups) == 1 else
                     {f"measured, group {g}": groups[g] for g in sorted(groups)})
-        trace = chrome_trace({**measured, "predicted": self.predicted_timeline().events})
+        trace = chrome_trace({**measured, "predicted": self.predicted_timeline(partition).events})
         if self._speaks():
             pathlib.Path(path).write_text(json.dumps(trace))
 
@@ -492,3 +495,9 @@ def _owned(named, owns, prefix: str, remove_duplicate: bool):
             continue
         seen.add(id(tensor))
         yield name, tensor
+
+
+def _check_partition(method: str, partition: object) -> None:
+    if partition is not None and not isinstance(partition, Partition):
+        raise FxpipeError(f"pipe.{method}(partition=...) takes a Partition, e.g. "
+                          f"fxpipe.retime(pipe, x, target=y), not {partition!r}.")

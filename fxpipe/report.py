@@ -198,7 +198,7 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
                      _share(m.communication, measured), _share(m.reduction, measured),
                      _share(m.idle, measured)])
     header = ["stage", "fwd ms meas/pred", "bwd ms meas/pred", "compute ms meas/pred",
-              "compute", "comm", "all-reduce+step", "idle"]
+              "compute", "send/recv+wait", "all-reduce+step", "idle"]
     bound = measured.bounding_stage
     return "\n".join([
         f"step ({schedule}): measured {_ms(measured.makespan)} ms, predicted "
@@ -206,7 +206,8 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         *notes,
         format_table(header, rows),
         f"bubble: measured {measured.bubble:.0%}, predicted {predicted.bubble:.0%}; "
-        f"communication {measured.share('communication'):.0%} and idle "
+        f"sends and receives {measured.share('communication'):.0%} (with the waits for a "
+        f"message, which a stage waiting for another's compute spends there too) and idle "
         f"{measured.share('idle'):.0%} of all stage time",
         f"bounding stage: {bound} (computes {_ms(measured.stages[bound].compute)} ms of the "
         f"{_ms(measured.makespan)} ms step)",

@@ -208,6 +208,11 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert "late ms: those receives' waits beyond the predicted ones" in out
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
     assert {r["on_cpu"] for r in rows} == {"True"}  # the bundled MLP's stages, on the CPU
+    assert {r["sizes"] for r in rows if r["partitioner"] == "even"} == {"4+5"}
+    assert all(len(r["memory"].split()) == 2 for r in rows)  # bytes per stage
+    # one timed step: one round, so there is no spread of the rounds' predictions to show
+    assert {r["rounds"] for r in rows} == {"1"} and {r["predicted_spread"] for r in rows} == {
+        "nan"}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -338,7 +343,8 @@ def test_every_option_says_what_it_is_for(command, capsys):
         assert "(default: 2)" in text
 
 
-_PARTITIONS = [((2, 2), 4), ((1, 3), 4), ((3, 1), 4), ((1, 3), 2)]  # (sizes, p); even: first
+_PARTITIONS = [((2, 2), 4), ((1, 3), 4), ((3, 1), 4), ((1, 3), 2),  # (sizes, p); even: first
+               ((2, 2), 1)]
 
 
 @given(st.lists(st.tuples(st.sampled_from(_PARTITIONS), st.floats(1.0, 100.0)),
@@ -364,3 +370,6 @@ def test_bench_compares_only_partitions_other_than_evens_own(automatic, even_ms)
     (sizes, p), fastest = min(medians.items(), key=lambda item: item[1])
     assert f"({'+'.join(map(str, sizes))}, p={p}), {fastest:.1f} ms, is " in line
     assert f"{even_ms / fastest:.2f}x the speed of even" in line
+    # a partition with even's units per stage differs from it in its micro-batch count alone
+    assert ("so the difference is the micro-batch count's (p=1 against 4)" in line) == (
+        sizes == (2, 2))

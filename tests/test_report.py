@@ -188,6 +188,30 @@ def test_trace_json_holds_measured_and_predicted_tracks(trained, tmp_path):
     assert sum(e["pid"] == 0 and e["cat"] == "F" for e in slices) == 3 * 4
 
 
+def test_the_trace_and_the_picture_predict_with_the_partition_they_are_given(trained,
+                                                                              tmp_path):
+    part = trained.partition
+    doubled = dataclasses.replace(trained.cost, f=trained.cost.f * 2, b=trained.cost.b * 2)
+    slower = Partition.evaluate(doubled, part.bounds, part.micro_batches, part.partitioner,
+                                schedule="1f1b")
+
+    def predicted_forwards(partition):  # microseconds the predicted track spends in F
+        path = tmp_path / "trace.json"
+        trained.save_trace(path, partition=partition)
+        events = json.loads(path.read_text())["traceEvents"]
+        pid = next(e["pid"] for e in events
+                   if e["name"] == "process_name" and e["args"]["name"] == "predicted")
+        return sum(e["dur"] for e in events if e["ph"] == "X" and e["pid"] == pid
+                   and e["cat"] == "F")
+
+    own = sum(trained.forward_overhead) * part.micro_batches * 1e6  # the runtime's, as is
+    assert predicted_forwards(slower) == pytest.approx(
+        2 * predicted_forwards(None) - own, rel=0.02)
+    with pytest.raises(FxpipeError, match=re.escape("save_timeline(partition=...) takes a "
+                                                    "Partition")):
+        trained.save_timeline(tmp_path / "t.png", partition="balanced")
+
+
 def test_timeline_picture_is_written(trained, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
