@@ -144,14 +144,22 @@ def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
     return lines
 
 
+def _names(option: str, text: str) -> list[str]:
+    names = text.split(",")
+    if not all(names):
+        raise FxpipeError(f"{option} {text!r} has an empty name: separate the names with "
+                          "single commas, e.g. even,balanced.")
+    return names
+
+
 def _medians(steps: int) -> str:
     return f"medians of {steps} steps" if steps > 1 else "one step each"
 
 
 def _bench(args: argparse.Namespace) -> None:
     micro_batches = args.micro_batches
-    partitioners = args.partitioners.split(",")
-    schedules = args.schedules.split(",")
+    partitioners = _names("--partitioners", args.partitioners)
+    schedules = _names("--schedules", args.schedules)
     if args.nproc is not None and args.nproc != args.stages:
         raise FxpipeError(f"--nproc {args.nproc} runs one stage per process: give --stages "
                           f"{args.nproc}, or --nproc {args.stages}.")

@@ -80,6 +80,7 @@ def test_plan_needs_an_input_description(capsys):
     (["bench", "mlp", "--schedules", "gpipe,async-1f1b"], "async-1f1b trains only through "
      "pipe.step_many"),
     (["bench", "mlp", "--batch", "3"], "--batch 3 cannot fill --micro-batches 4"),
+    (["bench", "mlp", "--partitioners", "even,"], "--partitioners 'even,' has an empty name"),
     (["bench", "mlp", "--csv", "/nonexistent/folder/rows.csv"],
      "--csv /nonexistent/folder/rows.csv: there is no folder /nonexistent/folder"),
     (["bench", "mlp", "--png", "chart.xyz"], "--png chart.xyz: matplotlib cannot write .xyz"),
