@@ -15,19 +15,9 @@ import torch
 import torch.distributed as dist
 
 import fxpipe
+from fxpipe.cli import at_least_one  # the benchmarks' argparse type, as the CLI's
 from fxpipe.distributed import launched
 from fxpipe.models import BundledModel, bundled
-
-
-def at_least_one(text: str) -> int:
-    """An argparse type: a whole number of at least 1 (steps, rounds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
-    return value
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, model: str,

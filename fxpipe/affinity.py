@@ -115,9 +115,11 @@ def ranks_on_host(rank: int, everyone: Sequence[tuple[str, bool, Sequence[int]]]
 def host_share(device: str) -> tuple[int, int]:
     """(ranks computing on this host's CPU, the CPUs they may use): what a rank cannot see by
     itself, for telling whether the ranks on its host outnumber its cores. Every rank of the
-    job must call it (the ranks compare their hosts), before any is bound to its share."""
+    job must call it (the ranks compare their hosts). Ranks bound to their shares already (by
+    an earlier compile) count the union of the shares, which is as many CPUs as ranks or more:
+    pin_rank binds nothing where there are fewer."""
     allowed = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else list(range(os.cpu_count() or 1)))
+               else list(range(usable_cores())))
     mine = (socket.gethostname(), torch.device(device).type == "cpu", allowed)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

@@ -28,8 +28,8 @@ from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
 
 __all__ = [
-    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun", "check_output_path",
-    "check_stage_count_of", "first_rank_error", "format_rows", "png_path", "rows_to_json",
+    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun",
+    "check_stage_count_of", "first_rank_error", "format_rows", "pyplot", "rows_to_json",
     "write_csv", "write_png",
 ]
 
@@ -75,6 +75,9 @@ def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[st
                 schedules: Sequence[str]) -> dict[tuple[str, str], Plan]:
     """The plan of every (partitioner, schedule) the benchmark runs, without the loss; made
     all at once, so a mistake in any of them is reported before any work."""
+    if "async-1f1b" in schedules:
+        raise FxpipeError("the benchmark times pipe.step, and async-1f1b trains only through "
+                          "pipe.step_many with an attached optimizer: compare gpipe and 1f1b.")
     return {(p, s): Plan(stages=stages, partitioner=p, schedule=s,
                          micro_batches="auto" if p == "csimd" else micro_batches)  # csimd
             for p in partitioners for s in schedules}  # chooses the micro-batch count itself
@@ -225,7 +228,7 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
                                stderr=subprocess.PIPE, text=True)
         errors = _relay_progress(job.stderr)
         if job.wait() != 0:
-            ours = first_rank_error(errors)
+            ours = first_rank_error(errors, nproc)
             if ours:
                 raise FxpipeError(f"under torchrun: {ours}")
             # the launcher's own report of a failed rank alone takes about 2000 characters:
@@ -236,11 +239,12 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
                                 "memory": tuple(row["memory"])}) for row in json.load(handle)]
 
 
-def first_rank_error(stderr: str) -> str | None:
-    """The first message a rank printed for an FxpipeError (each rank may print it, the
-    launcher's traceback follows), or None."""
-    found = _ERROR.search(stderr)
-    return found.group(1).strip() if found else None
+def first_rank_error(stderr: str, ranks: int) -> str | None:
+    """The first message a rank printed for an FxpipeError, when each of the `ranks` printed
+    one (the launcher's own traceback follows them); else None: a rank failed otherwise,
+    and its traceback says more."""
+    found = _ERROR.findall(stderr)
+    return found[0].strip() if len(found) >= ranks else None
 
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
@@ -259,36 +263,8 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
     return format_table(header, table)
 
 
-def check_output_path(option: str, path: str) -> None:
-    """Raise FxpipeError unless a file can be written at `path` (given with `option`): checked
-    before the benchmark runs, not after."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise FxpipeError(f"{option} {path}: that is a folder; give a file name in it.")
-    if not os.path.isdir(folder):
-        raise FxpipeError(f"{option} {path}: there is no folder {folder}; create it first.")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise FxpipeError(f"{option} {path}: not writable here; give a path you can write.")
-
-
-def png_path(path: str) -> str:
-    """The file the chart goes to: `path`, with .png added when it has no extension. Raises
-    FxpipeError without matplotlib or for an extension it cannot write."""
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError as e:
-        raise FxpipeError("--png needs matplotlib: pip install 'fxpipe[plot]'") from e
-    extension = os.path.splitext(path)[1].lstrip(".").lower()
-    if not extension:
-        return path + ".png"
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if extension not in formats:
-        raise FxpipeError(f"--png {path}: matplotlib cannot write .{extension} files; end the "
-                          f"name with one of {', '.join('.' + f for f in sorted(formats))}.")
-    return path
-
-
 def _percent(share: float) -> str:
+    """A share as the table shows it: '-' where there is none (nan)."""
     return "-" if math.isnan(share) else f"{share:.0%}"
 
 
@@ -298,27 +274,24 @@ def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
         writer.writerow([f.name for f in dataclasses.fields(BenchRow)]
                         + ["ratio", "predicted_spread"])
         for r in rows:
-            writer.writerow([*(_csv_cell(getattr(r, f.name)) for f in dataclasses.fields(BenchRow)),
-                             r.ratio, r.predicted_spread])
+            cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),  # as the table
+                     "memory": " ".join(f"{m:.0f}" for m in r.memory)}  # bytes per stage
+            writer.writerow([*cells.values(), r.ratio, r.predicted_spread])
 
 
-def _csv_cell(value: Any) -> Any:
-    """A per-stage tuple as one cell a spreadsheet keeps as text: units per stage as the table
-    shows them (4+5), bytes separated by spaces."""
-    if not isinstance(value, tuple):
-        return value
-    if all(isinstance(v, int) for v in value):
-        return format_sizes(value)
-    return " ".join(f"{v:.0f}" for v in value)
-
-
-def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files; FxpipeError without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise FxpipeError("--png needs matplotlib: pip install 'fxpipe[plot]'") from e
+    return plt
+
+
+def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
+    plt = pyplot()
     labels = [f"{r.partitioner}\n{r.schedule}" for r in rows]
     positions = range(len(rows))
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))

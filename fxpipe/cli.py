@@ -1,6 +1,4 @@
-"""The `fxpipe` command: `demo` trains a bundled model through a compiled pipeline on the CPU;
-`plan` prints the stage table of any importable model; `bench` compares partitioners and
-schedules on one, predicted against measured."""
+"""The `fxpipe` command: its `demo`, `plan` and `bench` subcommands."""
 
 from __future__ import annotations
 
@@ -20,10 +18,9 @@ from fxpipe.bench import (
     bench,
     bench_plans,
     bench_under_torchrun,
-    check_output_path,
     check_stage_count_of,
     format_rows,
-    png_path,
+    pyplot,
     rows_to_json,
     write_csv,
     write_png,
@@ -36,7 +33,11 @@ from fxpipe.models import MODELS, bundled
 from fxpipe.plan import PARTITIONERS, Plan
 from fxpipe.report import LATE_AFTER, shared_cores_lines
 
-__all__ = ["main"]
+__all__ = ["at_least_one", "main"]
+
+DESCRIPTION = ("`demo` trains a bundled model through a compiled pipeline on the CPU; `plan` "
+               "prints the stage table of any importable model; `bench` compares partitioners "
+               "and schedules on one, predicted against measured.")
 
 
 _SETTLING_STEPS = 10  # steps between the demo's re-timing and the step it reports
@@ -86,10 +87,10 @@ def dist_rank() -> int:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    model, inputs = _load_model(args.model, args.batch, args.input_shape, args.input_dtype,
-                                args.input_high)
     if args.json:
         check_output_path("--json", args.json)
+    model, inputs = _load_model(args.model, args.batch, args.input_shape, args.input_dtype,
+                                args.input_high)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
                 micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer)
     pipe = compile(model, plan, example_inputs=inputs)
@@ -144,7 +145,7 @@ def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
     return lines
 
 
-def _names(option: str, text: str) -> list[str]:
+def _comma_separated(option: str, text: str) -> list[str]:
     names = text.split(",")
     if not all(names):
         raise FxpipeError(f"{option} {text!r} has an empty name: separate the names with "
@@ -158,26 +159,23 @@ def _medians(steps: int) -> str:
 
 def _bench(args: argparse.Namespace) -> None:
     micro_batches = args.micro_batches
-    partitioners = _names("--partitioners", args.partitioners)
-    schedules = _names("--schedules", args.schedules)
-    if args.nproc is not None and args.nproc != args.stages:
-        raise FxpipeError(f"--nproc {args.nproc} runs one stage per process: give --stages "
-                          f"{args.nproc}, or --nproc {args.stages}.")
+    partitioners = _comma_separated("--partitioners", args.partitioners)
+    schedules = _comma_separated("--schedules", args.schedules)
     if args.nproc == 1:
         raise FxpipeError("--nproc 1 runs one process, as the run without --nproc does: drop "
                           "--nproc, or give at least 2 stages and as many processes.")
-    if "async-1f1b" in schedules:
-        raise FxpipeError("fxpipe bench times pipe.step, and async-1f1b trains only through "
-                          "pipe.step_many with an attached optimizer: compare gpipe and 1f1b.")
+    if args.nproc is not None and args.nproc != args.stages:
+        raise FxpipeError(f"--nproc {args.nproc} runs one stage per process: give --stages "
+                          f"{args.nproc}, or --nproc {args.stages}.")
     if micro_batches != "auto" and args.batch < micro_batches:
         raise FxpipeError(f"--batch {args.batch} cannot fill --micro-batches {micro_batches} "
                           f"(each needs a sample at least): give --batch {micro_batches} or "
                           f"more, or fewer micro-batches.")
+    if args.png:
+        args.png = png_path(args.png)
     for option, path in (("--csv", args.csv), ("--png", args.png)):
         if path:
             check_output_path(option, path)
-    if args.png:
-        args.png = png_path(args.png)
     _factory(args.model)  # an unknown model fails here, before any progress is shown
     bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
     build = _bench_build(args)
@@ -200,7 +198,7 @@ def _bench(args: argparse.Namespace) -> None:
             print(line)
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
-          "than that may be drift alone")
+          "than that may be drift alone ('-': one round, nothing to compare)")
     print(f"late steps: the timed steps in which a message reached its receiver over "
           f"{LATE_AFTER * 1e3:g} ms later after its send than predicted (time in handing it "
           "over that no prediction includes: the transport's under torchrun); a meas/pred "
@@ -367,7 +365,7 @@ def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> 
     return tuple(inputs)
 
 
-def _positive(text: str) -> int:
+def at_least_one(text: str) -> int:
     """An argparse type: a whole number of at least 1."""
     try:
         value = int(text)
@@ -378,12 +376,41 @@ def _positive(text: str) -> int:
     return value
 
 
+def check_output_path(option: str, path: str) -> None:
+    """Raise FxpipeError unless a file can be written at `path` (given with `option`), so a
+    mistake shows before the work, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise FxpipeError(f"{option} {path}: that is a folder; give a file name in it.")
+    if not os.path.isdir(folder):
+        raise FxpipeError(f"{option} {path}: there is no folder {folder}; create it first.")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise FxpipeError(f"{option} {path}: not writable here; give a path you can write.")
+
+
+def png_path(path: str) -> str:
+    """The file --png writes: `path`, with .png added when it has no extension. Raises
+    FxpipeError without matplotlib or for an extension it cannot write."""
+    pyplot()  # matplotlib is there
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    stem, extension = os.path.splitext(path)
+    extension = extension.lstrip(".").lower()
+    if not extension:
+        return (stem if path.endswith(".") else path) + ".png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension not in formats:
+        raise FxpipeError(f"--png {path}: matplotlib cannot write .{extension} files; end the "
+                          f"name with one of {', '.join('.' + f for f in sorted(formats))}.")
+    return path
+
+
 def _micro_batches(text: str) -> int | str:
     """An argparse type: a micro-batch count of at least 1, or auto."""
     if text == "auto":
         return text
     try:
-        return _positive(text)
+        return at_least_one(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"give a whole number of at least 1, or auto, not "
                                          f"{text!r}") from None
@@ -400,22 +427,22 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
 
 def _parser() -> argparse.ArgumentParser:
     # no abbreviated options: bench hands its own words on to torchrun's processes
-    parser = argparse.ArgumentParser(prog="fxpipe", description=__doc__, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="fxpipe", description=DESCRIPTION, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     shown = {"formatter_class": _DefaultsShown, "allow_abbrev": False}
     demo = commands.add_parser("demo", help="compile a bundled model and train a few steps",
                                **shown)
     demo.add_argument("--model", choices=sorted(MODELS), default="resnet",
                       help="the bundled model to train")
-    demo.add_argument("--stages", type=_positive, default=2, help="pipeline stages")
+    demo.add_argument("--stages", type=at_least_one, default=2, help="pipeline stages")
     demo.add_argument("--partitioner", default="balanced",
                       help="how to split the model into stages")
-    demo.add_argument("--micro-batches", type=_positive, default=4,
+    demo.add_argument("--micro-batches", type=at_least_one, default=4,
                       help="micro-batches per step")
     demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
                       help="the pipeline schedule")
-    demo.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
-    demo.add_argument("--steps", type=_positive, default=5, help="training steps")
+    demo.add_argument("--batch", type=at_least_one, default=32, help="mini-batch size")
+    demo.add_argument("--steps", type=at_least_one, default=5, help="training steps")
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
     demo.set_defaults(run=_demo)
@@ -423,11 +450,11 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="print the stage table of a model's pipeline",
                                **shown)
     plan.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: {', '.join(MODELS)}")
-    plan.add_argument("--stages", type=_positive, required=True, help="pipeline stages")
+    plan.add_argument("--stages", type=at_least_one, required=True, help="pipeline stages")
     plan.add_argument("--partitioner", default="even",
                       help=f"one of {', '.join(PARTITIONERS)} (available: "
                            f"{', '.join(available_partitioners())}), or units per stage: 4,6")
-    plan.add_argument("--batch", type=_positive, default=16, help="example mini-batch size")
+    plan.add_argument("--batch", type=at_least_one, default=16, help="example mini-batch size")
     plan.add_argument("--micro-batches", type=_micro_batches, default="1",
                       help="a number, or auto")
     plan.add_argument("--schedule", default="gpipe", help="the pipeline schedule")
@@ -443,21 +470,22 @@ def _parser() -> argparse.ArgumentParser:
                                                   "predicted and measured step times", **shown)
     bench_cmd.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: "
                                          f"{', '.join(MODELS)}")
-    bench_cmd.add_argument("--stages", type=_positive, default=2, help="pipeline stages")
-    bench_cmd.add_argument("--batch", type=_positive, default=32, help="mini-batch size")
+    bench_cmd.add_argument("--stages", type=at_least_one, default=2, help="pipeline stages")
+    bench_cmd.add_argument("--batch", type=at_least_one, default=32, help="mini-batch size")
     bench_cmd.add_argument("--micro-batches", type=_micro_batches, default="4",
                            help="a number, or auto")
     bench_cmd.add_argument("--partitioners", default="even,params,balanced,ampa,imd,csimd",
                            help="the partitioners to compare, comma-separated")
     bench_cmd.add_argument("--schedules", default="gpipe,1f1b",
                            help="the schedules to compare, comma-separated")
-    bench_cmd.add_argument("--repeats", type=_positive, default=10, help="timed steps per "
-                                                                   "configuration")
-    bench_cmd.add_argument("--rounds", type=_positive, default=5,
+    bench_cmd.add_argument("--repeats", type=at_least_one, default=10,
+                           help="timed steps per configuration")
+    bench_cmd.add_argument("--rounds", type=at_least_one, default=5,
                            help="the timed steps come in this many rounds, each right after "
                                 "the units are timed again for the prediction")
-    bench_cmd.add_argument("--nproc", type=_positive, help="run every configuration under torchrun "
-                                                     "with this many processes (one stage each)")
+    bench_cmd.add_argument("--nproc", type=at_least_one,
+                           help="run every configuration under torchrun with this many "
+                                "processes (one stage each)")
     bench_cmd.add_argument("--input-shape", action="append",
                            help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
                                 "3x32x32 (once per input)")

@@ -237,12 +237,15 @@ class CompiledPipeline(torch.nn.Module):
 
     def report(self, file: Any = None, partition: Partition | None = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
-        communication and idle shares, and the stage that bounds the pipeline (and, where
-        more stages compute on a host's CPU than they may use cores, that the prediction gave
-        each a core of its own: stage threads of this process, or under torchrun the ranks on
-        rank 0's host). Printed (to `file`, default stdout; rank 0 under torchrun, where every
-        rank must call it) and returned. `partition`: the stage costs to predict with (default:
-        the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside the run)."""
+        send/receive (waits for a message included) and idle shares, and the stage that bounds
+        the pipeline; where more stages compute on a host's CPU than they may use cores (stage
+        threads of this process, or under torchrun the ranks on rank 0's host), that the
+        prediction gave each a core of its own; and when the last run is not the step
+        predicted: forwards only, or micro-batches of other sizes than compile's example (told
+        only for compile's prediction). Printed (to `file`, default stdout; rank 0 under
+        torchrun, where every rank must call it) and returned. `partition`: the stage costs to
+        predict with (default: the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`,
+        timed beside the run)."""
         _check_partition("report", partition)
         if file is not None and not hasattr(file, "write"):
             raise FxpipeError(f"pipe.report(file=...) takes an open text file (or None for "
@@ -253,7 +256,8 @@ class CompiledPipeline(torch.nn.Module):
         # stage threads of one process sharing the cores it may use, or under torchrun the
         # ranks on this rank's host (which compile found out)
         on_cpu = sum(r.device.type == "cpu" for r in self.executor.runners.values())
-        cores = (on_cpu, usable_cores()) if self.executor.everything_here else self.host_cores
+        cores = ((on_cpu, usable_cores()) if self.executor.everything_here
+                 else self.host_cores and (*self.host_cores, "ranks"))
         # compile's prediction is of its example's micro-batches (under data parallelism a
         # group's share of it, which is not known here)
         known = partition is None and self.cost.batch is not None and self.plan.groups == 1
@@ -290,10 +294,11 @@ class CompiledPipeline(torch.nn.Module):
         if not self._speaks():
             return
         predicted = self.predicted_timeline(partition).events
+        drawn = partition or self.partition
         save_timeline(path, {"measured": measured, "predicted": predicted},
                       self.plan.stages, f"{self.model_name}: {self.plan.stages} stages, "
-                      f"{self.partition.micro_batches} micro-batches, partition "
-                      f"{self.partition.partitioner} {list(self.partition.sizes)}")
+                      f"{drawn.micro_batches} micro-batches, partition "
+                      f"{drawn.partitioner} {list(drawn.sizes)}")
 
     def save_trace(self, path: str | os.PathLike, partition: Partition | None = None) -> None:
         """Write the last run's measured timeline and the predicted one as Chrome/Perfetto

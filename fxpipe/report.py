@@ -183,11 +183,12 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
                   overhead: float = 0.0, slowdowns: Sequence[Interference] = (),
                   late: LateMessages | None = None,
-                  cores: tuple[int, int] | None = None, notes: Sequence[str] = ()) -> str:
+                  cores: tuple | None = None, notes: Sequence[str] = ()) -> str:
     """Predicted against measured, per stage and in total, and what bounds the pipeline;
     `overhead`: the runtime's own seconds per step outside the schedule, if measured;
     `slowdowns`: the measured timeline's `interference`; `late`: its `late_messages`;
-    `cores`: (stages computing on this host's CPU, its cores), for `shared_cores_lines`;
+    `cores`: (stages computing on a host's CPU, the CPUs they may use[, "ranks" when they
+    are ranks]), for `shared_cores_lines`;
     `notes`: lines shown right below the first (`unlike_prediction_lines`)."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
     rows = []
@@ -217,17 +218,16 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         + (shared_cores_lines(*cores) if cores else []))
 
 
-def shared_cores_lines(stages: int, cores: int) -> list[str]:
-    """What to tell a user whose `stages` stages compute on a host's CPU of `cores` cores:
-    nothing when each can have a core, else that the prediction assumed it could (the
-    simulator runs every stage's compute at its timed pace, whatever else runs)."""
+def shared_cores_lines(stages: int, cores: int, who: str = "stages") -> list[str]:
+    """What to tell a user whose `stages` stages (or ranks: `who`) compute on a host's CPU of
+    `cores` cores: nothing when each can have a core, else that the prediction assumed it
+    could (the simulator runs every stage's compute at its timed pace, whatever else runs)."""
     if stages <= cores:
         return []
-    return [f"shared cores: {stages} stages compute on this host's {cores} CPU "
-            f"core{'s' if cores > 1 else ''}, and the "
-            "prediction gives each stage a core of its own, so steps run slower than "
-            f"predicted, the more so the more stages share a core; with at most {cores} CPU "
-            "stages here every stage has one"]
+    return [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
+            f"core{'s' if cores > 1 else ''}, and the prediction gives each a core of its own, "
+            f"so steps run slower than predicted, the more so the more {who} share a core; "
+            f"with at most {cores} CPU {who} here each has one"]
 
 
 def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],
@@ -236,7 +236,9 @@ def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],
     of other sizes than `predicted` (compile's example; None: not known), or forwards
     without their backwards."""
     lines = []
-    if predicted is not None and list(predicted) != list(ran):
+    # several mini-batches' micro-batches one after another (pipe.step_many): each as predicted
+    repeats = len(ran) // len(predicted) if predicted else 0
+    if predicted is not None and list(predicted) * max(repeats, 1) != list(ran):
         lines.append(f"not the predicted run: its micro-batches held {_samples(ran)}, the "
                      f"prediction's (compile's example) {_samples(predicted)}; compile with "
                      "an example of the batch you run to predict it")

@@ -18,6 +18,8 @@ from hypothesis import given
 from fxpipe.bench import BenchRow
 from fxpipe.cli import _against_even, main
 
+_PROGRESS_BAR = re.compile(r"\[[#.]+\] \d+/\d+ ")
+
 
 def test_demo_prints_stage_table_graph_and_a_falling_loss(capsys):
     assert main(["demo", "--steps", "3", "--batch", "8"]) == 0
@@ -49,7 +51,7 @@ def test_bench_reports_user_errors_before_any_progress(capsys, options, error):
     assert main(["bench", "mlp", *options]) == 2
     captured = capsys.readouterr()
     assert f"fxpipe: error: {error}" in captured.err
-    assert "1/" not in captured.err + captured.out  # no configuration was started
+    assert not _PROGRESS_BAR.search(captured.err + captured.out)  # no configuration started
 
 
 def test_plan_prints_the_stage_table_compares_and_writes_json(capsys, tmp_path):
@@ -105,7 +107,7 @@ def test_command_line_mistakes_are_reported_before_any_work(capsys, argv, messag
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err
-    assert "1/" not in err  # failed before the progress bar started
+    assert not _PROGRESS_BAR.search(err)  # failed before the progress bar started
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -136,14 +138,19 @@ def test_output_paths_that_cannot_be_written_are_refused_before_any_work(capsys,
     monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != str(tmp_path))
     assert main(["bench", "mlp", "--png", str(tmp_path / "chart.png")]) == 2
     err = capsys.readouterr().err
-    assert f"--png {tmp_path / 'chart.png'}: not writable here" in err and "1/" not in err
+    assert f"--png {tmp_path / 'chart.png'}: not writable here" in err
+    assert not _PROGRESS_BAR.search(err)
 
 
-def test_a_chart_named_without_an_extension_is_a_png_and_says_so(tmp_path):
-    from fxpipe.bench import png_path
+def test_a_chart_named_without_an_extension_is_a_png_and_says_so(tmp_path, capsys):
+    from fxpipe.cli import png_path
 
     assert png_path(str(tmp_path / "chart")) == str(tmp_path / "chart.png")
     assert png_path(str(tmp_path / "chart.svg")) == str(tmp_path / "chart.svg")
+    assert png_path(str(tmp_path / "chart.")) == str(tmp_path / "chart.png")
+    (tmp_path / "out").mkdir()  # a folder of that name is no matter: the chart is out.png
+    assert main(["bench", "mlp", "--png", str(tmp_path / "out"), "--partitioners", "nope"]) == 2
+    assert "Plan(partitioner='nope') is not known" in capsys.readouterr().err  # a later check
 
 
 def test_a_model_factory_in_the_current_folder_is_found_and_a_model_instance_refused(
@@ -168,8 +175,10 @@ def test_a_ranks_own_error_is_what_a_failed_torchrun_bench_reports():
     stderr = ("\r[........] 1/1 even/gpipe\n[rank1]: fxpipe: error: bad batch; fix itfxpipe: "
               "error: bad batch; fix it\nTraceback (most recent call last):\n  ...\n"
               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
-    assert first_rank_error(stderr) == "bad batch; fix it"
-    assert first_rank_error("Traceback (most recent call last):\n  boom\n") is None
+    assert first_rank_error(stderr, ranks=2) == "bad batch; fix it"
+    # one rank's message and another's traceback: a rank failed otherwise, and that says more
+    assert first_rank_error(stderr, ranks=3) is None
+    assert first_rank_error("Traceback (most recent call last):\n  boom\n", ranks=1) is None
 
 
 def test_the_progress_bar_ends_full_and_relayed_lines_cover_longer_ones(capsys):

@@ -26,6 +26,7 @@ from fxpipe.report import (
     late_messages,
     shared_cores_lines,
     step_time,
+    unlike_prediction_lines,
 )
 from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
@@ -189,7 +190,8 @@ def test_trace_json_holds_measured_and_predicted_tracks(trained, tmp_path):
 
 
 def test_the_trace_and_the_picture_predict_with_the_partition_they_are_given(trained,
-                                                                              tmp_path):
+                                                                              tmp_path,
+                                                                              monkeypatch):
     part = trained.partition
     doubled = dataclasses.replace(trained.cost, f=trained.cost.f * 2, b=trained.cost.b * 2)
     slower = Partition.evaluate(doubled, part.bounds, part.micro_batches, part.partitioner,
@@ -207,6 +209,17 @@ def test_the_trace_and_the_picture_predict_with_the_partition_they_are_given(tra
     own = sum(trained.forward_overhead) * part.micro_batches * 1e6  # the runtime's, as is
     assert predicted_forwards(slower) == pytest.approx(
         2 * predicted_forwards(None) - own, rel=0.02)
+    drawn: list = []  # the predicted forwards' microseconds of each picture drawn
+
+    def draw(path, timelines, stages, title):
+        drawn.append(sum(e.duration for e in timelines["predicted"]
+                         if e.action.kind is ActionKind.F) * 1e6)
+
+    monkeypatch.setattr("fxpipe.pipeline.save_timeline", draw)
+    trained.save_timeline(tmp_path / "t.png")
+    trained.save_timeline(tmp_path / "t.png", partition=slower)
+    assert drawn[1] == pytest.approx(2 * drawn[0] - own, rel=0.02)
+    assert drawn[1] == pytest.approx(predicted_forwards(slower), rel=1e-6)
     with pytest.raises(FxpipeError, match=re.escape("save_timeline(partition=...) takes a "
                                                     "Partition")):
         trained.save_timeline(tmp_path / "t.png", partition="balanced")
@@ -240,7 +253,7 @@ def test_replan_prints_where_the_report_would_and_refuses_an_unknown_partitioner
         result = fxpipe.replan(trained, threshold=0.0)
     finally:
         del vars(trained)["rank"]
-    assert capsys.readouterr().out == "" and result.proposed is not None
+    assert capsys.readouterr().out == "" and "measured stage imbalance" in str(result)
     with pytest.raises(FxpipeError, match=r"replan\(partitioner='foo'\) is not known; "
                                           r"choose one of even, params, balanced"):
         fxpipe.replan(trained, partitioner="foo")
@@ -315,6 +328,18 @@ def test_report_says_when_the_last_run_is_not_the_step_it_predicts():
     text = pipe.report(file=io.StringIO())
     assert "not the predicted run: it ran forwards only" in text
     assert "micro-batches held" not in text  # compile's sizes again
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.integers(1, 3),
+       st.lists(st.integers(1, 5), min_size=1, max_size=12))
+def test_a_run_differs_from_the_prediction_unless_each_mini_batch_splits_as_predicted(
+        predicted, mini_batches, other):
+    as_predicted = predicted * mini_batches  # pipe.step_many: one mini-batch after another
+    assert unlike_prediction_lines(predicted, as_predicted, backward=True) == []
+    lines = unlike_prediction_lines(predicted, other, backward=True)
+    assert bool(lines) == (other != predicted * max(len(other) // len(predicted), 1))
+    assert unlike_prediction_lines(None, other, backward=True) == []  # not known: not told
+    assert "forwards only" in unlike_prediction_lines(None, other, backward=False)[0]
 
 
 def test_report_before_any_run():

@@ -78,8 +78,6 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
                                  schedule=schedule)
     name = partitioner or (pipe.plan.partitioner if isinstance(pipe.plan.partitioner, str)
                            and pipe.plan.partitioner != "even" else "balanced")
-    if name not in PARTITIONERS:  # the plan's own, where this version cannot run it
-        name = "balanced"
     proposed = current
     if dispersion > threshold:
         found = PARTITIONERS[name](cost, pipe.plan.stages, p)

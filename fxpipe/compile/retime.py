@@ -43,9 +43,12 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     the inputs): the plan's loss_fn is timed too, on the last stage, where pipe.step runs it
     (compile has no target and leaves it out). `warmup`, `repeats`: runs of each unit, the
     median of the repeats counts; more repeats until they took `min_time` seconds."""
-    if not isinstance(pipe, CompiledPipeline) or pipe.timing is None:
+    if not isinstance(pipe, CompiledPipeline):
         raise FxpipeError(f"retime() takes the pipeline fxpipe.compile returned, not "
                           f"{type(pipe).__name__}.")
+    if pipe.timing is None:
+        raise FxpipeError("retime() times the units as compile did, and this pipeline was not "
+                          "made by fxpipe.compile: compile it with example inputs.")
     timing: Timing = pipe.timing
     args, kwargs = example_args(example_inputs, example_kwargs)
     flat = pipe.traced.bind(args, kwargs)

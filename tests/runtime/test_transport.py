@@ -1,5 +1,4 @@
-"""The local transport: every receiver gets exactly its messages, whatever the order of sends and
-receives; a send wakes only the stage it is for; an abort wakes every stage."""
+"""The local transport: messages reach their receivers, waking only them (an abort, every one)."""
 
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ def test_every_receiver_gets_exactly_its_messages_in_any_order(keys, random):
     for dst in range(STAGES):
         mine = [(src, direction, mb) for src, d, direction, mb in keys if d == dst]
         random.shuffle(mine)
-        receivers.append(threading.Thread(target=_receive_all,
+        receivers.append(threading.Thread(target=_receive_all, daemon=True,
                                           args=(transport, dst, mine, got, failed)))
     for receiver in receivers:
         receiver.start()
@@ -77,7 +76,7 @@ def test_a_send_wakes_only_the_stage_it_is_for():
     waiting = transport._ready[2]
     got: dict = {}
     failed: list = []
-    receiver = threading.Thread(target=_receive_all,
+    receiver = threading.Thread(target=_receive_all, daemon=True,
                                 args=(transport, 2, [(0, "F", 0)], got, failed))
     receiver.start()
     assert waiting.waiting.wait(20)
@@ -95,7 +94,7 @@ def test_an_abort_wakes_every_waiting_stage_with_the_error():
     transport = LocalTransport(["cpu"] * STAGES, timeout=50.0)
     transport._ready = [CountingCondition(transport._lock) for _ in range(STAGES)]
     failed: list = []
-    receivers = [threading.Thread(target=_receive_all,
+    receivers = [threading.Thread(target=_receive_all, daemon=True,
                                   args=(transport, dst, [(0, "F", 0)], {}, failed))
                  for dst in range(1, STAGES)]
     for receiver in receivers:
