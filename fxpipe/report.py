@@ -238,7 +238,7 @@ def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],
     lines = []
     # several mini-batches' micro-batches one after another (pipe.step_many): each as predicted
     repeats = len(ran) // len(predicted) if predicted else 0
-    if predicted is not None and list(predicted) * max(repeats, 1) != list(ran):
+    if predicted is not None and ran and list(predicted) * max(repeats, 1) != list(ran):
         lines.append(f"not the predicted run: its micro-batches held {_samples(ran)}, the "
                      f"prediction's (compile's example) {_samples(predicted)}; compile with "
                      "an example of the batch you run to predict it")

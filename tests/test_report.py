@@ -339,6 +339,7 @@ def test_a_run_differs_from_the_prediction_unless_each_mini_batch_splits_as_pred
     lines = unlike_prediction_lines(predicted, other, backward=True)
     assert bool(lines) == (other != predicted * max(len(other) // len(predicted), 1))
     assert unlike_prediction_lines(None, other, backward=True) == []  # not known: not told
+    assert unlike_prediction_lines(predicted, [], backward=True) == []  # no run's sizes
     assert "forwards only" in unlike_prediction_lines(None, other, backward=False)[0]
 
 
