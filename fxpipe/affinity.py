@@ -11,11 +11,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["AFFINITIES", "choose_share", "core_share", "format_cpus", "host_share", "pin_process",
-           "pin_rank", "ranks_on_host", "usable_cores"]
+__all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
+           "pin_process", "pin_rank", "ranks_on_host", "usable_cores"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
+Host = tuple[str, bool, tuple[int, ...], bool]  # a rank's (host, on the CPU, CPUs, bound)
 
 
 def core_share(local_rank: int, local_world: int, cpus: Sequence[int]) -> tuple[int, ...] | None:
@@ -56,12 +57,12 @@ def pin_process(cpus: Sequence[int]) -> bool:
     return True
 
 
-def pin_rank(device: str, affinity: str) -> tuple[int, ...] | None:
+def pin_rank(device: str, affinity: str, everyone: Sequence[Host]) -> tuple[int, ...] | None:
     """With `affinity` "auto" and this rank on the CPU: bind every thread of this process to
     its share of the host's CPUs (choose_share) and cap torch's intra-op threads at the share's
     size; return the share, or None when nothing was bound. "none" binds nothing (a binding the
-    process has stays). A rank bound already keeps its share. Every rank of the job must call
-    it: the ranks compare their hosts and CPUs.
+    process has stays). A rank bound already keeps its share. `everyone`: every rank's
+    `hosts()`, gathered before.
 
     Unbound, the OS moves the ranks' threads between cores and now and then runs two ranks on
     one, which slows their steps and makes their times jump from one stretch of steps to the
@@ -69,13 +70,12 @@ def pin_rank(device: str, affinity: str) -> tuple[int, ...] | None:
     global _bound
     if affinity == "none" or not hasattr(os, "sched_getaffinity"):
         return None
-    allowed = tuple(sorted(os.sched_getaffinity(0)))
-    mine = (socket.gethostname(), "bound" if allowed == _bound else allowed)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
     if not str(device).startswith("cpu"):
         return None
-    share = _bound if mine[1] == "bound" else choose_share(dist.get_rank(), everyone)
+    rank = dist.get_rank()
+    # ranks bound by an earlier compile agree on "bound", whatever their shares
+    share = _bound if everyone[rank][3] else choose_share(
+        rank, [(host, "bound" if bound else cpus) for host, _, cpus, bound in everyone])
     if share is None or not pin_process(share):
         return None
     _bound = share
@@ -102,25 +102,24 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def ranks_on_host(rank: int, everyone: Sequence[tuple[str, bool, Sequence[int]]]
-                  ) -> tuple[int, int]:
-    """From every rank's (host, whether it computes on the CPU, CPUs it may use): how many
+def ranks_on_host(rank: int, everyone: Sequence[Sequence[Any]]) -> tuple[int, int]:
+    """From every rank's (host, whether it computes on the CPU, CPUs it may use, ...): how many
     ranks compute on the CPU of `rank`'s host, and how many CPUs the ranks there may use
     between them."""
     host = everyone[rank][0]
-    here = [(on_cpu, cpus) for h, on_cpu, cpus in everyone if h == host]
+    here = [(on_cpu, cpus) for h, on_cpu, cpus, *_ in everyone if h == host]
     return sum(on_cpu for on_cpu, _ in here), len(set().union(*(cpus for _, cpus in here)))
 
 
-def host_share(device: str) -> tuple[int, int]:
-    """(ranks computing on this host's CPU, the CPUs they may use): what a rank cannot see by
-    itself, for telling whether the ranks on its host outnumber its cores. Every rank of the
-    job must call it (the ranks compare their hosts). Ranks bound to their shares already (by
-    an earlier compile) count the union of the shares, which is as many CPUs as ranks or more:
-    pin_rank binds nothing where there are fewer."""
-    allowed = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else list(range(usable_cores())))
-    mine = (socket.gethostname(), torch.device(device).type == "cpu", allowed)
+def hosts(device: str) -> list[Host]:
+    """Every rank's (host, whether it computes on the CPU, CPUs it may use, whether pin_rank
+    bound it already), for pin_rank and ranks_on_host: what a rank cannot see by itself. Every
+    rank of the job must call it. Ranks bound by an earlier compile give their shares, whose
+    union is as many CPUs as ranks or more: pin_rank binds nothing where there are fewer."""
+    allowed = (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
+               else tuple(range(usable_cores())))
+    mine = (socket.gethostname(), torch.device(device).type == "cpu", allowed,
+            allowed == _bound)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return ranks_on_host(dist.get_rank(), everyone)
+    return everyone

@@ -25,6 +25,7 @@ from fxpipe.report import (
     format_report,
     interference,
     late_messages,
+    shared_cores_lines,
     step_time,
     unlike_prediction_lines,
 )
@@ -255,9 +256,11 @@ class CompiledPipeline(torch.nn.Module):
         stages = self.plan.stages
         # stage threads of one process sharing the cores it may use, or under torchrun the
         # ranks on this rank's host (which compile found out)
-        on_cpu = sum(r.device.type == "cpu" for r in self.executor.runners.values())
-        cores = ((on_cpu, usable_cores()) if self.executor.everything_here
-                 else self.host_cores and (*self.host_cores, "ranks"))
+        if self.executor.everything_here:
+            on_cpu = sum(r.device.type == "cpu" for r in self.executor.runners.values())
+            shared = shared_cores_lines(on_cpu, usable_cores())
+        else:
+            shared = shared_cores_lines(*self.host_cores, "ranks") if self.host_cores else []
         # compile's prediction is of its example's micro-batches (under data parallelism a
         # group's share of it, which is not known here)
         known = partition is None and self.cost.batch is not None and self.plan.groups == 1
@@ -267,7 +270,7 @@ class CompiledPipeline(torch.nn.Module):
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead, interference(measured),
-                             late_messages(measured, predicted), cores, notes)
+                             late_messages(measured, predicted), notes, shared)
         if self._speaks():
             print(text, file=file)
         return text

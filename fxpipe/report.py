@@ -182,14 +182,13 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
                   overhead: float = 0.0, slowdowns: Sequence[Interference] = (),
-                  late: LateMessages | None = None,
-                  cores: tuple | None = None, notes: Sequence[str] = ()) -> str:
+                  late: LateMessages | None = None, notes: Sequence[str] = (),
+                  tail: Sequence[str] = ()) -> str:
     """Predicted against measured, per stage and in total, and what bounds the pipeline;
     `overhead`: the runtime's own seconds per step outside the schedule, if measured;
     `slowdowns`: the measured timeline's `interference`; `late`: its `late_messages`;
-    `cores`: (stages computing on a host's CPU, the CPUs they may use[, "ranks" when they
-    are ranks]), for `shared_cores_lines`;
-    `notes`: lines shown right below the first (`unlike_prediction_lines`)."""
+    `notes`: lines shown right below the first (`unlike_prediction_lines`); `tail`: lines
+    shown last (`shared_cores_lines`)."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
     rows = []
     for m, p in zip(measured.stages, predicted.stages):
@@ -215,7 +214,7 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
     ] + ([f"outside the schedule: the runtime's own work (splitting, starting the stages, "
           f"sharing sizes and the loss) adds a predicted {_ms(overhead)} ms to a step"]
          if overhead > 0 else []) + _interference_lines(slowdowns) + _late_lines(late)
-        + (shared_cores_lines(*cores) if cores else []))
+        + list(tail))
 
 
 def shared_cores_lines(stages: int, cores: int, who: str = "stages") -> list[str]:

@@ -75,7 +75,7 @@ def test_cpus_print_as_ranges():
 
 
 def test_nothing_is_bound_with_none_and_no_collective_is_needed():
-    assert pin_rank("cpu", "none") is None  # returns before comparing with other ranks
+    assert pin_rank("cpu", "none", []) is None  # returns before comparing with other ranks
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.affinity import host_share, pin_rank
+from fxpipe.affinity import hosts, pin_rank, ranks_on_host
 from fxpipe.allocator import keep_for
 from fxpipe.compile.front import (
     check_batched_inputs,
@@ -49,8 +49,9 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
                         "intra_layer, or run in one process with Plan(devices=[...]).")
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
-    on_host = host_share(device)  # before pin_rank narrows what this rank may use
-    cpus = pin_rank(device, plan.cpu_affinity)  # before anything is timed
+    everyone = hosts(device)  # before pin_rank narrows what this rank may use
+    on_host = ranks_on_host(torch.distributed.get_rank(), everyone)
+    cpus = pin_rank(device, plan.cpu_affinity, everyone)  # before anything is timed
     keep_for(plan.cpu_memory, [device])
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
     whole = whole_positions(traced, plan, args, kwargs)

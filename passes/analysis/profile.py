@@ -290,9 +290,9 @@ class _Load:
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
             alone = any(has_meta_tensors(m) for m in modules)  # timed on copies, one at a time
             needs_grad = _needs_grad(table)
-            # the outputs of one forward of the size being timed, kept (one size at a time:
-            # a graph kept per size would hold several micro-batches' activations)
-            retained: dict[int, list[Any]] = {}
+            # (size index, outputs) of one forward of the size being timed, kept (one size at
+            # a time: a graph kept per size would hold several micro-batches' activations)
+            retained: tuple[int, list[Any]] | None = None
             while not self.stop.is_set():
                 i = sizes.index(self.size)
                 values = inputs[i]
@@ -302,10 +302,10 @@ class _Load:
                     _as_a_stage(table, modules, values, needs_grad)
                 elif self.kind == "forwards":
                     _connected_forward(table, modules, values, needs_grad)
-                else:  # backwards, again and again through one graph per size
-                    if i not in retained:
-                        retained = {i: _connected_forward(table, modules, values, needs_grad)}
-                    _backward_from(retained[i], retain_graph=True)
+                else:  # backwards, again and again through one graph of the size
+                    if retained is None or retained[0] != i:
+                        retained = (i, _connected_forward(table, modules, values, needs_grad))
+                    _backward_from(retained[1], retain_graph=True)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
             self.errors.append(error)
 
