@@ -37,7 +37,7 @@ def main() -> None:
     for _ in range(args.rounds):
         cost = measure_costs(pipe.traced.gm, pipe.units, flat, pipe.plan, [timing.device],
                              pipe.link, None, timing.threads, timing.concurrency,
-                             pipe.executor.whole, 1, 5)
+                             pipe.executor.whole, 1, 5, held=timing.held)
         stages = Partition.evaluate(cost, part.bounds, part.micro_batches).stages
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, [(s.f, s.b) for s in stages])

@@ -62,10 +62,12 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     threads = torch.get_num_threads()
     # every rank times the units at once, so the times include the ranks' contention for the
     # host's caches and memory; rank 0's table (and partition) is the one every rank uses
-    timing = Timing(device, threads, concurrency=1)  # the other ranks are the concurrency
+    # the other ranks are the concurrency; the rank will hold one stage, about 1/stages of the
+    # weights, and times a meta model's units with no more real at once
+    timing = Timing(device, threads, concurrency=1, held=1 / plan.stages)
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          cache if layout.rank == 0 else None, timing.threads,
-                         timing.concurrency, whole)
+                         timing.concurrency, whole, held=timing.held)
     if layout.rank == 0:
         chosen = choose_partition(model, plan, units, cost)
         shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner,

@@ -219,20 +219,30 @@ def units_of(
     return cut_units(traced.gm, plan.unit_depth, traced.leaf_paths)
 
 
+# A meta model's weights up to this many bytes are made real all at once to time its units,
+# whatever share of them a device holds: each run of units timed apart has its first forward
+# and first backward meet the caches a backward leaves, which costs them microseconds (the
+# bundled MLP's units, 7-35 us each, timed in 3 runs came out 10-20% slower than in one), an
+# error that matters only where the units are that short, as small models' are.
+ALL_REAL_BELOW = 256 * 2**20
+
+
 def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                   cache: ProfileCache | None, threads: int, concurrency: int = 1,
                   whole: Sequence[int] = (), warmup: int = 2, repeats: int = 5,
                   loss: Any = None, min_time: float = MIN_TIMED,
-                  load: str = DEFAULT_LOAD) -> CostTable:
+                  load: str = DEFAULT_LOAD, held: float = 1.0) -> CostTable:
     """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only;
     `concurrency` stages busy at once while timing, running `load`, `warmup` and `repeats`
     runs of each unit (more until they took `min_time` seconds), `loss(outputs, size)` timed
-    too when given (see profile_units)."""
+    too when given (see profile_units); a meta model's units with at most the share `held`
+    of its weights real at once, what the timing device holds of them in the pipeline (all
+    of them below ALL_REAL_BELOW bytes)."""
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
                                           [devices[0]] * len(units))
     names = [u.name for u in units]
+    params, param_bytes = unit_parameters(unit_graph, len(units))
     if plan.costs == "none":
-        params, param_bytes = unit_parameters(unit_graph, len(units))
         zeros = [0.0] * len(units)
         return CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, tuple(names),
                          param_bytes)
@@ -247,7 +257,8 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     profile = profile_units(unit_graph, unit_table, flat, profile_sizes(batch, plan),
                             devices[0], warmup=warmup, repeats=repeats, cache=cache,
                             threads=threads, concurrency=concurrency, whole=whole, loss=loss,
-                            load=load, min_time=min_time)
+                            load=load, min_time=min_time,
+                            window=max(held * param_bytes.sum(), ALL_REAL_BELOW))
     annotate_profile(gm, units, profile)
     annotate_comm(gm, link)
     cost = cost_table(profile, link, batch, names)

@@ -56,7 +56,9 @@ def compile(
     A model built on the meta device (`with torch.device("meta"): model = Net()`) has each
     stage made real only on its own device (under torchrun: only this rank's stage), its
     values from the modules' reset_parameters(); load the weights with
-    `pipe.load_state_dict(state_dict)`. Its units are timed one at a time on real copies.
+    `pipe.load_state_dict(state_dict)`. Its units are timed on real copies, a run of
+    consecutive units at a time holding no more weights than the device will (all of them
+    below ALL_REAL_BELOW bytes).
     Its stage tensors are new objects, put in the model's place under every name (a weight
     tied across modules gets the reset of the module that comes last); build optimizers
     after compile.
@@ -85,10 +87,11 @@ def compile(
     check_batched_inputs(traced, plan, args, kwargs, whole)
     link = stage_link(plan, devices)
     threads = threads_per_stage(devices)
-    timing = Timing(devices[0], threads, busy_stages(devices))
+    timing = Timing(devices[0], threads, busy_stages(devices),
+                    held=devices.count(devices[0]) / len(devices))  # its stages' weights
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          profile_cache(cache), timing.threads, timing.concurrency, whole,
-                         load=timing.load)
+                         load=timing.load, held=timing.held)
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []
     if plan.intra_layer is not None:

@@ -24,12 +24,15 @@ __all__ = ["Timing", "retime"]
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """How compile timed the units: on which device, with how many threads, beside how many
-    busy stages, running what (profile_units' `load`)."""
+    busy stages, running what (profile_units' `load`), and what share of the model's weights
+    that device holds in the pipeline (a meta model's units are timed with no more of them
+    real at once)."""
 
     device: str
     threads: int
     concurrency: int
     load: str = DEFAULT_LOAD
+    held: float = 1.0
 
 
 def retime(pipe: CompiledPipeline, example_inputs: Any,
@@ -59,7 +62,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
         else pipe.plan
     cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, [timing.device],
                          pipe.link, None, timing.threads, timing.concurrency, whole, warmup,
-                         repeats, loss, min_time, timing.load)
+                         repeats, loss, min_time, timing.load, timing.held)
     if launched():
         shared: list[Any] = [cost]
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -60,7 +60,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 8  # bump when the cached record changes (or how it is measured)
+_FORMAT = 9  # bump when the cached record changes (or how it is measured)
 
 # what the background workers can run while the units are timed (profile_units' `load`)
 LOADS = ("crossed", "stage", "forwards", "backwards")
@@ -175,6 +175,7 @@ def profile_units(
     loss: Callable[[Mapping[str, Any], int], torch.Tensor] | None = None,
     load: str = DEFAULT_LOAD,
     min_time: float = 0.0,
+    window: float = 0.0,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
@@ -199,14 +200,18 @@ def profile_units(
     runtime's steps than from "stage" ones where the lock sets the units' pace, and about as
     close elsewhere (the note at LOADS). `min_time`:
     after the `repeats`, more repetitions (at most MOST_REPEATS timed in all) until the timed
-    ones have taken that many seconds at each size (compile asks for MIN_TIMED).
+    ones have taken that many seconds at each size (compile asks for MIN_TIMED). `window`:
+    the bytes of a meta model's weights made real at once to time its units, in runs of
+    consecutive units whose weights add up to no more (one unit at least; compile allows the
+    share of them the timing device will hold, or all of them when they are small); a real
+    model is timed all at once.
     """
     if load not in LOADS:
         raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
-                     (concurrency, tuple(whole), load, min_time))
+                     (concurrency, tuple(whole), load, min_time, window))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
@@ -221,7 +226,7 @@ def profile_units(
         def timed_beside(kind: str) -> list[tuple]:
             with preserved_state(graph), gradients_set_aside(graph), \
                     _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device,
-                          threads, kind) as background:
+                          threads, kind, window) as background:
                 rows = []
                 for size in sizes:
                     background.size = size  # the neighbours run micro-batches of this size
@@ -229,10 +234,10 @@ def profile_units(
                                          _on(resize(flat_inputs, dims, size), device), device,
                                          warmup, repeats,
                                          loss=loss and functools.partial(loss, size=size),
-                                         min_time=min_time))
+                                         min_time=min_time, window=window))
                 return rows
 
-        # a meta model's neighbours time copies of the units one at a time, whatever the load
+        # a meta model's neighbours time copies of the units run by run, whatever the load
         if load != "crossed" or concurrency < 2 or has_meta_tensors(graph):
             rows = timed_beside("stage" if load == "crossed" else load)
         else:
@@ -240,7 +245,7 @@ def profile_units(
                     zip(timed_beside("backwards"), timed_beside("forwards"))]
         with preserved_state(graph), gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
-                                                 for size in sizes], device)
+                                                 for size in sizes], device, window)
     finally:
         torch.set_num_threads(previous_threads)
     forward, backward, crossing, crossing_grad, call, loss_f, loss_b = (
@@ -275,8 +280,8 @@ class _Load:
     warm-up runs of the next size may still meet one of the last.)"""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
-                 threads: int, kind: str = "stage") -> None:
-        self.workers, self.kind = workers, kind
+                 threads: int, kind: str = "stage", window: float = 0.0) -> None:
+        self.workers, self.kind, self.window = workers, kind, window
         self.args = (graph, table, flat_inputs, dims, sizes, device, threads)
         self.size = sizes[0]  # set by the timing as it moves from size to size
         self.stop = threading.Event()
@@ -287,17 +292,18 @@ class _Load:
         try:
             torch.set_num_threads(threads)
             inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
+            named = [dict(zip(table.graph_inputs, values)) for values in inputs]
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-            alone = any(has_meta_tensors(m) for m in modules)  # timed on copies, one at a time
+            meta = any(has_meta_tensors(m) for m in modules)  # timed on copies, run by run
             needs_grad = _needs_grad(table)
             # (size index, outputs) of one forward of the size being timed, kept (one size at
             # a time: a graph kept per size would hold several micro-batches' activations)
             retained: tuple[int, list[Any]] | None = None
             while not self.stop.is_set():
                 i = sizes.index(self.size)
-                values = inputs[i]
-                if alone:
-                    _measure(graph, table, values, device, 0, 1)
+                values = named[i]
+                if meta:
+                    _measure(graph, table, inputs[i], device, 0, 1, window=self.window)
                 elif self.kind == "stage":
                     _as_a_stage(table, modules, values, needs_grad)
                 elif self.kind == "forwards":
@@ -344,17 +350,25 @@ def _backward_from(outputs: list[Any], retain_graph: bool = False) -> None:
                                 retain_graph=retain_graph)
 
 
-def _connected_forward(table, modules, values, needs_grad: dict[str, bool]) -> list[Any]:
-    """The units' forwards in a row, each on the others' outputs (not cut from their graphs);
-    returns the graph's outputs that need a gradient."""
-    env = {v: _as_input(x, needs_grad.get(v, False)) for v, x in zip(table.graph_inputs, values)}
-    for io, module in zip(table.stages, modules):
+def _connected_forward(table, modules, values: Mapping[str, Any], needs_grad: dict[str, bool],
+                       run: range | None = None) -> list[Any]:
+    """The forwards of the units of `run` (default: all; `modules` are theirs) in a row, each
+    on the others' outputs (not cut from their graphs), from `values` by name; returns the
+    values they pass on (to the units after them or out of the graph) that need a gradient."""
+    run = range(len(table.stages)) if run is None else run
+    env = {v: _as_input(x, needs_grad.get(v, False)) for v, x in values.items()}
+    made: list[str] = []
+    for i, module in zip(run, modules):
+        io = table.stages[i]
         env.update(zip(io.outputs, module(*[env[v] for v in io.inputs])))
-    return list({id(o): o for o in (env[v] for v in table.graph_outputs)
+        made += io.outputs
+    later = {*table.graph_outputs, *(v for io in table.stages[run.stop:] for v in io.inputs)}
+    return list({id(o): o for o in (env[v] for v in made if v in later)
                  if isinstance(o, torch.Tensor) and o.requires_grad}.values())
 
 
-def _memory(graph, table, inputs_per_size, device) -> tuple[np.ndarray, np.ndarray]:
+def _memory(graph, table, inputs_per_size, device, window: float = 0.0
+            ) -> tuple[np.ndarray, np.ndarray]:
     """One untimed repetition per micro-batch size measuring each unit's memory, in one memory
     profiler session: the bytes its forward saves for backward, and its peak, the larger of
     its forward's and its backward's. Apart from the timed runs, as both hooks and the memory
@@ -364,7 +378,7 @@ def _memory(graph, table, inputs_per_size, device) -> tuple[np.ndarray, np.ndarr
         for m, inputs in enumerate(inputs_per_size):
             saved.append([])
             _measure(graph, table, inputs, device, 0, 1,
-                     lambda name, m=m: peaks.span(f"{m}.{name}"), saved[-1])
+                     lambda name, m=m: peaks.span(f"{m}.{name}"), saved[-1], window=window)
     nan = float("nan")
     peak = [[max(peaks.result.get(f"{m}.{i}.forward", nan),
                  peaks.result.get(f"{m}.{i}.backward", 0.0)) for i in range(len(table.stages))]
@@ -373,7 +387,7 @@ def _memory(graph, table, inputs_per_size, device) -> tuple[np.ndarray, np.ndarr
 
 
 def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None,
-             min_time=0.0):
+             min_time=0.0, window=0.0):
     """One micro-batch size: per-unit forward and backward times, crossing bytes, the fixed
     cost of a backward call (`_without_call_cost`; 0 when measuring memory), and the forward
     and backward times of `loss(outputs)` when given (else 0). With
@@ -384,17 +398,19 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     Each repetition runs the units as training does, all forwards in order, then all backwards
     in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
     own would find its weights hot and look faster than it is inside a stage). A model on the
-    meta device is timed unit by unit instead, each on a real copy made just for its forward
-    and backward, so no more than one unit's weights ever exist at once."""
+    meta device is timed a run of consecutive units at a time (`_runs`: units whose weights
+    add up to at most `window` bytes, one at least), on real copies of that run's units made
+    for all its repetitions, so no more than a run's weights exist at once; a real model is
+    one run."""
     needs_grad = _needs_grad(table)
     timer = _timer(torch.device(device))
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-    alone = any(has_meta_tensors(m) for m in modules)
+    meta = any(has_meta_tensors(m) for m in modules)
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
     called = [False] * units  # units whose backward is a call of its own
-    connect = not alone and span is None and saved is None  # not when measuring memory
+    connect = span is None and saved is None  # not when measuring memory
     span = span or (lambda name: contextlib.nullcontext())
     counter = _SavedBytes if saved is not None else lambda module: contextlib.nullcontext()
 
@@ -410,52 +426,80 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
         if timed:
             b_times[i].append(seconds)
 
-    connected_times: list[float] = []
+    connected: list[float] = []  # per run, the median of its connected backward calls
     loss_times: list[tuple[float, float]] = []
-    for rep in _repetitions(warmup, repeats, min_time):
-        if connect:
-            seconds = _connected_backward(table, modules, inputs, needs_grad, timer)
-            if rep >= warmup:
-                connected_times.append(seconds)
-        env = dict(zip(table.graph_inputs, inputs))
-        pending = []
-        for i, (io, unit) in enumerate(zip(table.stages, modules)):
-            args = [_as_input(env[v], needs_grad.get(v, False)) for v in io.inputs]
-            with materialized_copy(unit, device) if alone else contextlib.nullcontext(unit) \
-                    as module:
-                with counter(module) as counted, span(f"{i}.forward"):
-                    outputs, seconds = timer(module, *args)
-                if saved is not None and rep == warmup + repeats - 1:
-                    saved.append(float(counted.nbytes))
-                wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-                wants += [p for p in module.parameters() if p.requires_grad]
-                if alone:
-                    backward(i, outputs, wants, rep >= warmup)
-                else:
+    env = dict(zip(table.graph_inputs, inputs))
+    runs = _runs(unit_parameters(graph, units)[1], window) if meta else [range(units)]
+    for run in runs:
+        with _real_units([modules[i] for i in run], device, meta) as real:
+            connected_times: list[float] = []
+            for rep in _repetitions(warmup, repeats, min_time):
+                if connect:
+                    seconds = _connected_backward(table, real, env, needs_grad, timer, run)
+                    if rep >= warmup and seconds is not None:
+                        connected_times.append(seconds)
+                values = dict(env)  # this repetition's, from the runs before on
+                pending = []
+                for i, module in zip(run, real):
+                    io = table.stages[i]
+                    args = [_as_input(values[v], needs_grad.get(v, False)) for v in io.inputs]
+                    with counter(module) as counted, span(f"{i}.forward"):
+                        outputs, seconds = timer(module, *args)
+                    if saved is not None and rep == warmup + repeats - 1:
+                        saved.append(float(counted.nbytes))
+                    wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+                    wants += [p for p in module.parameters() if p.requires_grad]
                     pending.append((outputs, wants))
-                for value, out in zip(io.outputs, outputs):  # before a copy's weights go
-                    env[value] = kept_from(module, out) if alone else (
-                        out.detach() if isinstance(out, torch.Tensor) else out)
-            if rep >= warmup:
-                f_times[i].append(seconds)
-        if loss is not None:
-            seconds = _time_loss(loss, table, env, timer)
-            if rep >= warmup:
-                loss_times.append(seconds)
-        for i in reversed(range(len(pending))):
-            backward(i, *pending.pop(), rep >= warmup)
+                    for value, out in zip(io.outputs, outputs):  # before a copy's weights go
+                        values[value] = kept_from(module, out) if meta else (
+                            out.detach() if isinstance(out, torch.Tensor) else out)
+                    if rep >= warmup:
+                        f_times[i].append(seconds)
+                if loss is not None and run.stop == units:
+                    seconds = _time_loss(loss, table, values, timer)
+                    if rep >= warmup:
+                        loss_times.append(seconds)
+                for i in reversed(run):
+                    backward(i, *pending.pop(), rep >= warmup)
+            env = values  # the next run starts from the last repetition's values
+            if connected_times:
+                connected.append(statistics.median(connected_times))
     forward = [statistics.median(t) for t in f_times]
     backward_times = np.array([statistics.median(t) for t in b_times])
     call = 0.0
-    if connected_times:
+    if connected:
         backward_times, call = _without_call_cost(backward_times, np.array(called),
-                                                  statistics.median(connected_times))
+                                                  sum(connected), len(connected))
     loss_f, loss_b = (statistics.median(t) for t in zip(*loss_times)) if loss_times else (0, 0)
     # the last stage runs the loss's backward in its one backward call, whose fixed cost the
     # stage pays once (`call`): the loss's own call leaves it out, as the units' do
     loss_b = max(loss_b - call, 0.0)
     crossing, crossing_grad = _crossing_bytes(table, env, units)
     return forward, list(backward_times), crossing, crossing_grad, call, loss_f, loss_b
+
+
+def _runs(weight_bytes: np.ndarray, window: float) -> list[range]:
+    """The units in runs of consecutive ones whose weights add up to at most `window` bytes
+    (a unit heavier than that a run of its own)."""
+    runs, start, held = [], 0, 0.0
+    for i, nbytes in enumerate(weight_bytes):
+        if i > start and held + nbytes > window:
+            runs.append(range(start, i))
+            start, held = i, 0.0
+        held += nbytes
+    return [*runs, range(start, len(weight_bytes))] if len(weight_bytes) else runs
+
+
+@contextlib.contextmanager
+def _real_units(modules: list[torch.nn.Module], device: str, meta: bool
+                ) -> Iterator[list[torch.nn.Module]]:
+    """The modules themselves, or, of a meta model, real copies of them made together (a
+    weight tied between them stays one weight) and freed on exit."""
+    if not meta:
+        yield modules
+        return
+    with materialized_copy(torch.nn.ModuleList(modules), device) as copies:
+        yield list(copies)
 
 
 MOST_REPEATS = 100  # timed repetitions per micro-batch size at most, whatever min_time asks
@@ -492,31 +536,33 @@ def _time_loss(loss, table, env, timer) -> tuple[float, float]:
     return forward, backward
 
 
-def _connected_backward(table, modules, inputs, needs_grad, timer) -> float:
-    """Seconds of one backward call through all the units run connected, as one stage runs
-    them (their forwards untimed)."""
-    outputs = _connected_forward(table, modules, inputs, needs_grad)
+def _connected_backward(table, modules, values, needs_grad, timer, run: range
+                        ) -> float | None:
+    """Seconds of one backward call through the units of `run` (`modules`) run connected, as
+    one stage runs them (their forwards untimed), from `values` by name; None when nothing
+    they pass on needs a gradient (no call)."""
+    outputs = _connected_forward(table, modules, values, needs_grad, run)
     if not outputs:
-        return 0.0
+        return None
     _, seconds = timer(torch.autograd.backward, outputs, [torch.ones_like(o) for o in outputs])
     return seconds
 
 
-def _without_call_cost(backward: np.ndarray, called: np.ndarray,
-                       connected: float) -> tuple[np.ndarray, float]:
+def _without_call_cost(backward: np.ndarray, called: np.ndarray, connected: float,
+                       calls: int = 1) -> tuple[np.ndarray, float]:
     """Per-unit backward times without the fixed cost of a backward call, and that cost.
 
-    n units timed one call each took Σ b; connected, one call took `connected`; so a call costs
-    (Σ b − connected) / (n − 1) beyond the units' work. That is taken off each called unit
-    (never below zero), and the rest scaled so the units' work still adds up to one connected
-    call less its fixed cost."""
+    n units timed one call each took Σ b; connected, in `calls` calls (one per run of units),
+    they took `connected`; so a call costs (Σ b − connected) / (n − calls) beyond the units'
+    work. That is taken off each called unit (never below zero), and the rest scaled so the
+    units' work still adds up to the connected calls less their fixed cost."""
     n = int(called.sum())
-    if n < 2:
+    if n <= calls:
         return backward, 0.0
-    call = max((float(backward[called].sum()) - connected) / (n - 1), 0.0)
+    call = max((float(backward[called].sum()) - connected) / (n - calls), 0.0)
     work = np.where(called, np.maximum(backward - call, 0.0), 0.0)
     if work.sum() > 0:
-        work = work * (max(connected - call, 0.0) / work.sum())
+        work = work * (max(connected - calls * call, 0.0) / work.sum())
     return work, call
 
 
@@ -623,7 +669,7 @@ def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in flat_inputs],
         "threads": threads, "how": how,
-        "alone": has_meta_tensors(graph),  # a meta model's units are timed one at a time
+        "meta": has_meta_tensors(graph),  # a meta model's units are timed run by run
         "memory kept": kept(),  # the allocator's handling of freed memory changes the times
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -11,9 +13,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
+from fxpipe.compile.front import trace_and_cut
 from fxpipe.errors import PlanError
 from fxpipe.materialize import kept_from, materialize, materialized_copy
 from fxpipe.models import GPT, ResNet
+from fxpipe.passes.analysis import profile as profile_module
+from fxpipe.passes.analysis.profile import profile_units, unit_parameters
+from fxpipe.passes.rewrite.stages import split_stages
 
 
 def _tokens_loss(logits, target):
@@ -195,3 +201,62 @@ def test_stages_start_from_the_modules_own_reset_parameters(tracer):
                                                                         torch.zeros(8))
     bound = 1 / 4 ** 0.5  # nn.Linear's own init: U(-1/sqrt(in), 1/sqrt(in))
     assert model[0].weight.abs().max() <= bound and model[0].weight.std() > 0.1
+
+
+def _unit_graph(model, x, stages=1):
+    traced, units, _ = trace_and_cut(model, fxpipe.Plan(stages=stages), (x,), {})
+    return split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
+
+
+@settings(max_examples=8, deadline=None)
+@given(share=st.sampled_from([0.0, 0.2, 0.5, 1.0]))
+def test_a_meta_model_is_timed_with_no_more_weights_real_at_once_than_its_window(share):
+    """Each run of units gets one real copy for all its repetitions, holding at most the
+    window's bytes of weights (or one heavier unit's); every unit is timed, each run's
+    connected backward gives the call's fixed cost once there is a run of two, and the model
+    stays on meta."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
+                              nn.Linear(32, 8))
+    x = torch.randn(8, 16)
+    graph, table = _unit_graph(model, x)
+    weights = unit_parameters(graph, len(table.stages))[1]
+    window = share * weights.sum()
+    copies: list[int] = []  # bytes of weights of each copy made, while it exists
+    made = profile_module.materialized_copy
+
+    @contextlib.contextmanager
+    def counted(module, device):
+        with made(module, device) as copy:
+            copies.append(sum(p.nbytes for p in copy.parameters()))
+            yield copy
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "materialized_copy", counted)
+        prof = profile_units(graph, table, [x], [4], warmup=1, repeats=3, window=window)
+    runs = profile_module._runs(weights, window)
+    assert len(copies) == 2 * len(runs)  # the timing's, then the memory measurement's
+    assert max(copies) <= max(window, weights.max())
+    assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
+    assert (prof.backward_call > 0).all() == any(len(run) > 1 for run in runs)
+
+
+def test_a_tied_weight_is_one_weight_in_the_copy_of_a_run():
+    with torch.device("meta"):
+        model = GPT(layers=1)
+    graph, table = _unit_graph(model, torch.randint(0, 128, (4, 12)))
+    copies: list[int] = []
+    made = profile_module.materialized_copy
+
+    @contextlib.contextmanager
+    def counted(module, device):
+        with made(module, device) as copy:
+            copies.append(sum(p.nbytes for p in copy.parameters()))
+            yield copy
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "materialized_copy", counted)
+        profile_units(graph, table, [torch.randint(0, 128, (4, 12))], [4], warmup=0,
+                      repeats=1, window=float("inf"))
+    weights = sum(p.nbytes for p in model.parameters())  # the tied embedding once
+    assert copies == [weights, weights]

@@ -127,7 +127,8 @@ def test_the_background_load_runs_the_units_as_one_stage():
         torch.randn(5, 4, dtype=torch.float64)
     _, graph, table = _per_unit(model, x)
     profile_module._as_a_stage(table, [graph.get_submodule(f"stage{io.stage}").module
-                                       for io in table.stages], [x],
+                                       for io in table.stages],
+                               dict(zip(table.graph_inputs, [x])),
                                profile_module._needs_grad(table))
     split = {name.split(".", 2)[-1]: p.grad for name, p in graph.named_parameters()}
     model.zero_grad()
@@ -165,6 +166,41 @@ def test_the_fixed_cost_of_a_backward_call_is_recovered(work, call, data):
         return
     assert cost == pytest.approx(call, abs=1e-12)
     np.testing.assert_allclose(units, work, atol=1e-12)
+
+
+@given(st.lists(st.floats(0.0, 1e-2), min_size=2, max_size=12), st.floats(0.0, 1e-3),
+       st.data())
+def test_the_fixed_cost_of_a_backward_call_is_recovered_from_runs_of_units(work, call, data):
+    """Units timed one backward call each took their work plus the call's fixed cost; in runs
+    of consecutive units, one connected call per run took the run's work plus one fixed cost:
+    both come back out whenever more units were called than runs."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(work) - 1), max_size=len(work) - 1)))
+    runs = [range(a, b) for a, b in zip([0, *cuts], [*cuts, len(work)])]
+    work = np.array(work)
+    timed = work + call
+    connected = sum(work[run].sum() + call for run in runs)
+    units, cost = profile_module._without_call_cost(timed, np.ones(len(work), bool), connected,
+                                                    len(runs))
+    if len(runs) == len(work):  # every run one unit: nothing to compare the calls with
+        assert cost == 0.0 and np.array_equal(units, timed)
+        return
+    assert cost == pytest.approx(call, abs=1e-12)
+    np.testing.assert_allclose(units, work, atol=1e-12)
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0]), max_size=12),
+       st.sampled_from([0.0, 2.0, 4.0, 6.0, float("inf")]))
+def test_a_meta_model_is_timed_in_the_fewest_runs_within_the_window(weights, window):
+    """The runs cover the units in order, each within the window (or one heavier unit alone),
+    and a run ends only where its next unit would take it past the window: no fewer runs
+    could keep within it."""
+    runs = profile_module._runs(np.array(weights), window)
+    assert [i for run in runs for i in run] == list(range(len(weights)))
+    for run, following in zip(runs, [*runs[1:], None]):
+        held = sum(weights[i] for i in run)
+        assert len(run) >= 1 and (held <= window or len(run) == 1)
+        if following is not None:
+            assert held + weights[following.start] > window
 
 
 def test_a_backward_call_never_costs_less_than_nothing():

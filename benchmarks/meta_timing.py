@@ -1,0 +1,76 @@
+"""How a model built on the meta device times against the same model built real.
+
+    OMP_NUM_THREADS=1 python benchmarks/meta_timing.py --model mlp --shares 1,0.5,0
+
+A meta model's units are timed on real copies, a run of consecutive units at a time whose
+weights make up at most a share of the model's (compile: what the timing device holds of them,
+all of them below ALL_REAL_BELOW bytes); a real model's are timed all in one run. For each
+share (0: one unit per run), the rounds alternate between the real model and the meta one,
+and the script prints the medians over the rounds of the units' summed forward and backward
+times at the largest micro-batch size, and of the fixed cost of a backward call, each meta one
+over the real one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+import torch
+from two_stages import add_model_arguments
+
+import fxpipe
+from fxpipe.allocator import keep_for
+from fxpipe.compile.front import profile_sizes, trace_and_cut
+from fxpipe.models import bundled
+from fxpipe.passes.analysis.profile import _runs, profile_units, unit_parameters
+from fxpipe.passes.rewrite.stages import split_stages
+
+
+def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float) -> tuple[float, ...]:
+    """(forward, backward, call) in seconds of the model built on `device`."""
+    with torch.device(device):
+        model = spec.build()
+    traced, units, flat = trace_and_cut(model, plan, (x,), {})
+    graph, table = split_stages(traced.gm, units, range(1, len(units) + 1),
+                                ["cpu"] * len(units))
+    window = share * unit_parameters(graph, len(units))[1].sum()
+    profile = profile_units(graph, table, flat, profile_sizes(len(x), plan), "cpu",
+                            min_time=0.05, window=window)
+    return (profile.forward[-1].sum(), profile.backward[-1].sum(),
+            float(profile.backward_call[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[-1])
+    add_model_arguments(parser, "mlp")
+    parser.add_argument("--shares", default="1,0.5,0",
+                        help="shares of the weights a run of units may hold, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = bundled(args.model)
+    x, _ = spec.batch(args.batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=2, micro_batches=args.micro_batches)
+    keep_for(plan.cpu_memory, ["cpu"])
+    with torch.device("meta"):
+        traced, units, _ = trace_and_cut(spec.build(), plan, (x,), {})
+    graph, _ = split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
+    weights = unit_parameters(graph, len(units))[1]
+    print(f"{args.model}: {len(units)} units, batch {args.batch}, {args.micro_batches} "
+          f"micro-batches; meta over real, medians of {args.rounds} rounds")
+    print("share  runs  forward  backward  call")
+    for share in (float(s) for s in args.shares.split(",")):
+        ratios = []
+        for _ in range(args.rounds):
+            real = _timed(spec, "cpu", plan, x, share)
+            meta = _timed(spec, "meta", plan, x, share)
+            ratios.append([m / r if r > 0 else float("nan") for m, r in zip(meta, real)])
+        runs = len(_runs(weights, share * weights.sum()))
+        cells = [f"{statistics.median(column):.2f}" for column in np.array(ratios).T]
+        print(f"{share:<5g}  {runs:<4}  {cells[0]:<7}  {cells[1]:<8}  {cells[2]}")
+
+
+if __name__ == "__main__":
+    main()
