@@ -6,8 +6,13 @@ see MIN_TIMED), and the median counts. Inputs that carry gradients in training g
 too, so a unit's backward includes its input gradient as it will in a pipeline stage. A stage
 runs one backward call for all its units, and a call has a fixed cost (the autograd engine's
 start, the leaves' gradients) that timing each unit's backward on its own counts once per unit:
-each repetition also runs the units connected, with one backward call, and the difference gives
-that cost per call (`backward_call`), which the units' backward times then leave out. Given the
+each repetition also runs the units connected, as one graph as a stage's module holds them, with
+one backward call, and the difference gives that cost per call (`backward_call`), which the
+units' backward times then leave out. A unit called as a module of its own runs its forward
+slower than its part of a stage's graph does, too, and the units' forward times are scaled to
+add up to the graph's (`python benchmarks/fused_forward.py --model gpt --bounds 9,18` measured
+the GPT's two stages at 1020 and 943 us unit by unit, 904 and 827 scaled, and 856 and 826 as
+one module each; the MLP's, VGG's and ResNet's move less). Given the
 loss (the plan's loss_fn with a target), its forward and backward on the model's outputs are
 timed too: the last stage runs them (the backward, too, without the fixed cost of its call, as
 the stage's one call runs it). One more, untimed, repetition measures each unit's peak memory
@@ -30,7 +35,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -60,7 +65,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 9  # bump when the cached record changes (or how it is measured)
+_FORMAT = 10  # bump when the cached record changes (or how it is measured)
 
 # what the background workers can run while the units are timed (profile_units' `load`)
 LOADS = ("crossed", "stage", "forwards", "backwards")
@@ -401,7 +406,8 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     meta device is timed a run of consecutive units at a time (`_runs`: units whose weights
     add up to at most `window` bytes, one at least), on real copies of that run's units made
     for all its repetitions, so no more than a run's weights exist at once; a real model is
-    one run."""
+    one run. Each repetition first runs the run's units as one graph (`_fused`), forward and
+    one backward call, for the units' forward scale and the fixed cost of a call."""
     needs_grad = _needs_grad(table)
     timer = _timer(torch.device(device))
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
@@ -427,17 +433,22 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
             b_times[i].append(seconds)
 
     connected: list[float] = []  # per run, the median of its connected backward calls
+    fused_runs: list[tuple[range, float]] = []  # each run, the median of its fused forwards
     loss_times: list[tuple[float, float]] = []
     env = dict(zip(table.graph_inputs, inputs))
     runs = _runs(unit_parameters(graph, units)[1], window) if meta else [range(units)]
     for run in runs:
         with _real_units([modules[i] for i in run], device, meta) as real:
             connected_times: list[float] = []
+            fused_times: list[float] = []
+            fused = _fused(table, real, run) if connect else None
             for rep in _repetitions(warmup, repeats, min_time):
                 if connect:
-                    seconds = _connected_backward(table, real, env, needs_grad, timer, run)
-                    if rep >= warmup and seconds is not None:
-                        connected_times.append(seconds)
+                    forward, backward_call = _connected(fused, env, needs_grad, timer)
+                    if rep >= warmup:
+                        fused_times.append(forward)
+                        if backward_call is not None:
+                            connected_times.append(backward_call)
                 values = dict(env)  # this repetition's, from the runs before on
                 pending = []
                 for i, module in zip(run, real):
@@ -464,7 +475,9 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
             env = values  # the next run starts from the last repetition's values
             if connected_times:
                 connected.append(statistics.median(connected_times))
-    forward = [statistics.median(t) for t in f_times]
+            if fused_times:
+                fused_runs.append((run, statistics.median(fused_times)))
+    forward = _as_fused([statistics.median(t) for t in f_times], fused_runs)
     backward_times = np.array([statistics.median(t) for t in b_times])
     call = 0.0
     if connected:
@@ -536,16 +549,69 @@ def _time_loss(loss, table, env, timer) -> tuple[float, float]:
     return forward, backward
 
 
-def _connected_backward(table, modules, values, needs_grad, timer, run: range
-                        ) -> float | None:
-    """Seconds of one backward call through the units of `run` (`modules`) run connected, as
-    one stage runs them (their forwards untimed), from `values` by name; None when nothing
-    they pass on needs a gradient (no call)."""
-    outputs = _connected_forward(table, modules, values, needs_grad, run)
+class _Fused(NamedTuple):
+    """Consecutive units as one graph module: it takes the values `reads` (by name, in order)
+    and returns the values `passes` on to the units after it or out of the graph."""
+
+    module: fx.GraphModule
+    reads: list[str]
+    passes: list[str]
+
+
+def _fused(table, modules, run: range) -> _Fused:
+    """The units of `run` (`modules`) as one graph, as a stage's module runs them: a unit
+    called as a module of its own costs more than its part of a stage (a module call, its
+    inputs' bookkeeping), which a connected run of unit modules would count too."""
+    graph, root = fx.Graph(), torch.nn.Module()
+    env: dict[str, fx.Node] = {}
+    reads: list[str] = []
+    made: list[str] = []
+    for i, module in zip(run, modules):
+        io = table.stages[i]
+        root.add_module(f"unit{i}", module)  # its attributes under its own name
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        val_map: dict[fx.Node, fx.Node] = {}
+        for name, placeholder in zip(io.inputs, placeholders):
+            if name not in env:
+                env[name] = graph.placeholder(f"input_{len(reads)}")
+                reads.append(name)
+            val_map[placeholder] = env[name]
+        before = set(graph.nodes)
+        outputs = graph.graph_copy(module.graph, val_map)
+        for node in graph.nodes:
+            if node not in before and node.op in ("call_module", "get_attr"):
+                node.target = f"unit{i}.{node.target}"
+        env.update(zip(io.outputs, outputs))
+        made += io.outputs
+    later = {*table.graph_outputs, *(v for io in table.stages[run.stop:] for v in io.inputs)}
+    passes = [v for v in made if v in later]
+    graph.output(tuple(env[v] for v in passes))
+    return _Fused(fx.GraphModule(root, graph), reads, passes)
+
+
+def _connected(fused: _Fused, values: Mapping[str, Any], needs_grad: dict[str, bool],
+               timer) -> tuple[float, float | None]:
+    """Seconds of the fused units' forward from `values` by name, and of one backward call
+    from what they pass on (None when none of it needs a gradient: no call)."""
+    inputs = [_as_input(values[v], needs_grad.get(v, False)) for v in fused.reads]
+    outputs, forward = timer(fused.module, *inputs)
+    outputs = list({id(o): o for o in outputs
+                    if isinstance(o, torch.Tensor) and o.requires_grad}.values())
     if not outputs:
-        return None
-    _, seconds = timer(torch.autograd.backward, outputs, [torch.ones_like(o) for o in outputs])
-    return seconds
+        return forward, None
+    _, backward = timer(torch.autograd.backward, outputs, [torch.ones_like(o) for o in outputs])
+    return forward, backward
+
+
+def _as_fused(forward: list[float], fused: list[tuple[range, float]]) -> list[float]:
+    """The units' forward times scaled, run by run, to add up to the run's forward as one
+    graph (`fused`: each run and that time)."""
+    forward = list(forward)
+    for run, seconds in fused:
+        timed = sum(forward[i] for i in run)
+        for i in run:
+            forward[i] *= seconds / timed if timed > 0 else 1.0
+    return forward
 
 
 def _without_call_cost(backward: np.ndarray, called: np.ndarray, connected: float,

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
+from torch import fx, nn
 
 import fxpipe
 from fxpipe.models import GPT, VGG
@@ -315,6 +315,8 @@ def test_crossed_timings_take_each_kind_beside_the_other(three_units, concurrenc
                 return result, 5 * unit  # the loss's, through its own call
             if fn is torch.autograd.backward:  # a unit's own call, or the units' one call
                 return result, unit if "inputs" in kwargs else 2.4 * unit
+            if isinstance(fn, fx.GraphModule) and hasattr(fn, "unit0"):  # the units as one
+                return result, 2.1 * unit
             return result, unit
         return timed
 
@@ -326,7 +328,9 @@ def test_crossed_timings_take_each_kind_beside_the_other(three_units, concurrenc
                              loss=lambda outputs, size: outputs[table.graph_outputs[0]].sum())
     forward, backward = (scale["backwards"], scale["forwards"]) if concurrency == 2 \
         else (scale[None], scale[None])
-    assert np.all(prof.forward == forward) and np.all(prof.loss_forward == forward)
+    # 3 units of 1 each, 2.1 as one graph: 0.7 each as part of a stage's forward
+    np.testing.assert_allclose(prof.forward, 0.7 * forward)
+    assert np.all(prof.loss_forward == forward)
     # 3 calls of 1 against one of 2.4: a call costs 0.3 beyond the units' 0.7 each
     np.testing.assert_allclose(prof.backward_call, 0.3 * backward)
     np.testing.assert_allclose(prof.backward, 0.7 * backward)
@@ -365,3 +369,48 @@ def test_a_load_of_one_kind_runs_only_that_kind(monkeypatch, load):
     else:  # one graph per size, and backwards through it again and again
         assert len(forwards) == 2 and len(retained) > 2 and all(retained)
     assert all(p.grad is None for p in model.parameters())
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_a_run_of_units_as_one_graph_computes_what_the_units_do(data):
+    """Whatever run of consecutive units, the graph fusing them takes the values the run reads
+    from before it and returns, from the same weights, the values the units would pass on
+    (here a GPT: skip connections, and a weight tied between its first and last unit)."""
+    torch.manual_seed(0)
+    model, idx = GPT(layers=2).double(), torch.randint(0, 128, (2, 6))
+    _, graph, table = _per_unit(model, idx)
+    k = len(table.stages)
+    start = data.draw(st.integers(0, k - 1))
+    run = range(start, data.draw(st.integers(start + 1, k)))
+    modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
+    values = dict(zip(table.graph_inputs, [idx]))
+    for io, module in zip(table.stages, modules):
+        values.update(zip(io.outputs, module(*[values[v] for v in io.inputs])))
+    fused = profile_module._fused(table, modules[run.start:run.stop], run)
+    later = {*table.graph_outputs, *(v for io in table.stages[run.stop:] for v in io.inputs)}
+    made = [v for io in table.stages[run.start:run.stop] for v in io.outputs]
+    assert fused.passes == [v for v in made if v in later]
+    assert not set(fused.reads) & set(made)  # it reads only what comes from before it
+    outputs = fused.module(*[values[v] for v in fused.reads])
+    for name, out in zip(fused.passes, outputs):
+        torch.testing.assert_close(out, values[name], msg=name)
+
+
+@given(st.lists(st.floats(0.0, 1e-2), min_size=1, max_size=10), st.data())
+def test_the_units_forwards_are_scaled_to_their_run_as_one_graph(forward, data):
+    """Each run's units add up to the run's time as one graph and keep their proportions; a
+    run timed at nothing unit by unit is left as it is."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(forward) - 1),
+                                    max_size=len(forward) - 1))) if len(forward) > 1 else []
+    runs = [range(a, b) for a, b in zip([0, *cuts], [*cuts, len(forward)])]
+    fused = [(run, data.draw(st.floats(0.0, 1e-2))) for run in runs]
+    scaled = profile_module._as_fused(forward, fused)
+    for run, seconds in fused:
+        timed = sum(forward[i] for i in run)
+        if timed == 0:
+            assert all(scaled[i] == 0 for i in run)
+            continue
+        assert sum(scaled[i] for i in run) == pytest.approx(seconds, rel=1e-9, abs=1e-15)
+        for i in run:
+            assert scaled[i] == pytest.approx(forward[i] * seconds / timed, rel=1e-9)
