@@ -35,11 +35,13 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = bundled(args.model)
     x, _ = spec.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=2, micro_batches=args.micro_batches)
+    plan = fxpipe.Plan(stages=2, micro_batches=args.micro_batches)  # tracing options only
     keep_for(plan.cpu_memory, ["cpu"])
     traced, units, flat = trace_and_cut(spec.build(), plan, (x,), {})
     bounds = tuple(int(b) for b in args.bounds.split(","))
     k = len(units)
+    if bounds[-1] != k or list(bounds) != sorted(set(bounds)):
+        parser.error(f"--bounds must rise and end at the model's {k} units")
     per_unit = split_stages(traced.gm, units, range(1, k + 1), ["cpu"] * k)
     per_stage = split_stages(traced.gm, units, bounds, ["cpu"] * len(bounds))
     size = [args.batch // args.micro_batches]
@@ -49,8 +51,10 @@ def main() -> None:
                                           "stage as one unit": []}
     for _ in range(args.rounds):
         profile_module._as_fused = lambda forward, fused: forward  # the raw timings
-        raw = profile_module.profile_units(*per_unit, flat, size, min_time=0.05).forward[0]
-        profile_module._as_fused = scaled
+        try:
+            raw = profile_module.profile_units(*per_unit, flat, size, min_time=0.05).forward[0]
+        finally:
+            profile_module._as_fused = scaled
         units_scaled = profile_module.profile_units(*per_unit, flat, size,
                                                     min_time=0.05).forward[0]
         stages = profile_module.profile_units(*per_stage, flat, size, min_time=0.05).forward[0]

@@ -24,7 +24,7 @@ import fxpipe
 from fxpipe.allocator import keep_for
 from fxpipe.compile.front import profile_sizes, trace_and_cut
 from fxpipe.models import bundled
-from fxpipe.passes.analysis.profile import _runs, profile_units, unit_parameters
+from fxpipe.passes.analysis.profile import _runs, _tensor_bytes, profile_units
 from fxpipe.passes.rewrite.stages import split_stages
 
 
@@ -35,11 +35,20 @@ def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float) -> tuple[float
     traced, units, flat = trace_and_cut(model, plan, (x,), {})
     graph, table = split_stages(traced.gm, units, range(1, len(units) + 1),
                                 ["cpu"] * len(units))
-    window = share * unit_parameters(graph, len(units))[1].sum()
+    window = share * _total(_unit_tensors(graph, len(units)))
     profile = profile_units(graph, table, flat, profile_sizes(len(x), plan), "cpu",
                             min_time=0.05, window=window)
     return (profile.forward[-1].sum(), profile.backward[-1].sum(),
             float(profile.backward_call[-1]))
+
+
+def _unit_tensors(graph, units: int) -> list[dict[int, int]]:
+    return _tensor_bytes([graph.get_submodule(f"stage{i}").module for i in range(units)])
+
+
+def _total(tensors: list[dict[int, int]]) -> int:
+    """Bytes of the model's tensors, a tied one once."""
+    return sum({t: n for unit in tensors for t, n in unit.items()}.values())
 
 
 def main() -> None:
@@ -57,7 +66,7 @@ def main() -> None:
     with torch.device("meta"):
         traced, units, _ = trace_and_cut(spec.build(), plan, (x,), {})
     graph, _ = split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
-    weights = unit_parameters(graph, len(units))[1]
+    tensors = _unit_tensors(graph, len(units))
     print(f"{args.model}: {len(units)} units, batch {args.batch}, {args.micro_batches} "
           f"micro-batches; meta over real, medians of {args.rounds} rounds")
     print("share  runs  forward  backward  call")
@@ -67,7 +76,7 @@ def main() -> None:
             real = _timed(spec, "cpu", plan, x, share)
             meta = _timed(spec, "meta", plan, x, share)
             ratios.append([m / r if r > 0 else float("nan") for m, r in zip(meta, real)])
-        runs = len(_runs(weights, share * weights.sum()))
+        runs = len(_runs(tensors, share * _total(tensors)))
         cells = [f"{statistics.median(column):.2f}" for column in np.array(ratios).T]
         print(f"{share:<5g}  {runs:<4}  {cells[0]:<7}  {cells[1]:<8}  {cells[2]}")
 

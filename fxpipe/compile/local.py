@@ -58,7 +58,8 @@ def compile(
     values from the modules' reset_parameters(); load the weights with
     `pipe.load_state_dict(state_dict)`. Its units are timed on real copies, a run of
     consecutive units at a time holding no more weights than the device will (all of them
-    below ALL_REAL_BELOW bytes).
+    below ALL_REAL_BELOW bytes), one such copy in each thread timing them (one per stage
+    busy at once).
     Its stage tensors are new objects, put in the model's place under every name (a weight
     tied across modules gets the reset of the module that comes last); build optimizers
     after compile.

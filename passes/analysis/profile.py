@@ -93,7 +93,7 @@ class UnitProfile:
     peak_bytes: np.ndarray  # (M, K): most allocated above the start of its forward or backward
     param_bytes: np.ndarray  # (K,)
     params: np.ndarray  # (K,) parameter counts (a tied weight counts in its first unit)
-    backward_call: np.ndarray  # (M,) fixed cost of one backward call (0 on a meta model)
+    backward_call: np.ndarray  # (M,) fixed cost of one backward call (0: no run of 2 units)
     loss_forward: np.ndarray  # (M,) the loss on the outputs (0 when not timed)
     loss_backward: np.ndarray  # (M,)
     device: str
@@ -215,8 +215,11 @@ def profile_units(
         raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
+    modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
+    runs = [(r.start, r.stop) for r in _runs(_tensor_bytes(modules), window)] \
+        if has_meta_tensors(graph) else None  # what the window changes
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
-                     (concurrency, tuple(whole), load, min_time, window))
+                     (concurrency, tuple(whole), load, min_time, runs))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
@@ -355,20 +358,15 @@ def _backward_from(outputs: list[Any], retain_graph: bool = False) -> None:
                                 retain_graph=retain_graph)
 
 
-def _connected_forward(table, modules, values: Mapping[str, Any], needs_grad: dict[str, bool],
-                       run: range | None = None) -> list[Any]:
-    """The forwards of the units of `run` (default: all; `modules` are theirs) in a row, each
-    on the others' outputs (not cut from their graphs), from `values` by name; returns the
-    values they pass on (to the units after them or out of the graph) that need a gradient."""
-    run = range(len(table.stages)) if run is None else run
+def _connected_forward(table, modules, values: Mapping[str, Any], needs_grad: dict[str, bool]
+                       ) -> list[Any]:
+    """The units' forwards in a row, each on the others' outputs (not cut from their graphs),
+    from the graph's inputs `values` by name; returns the graph's outputs that need a
+    gradient."""
     env = {v: _as_input(x, needs_grad.get(v, False)) for v, x in values.items()}
-    made: list[str] = []
-    for i, module in zip(run, modules):
-        io = table.stages[i]
+    for io, module in zip(table.stages, modules):
         env.update(zip(io.outputs, module(*[env[v] for v in io.inputs])))
-        made += io.outputs
-    later = {*table.graph_outputs, *(v for io in table.stages[run.stop:] for v in io.inputs)}
-    return list({id(o): o for o in (env[v] for v in made if v in later)
+    return list({id(o): o for o in (env[v] for v in table.graph_outputs)
                  if isinstance(o, torch.Tensor) and o.requires_grad}.values())
 
 
@@ -405,9 +403,10 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     own would find its weights hot and look faster than it is inside a stage). A model on the
     meta device is timed a run of consecutive units at a time (`_runs`: units whose weights
     add up to at most `window` bytes, one at least), on real copies of that run's units made
-    for all its repetitions, so no more than a run's weights exist at once; a real model is
-    one run. Each repetition first runs the run's units as one graph (`_fused`), forward and
-    one backward call, for the units' forward scale and the fixed cost of a call."""
+    for all its repetitions, so no more than a run's weights exist at once in each timing
+    thread (this one, and each background worker of `_Load`); a real model is one run. Each
+    repetition first runs the run's units as one graph (`_fused`), forward and one backward
+    call, for the units' forward scale and the fixed cost of a call."""
     needs_grad = _needs_grad(table)
     timer = _timer(torch.device(device))
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
@@ -436,7 +435,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     fused_runs: list[tuple[range, float]] = []  # each run, the median of its fused forwards
     loss_times: list[tuple[float, float]] = []
     env = dict(zip(table.graph_inputs, inputs))
-    runs = _runs(unit_parameters(graph, units)[1], window) if meta else [range(units)]
+    runs = _runs(_tensor_bytes(modules), window) if meta else [range(units)]
     for run in runs:
         with _real_units([modules[i] for i in run], device, meta) as real:
             connected_times: list[float] = []
@@ -491,16 +490,26 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     return forward, list(backward_times), crossing, crossing_grad, call, loss_f, loss_b
 
 
-def _runs(weight_bytes: np.ndarray, window: float) -> list[range]:
-    """The units in runs of consecutive ones whose weights add up to at most `window` bytes
-    (a unit heavier than that a run of its own)."""
-    runs, start, held = [], 0, 0.0
-    for i, nbytes in enumerate(weight_bytes):
-        if i > start and held + nbytes > window:
+def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
+    """The units in runs of consecutive ones whose tensors (per unit, bytes by the tensor's
+    identity: a weight tied between units of a run counts once, as its copy holds it once)
+    add up to at most `window` bytes; a unit heavier than that is a run of its own."""
+    runs: list[range] = []
+    start, held = 0, {}
+    for i, unit in enumerate(tensors):
+        grown = {**held, **unit}
+        if i > start and sum(grown.values()) > window:
             runs.append(range(start, i))
-            start, held = i, 0.0
-        held += nbytes
-    return [*runs, range(start, len(weight_bytes))] if len(weight_bytes) else runs
+            start, grown = i, dict(unit)
+        held = grown
+    return [*runs, range(start, len(tensors))] if len(tensors) else runs
+
+
+def _tensor_bytes(modules: Sequence[torch.nn.Module]) -> list[dict[int, int]]:
+    """Per module, the bytes of its parameters and buffers by the tensor's identity (what a
+    real copy of it holds)."""
+    return [{id(t): t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]}
+            for m in modules]
 
 
 @contextlib.contextmanager
@@ -562,27 +571,22 @@ def _fused(table, modules, run: range) -> _Fused:
     """The units of `run` (`modules`) as one graph, as a stage's module runs them: a unit
     called as a module of its own costs more than its part of a stage (a module call, its
     inputs' bookkeeping), which a connected run of unit modules would count too."""
+    made = [v for i in run for v in table.stages[i].outputs]
+    reads = list(dict.fromkeys(v for i in run for v in table.stages[i].inputs
+                               if v not in made))
     graph, root = fx.Graph(), torch.nn.Module()
-    env: dict[str, fx.Node] = {}
-    reads: list[str] = []
-    made: list[str] = []
+    env = {v: graph.placeholder(f"input_{k}") for k, v in enumerate(reads)}  # names first
     for i, module in zip(run, modules):
         io = table.stages[i]
         root.add_module(f"unit{i}", module)  # its attributes under its own name
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-        val_map: dict[fx.Node, fx.Node] = {}
-        for name, placeholder in zip(io.inputs, placeholders):
-            if name not in env:
-                env[name] = graph.placeholder(f"input_{len(reads)}")
-                reads.append(name)
-            val_map[placeholder] = env[name]
         before = set(graph.nodes)
-        outputs = graph.graph_copy(module.graph, val_map)
+        outputs = graph.graph_copy(module.graph, {p: env[v] for p, v in
+                                                  zip(placeholders, io.inputs)})
         for node in graph.nodes:
             if node not in before and node.op in ("call_module", "get_attr"):
                 node.target = f"unit{i}.{node.target}"
         env.update(zip(io.outputs, outputs))
-        made += io.outputs
     later = {*table.graph_outputs, *(v for io in table.stages[run.stop:] for v in io.inputs)}
     passes = [v for v in made if v in later]
     graph.output(tuple(env[v] for v in passes))
@@ -724,7 +728,7 @@ def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.n
 def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                how: tuple) -> str:
     """`how`: the rest of what the timings depend on (concurrency, whole inputs, the
-    background load, min_time)."""
+    background load, min_time, a meta model's runs of units)."""
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
     signature = {
         "format": _FORMAT, "torch": torch.__version__, "device": device, "sizes": sizes,

@@ -188,19 +188,25 @@ def test_the_fixed_cost_of_a_backward_call_is_recovered_from_runs_of_units(work,
     np.testing.assert_allclose(units, work, atol=1e-12)
 
 
-@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0]), max_size=12),
+@given(st.lists(st.dictionaries(st.integers(0, 6), st.sampled_from([0, 1, 2, 3, 5]),
+                                max_size=3), max_size=12),
        st.sampled_from([0.0, 2.0, 4.0, 6.0, float("inf")]))
-def test_a_meta_model_is_timed_in_the_fewest_runs_within_the_window(weights, window):
-    """The runs cover the units in order, each within the window (or one heavier unit alone),
-    and a run ends only where its next unit would take it past the window: no fewer runs
-    could keep within it."""
-    runs = profile_module._runs(np.array(weights), window)
-    assert [i for run in runs for i in run] == list(range(len(weights)))
+def test_a_meta_model_is_timed_in_the_fewest_runs_within_the_window(units, window):
+    """The runs cover the units in order, each holding at most the window's bytes of tensors
+    (a tensor tied between its units once; or one heavier unit alone), and a run ends only
+    where its next unit would take it past the window: no fewer runs could keep within it."""
+    sizes = {}  # one size per tensor, whichever unit holds it
+    units = [{t: sizes.setdefault(t, nbytes) for t, nbytes in unit.items()} for unit in units]
+
+    def held(indices) -> int:
+        return sum({t: n for i in indices for t, n in units[i].items()}.values())
+
+    runs = profile_module._runs(units, window)
+    assert [i for run in runs for i in run] == list(range(len(units)))
     for run, following in zip(runs, [*runs[1:], None]):
-        held = sum(weights[i] for i in run)
-        assert len(run) >= 1 and (held <= window or len(run) == 1)
+        assert len(run) >= 1 and (held(run) <= window or len(run) == 1)
         if following is not None:
-            assert held + weights[following.start] > window
+            assert held([*run, following.start]) > window
 
 
 def test_a_backward_call_never_costs_less_than_nothing():
