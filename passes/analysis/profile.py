@@ -613,8 +613,8 @@ def _as_fused(forward: list[float], fused: list[tuple[range, float]]) -> list[fl
     forward = list(forward)
     for run, seconds in fused:
         timed = sum(forward[i] for i in run)
-        for i in run:
-            forward[i] *= seconds / timed if timed > 0 else 1.0
+        for i in run:  # each unit's share of the run first: no overflow of a tiny `timed`
+            forward[i] = forward[i] / timed * seconds if timed > 0 else forward[i]
     return forward
 
 

@@ -419,4 +419,4 @@ def test_the_units_forwards_are_scaled_to_their_run_as_one_graph(forward, data):
             continue
         assert sum(scaled[i] for i in run) == pytest.approx(seconds, rel=1e-9, abs=1e-15)
         for i in run:
-            assert scaled[i] == pytest.approx(forward[i] * seconds / timed, rel=1e-9)
+            assert scaled[i] == pytest.approx(forward[i] / timed * seconds, rel=1e-9)
