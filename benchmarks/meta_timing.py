@@ -1,6 +1,7 @@
 """How a model built on the meta device times against the same model built real.
 
     OMP_NUM_THREADS=1 python benchmarks/meta_timing.py --model mlp --shares 1,0.5,0
+    OMP_NUM_THREADS=1 python benchmarks/meta_timing.py --model gpt --shares 1 --concurrency 2
 
 A meta model's units are timed on real copies, a run of consecutive units at a time whose
 weights make up at most a share of the model's (compile: what the timing device holds of them,
@@ -28,7 +29,8 @@ from fxpipe.passes.analysis.profile import _runs, _tensor_bytes, profile_units
 from fxpipe.passes.rewrite.stages import split_stages
 
 
-def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float) -> tuple[float, ...]:
+def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float, concurrency: int
+           ) -> tuple[float, ...]:
     """(forward, backward, call) in seconds of the model built on `device`."""
     with torch.device(device):
         model = spec.build()
@@ -37,7 +39,7 @@ def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float) -> tuple[float
                                 ["cpu"] * len(units))
     window = share * _total(_unit_tensors(graph, len(units)))
     profile = profile_units(graph, table, flat, profile_sizes(len(x), plan), "cpu",
-                            min_time=0.05, window=window)
+                            min_time=0.05, window=window, concurrency=concurrency)
     return (profile.forward[-1].sum(), profile.backward[-1].sum(),
             float(profile.backward_call[-1]))
 
@@ -57,6 +59,9 @@ def main() -> None:
     parser.add_argument("--shares", default="1,0.5,0",
                         help="shares of the weights a run of units may hold, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="stages busy at once: the others' work runs beside the timing, "
+                             "as compile has it on one process's stage threads")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = bundled(args.model)
@@ -68,13 +73,14 @@ def main() -> None:
     graph, _ = split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
     tensors = _unit_tensors(graph, len(units))
     print(f"{args.model}: {len(units)} units, batch {args.batch}, {args.micro_batches} "
-          f"micro-batches; meta over real, medians of {args.rounds} rounds")
+          f"micro-batches, {args.concurrency} busy at once; meta over real, medians of "
+          f"{args.rounds} rounds")
     print("share  runs  forward  backward  call")
     for share in (float(s) for s in args.shares.split(",")):
         ratios = []
         for _ in range(args.rounds):
-            real = _timed(spec, "cpu", plan, x, share)
-            meta = _timed(spec, "meta", plan, x, share)
+            real = _timed(spec, "cpu", plan, x, share, args.concurrency)
+            meta = _timed(spec, "meta", plan, x, share, args.concurrency)
             ratios.append([m / r if r > 0 else float("nan") for m, r in zip(meta, real)])
         runs = len(_runs(tensors, share * _total(tensors)))
         cells = [f"{statistics.median(column):.2f}" for column in np.array(ratios).T]

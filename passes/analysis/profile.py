@@ -245,8 +245,9 @@ def profile_units(
                                          min_time=min_time, window=window))
                 return rows
 
-        # a meta model's neighbours time copies of the units run by run, whatever the load
-        if load != "crossed" or concurrency < 2 or has_meta_tensors(graph):
+        # a meta model timed in several runs has its neighbours time copies of the units run
+        # by run, whatever the load
+        if load != "crossed" or concurrency < 2 or _in_runs(modules, window):
             rows = timed_beside("stage" if load == "crossed" else load)
         else:
             rows = [_crossed(forwards, backwards) for forwards, backwards in
@@ -285,7 +286,10 @@ class _Load:
     stages of a pipeline do: a neighbour cycling through every size slowed the timed units
     by more or less than the pipeline's stages do, depending on the sizes it ran meanwhile.
     (A worker finishes the micro-batch it is running when the size changes, so the first
-    warm-up runs of the next size may still meet one of the last.)"""
+    warm-up runs of the next size may still meet one of the last.) On a meta model timed in
+    one run, a worker makes one real copy of the units for its life and runs it as it would
+    the model's; timed in several, it times copies of a run at a time as `_measure` does, made
+    afresh each pass (their making then loads the interpreter more than their work)."""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
                  threads: int, kind: str = "stage", window: float = 0.0) -> None:
@@ -300,28 +304,36 @@ class _Load:
         try:
             torch.set_num_threads(threads)
             inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
-            named = [dict(zip(table.graph_inputs, values)) for values in inputs]
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-            meta = any(has_meta_tensors(m) for m in modules)  # timed on copies, run by run
-            needs_grad = _needs_grad(table)
-            # (size index, outputs) of one forward of the size being timed, kept (one size at
-            # a time: a graph kept per size would hold several micro-batches' activations)
-            retained: tuple[int, list[Any]] | None = None
-            while not self.stop.is_set():
-                i = sizes.index(self.size)
-                values = named[i]
-                if meta:
-                    _measure(graph, table, inputs[i], device, 0, 1, window=self.window)
-                elif self.kind == "stage":
-                    _as_a_stage(table, modules, values, needs_grad)
-                elif self.kind == "forwards":
-                    _connected_forward(table, modules, values, needs_grad)
-                else:  # backwards, again and again through one graph of the size
-                    if retained is None or retained[0] != i:
-                        retained = (i, _connected_forward(table, modules, values, needs_grad))
-                    _backward_from(retained[1], retain_graph=True)
+            if _in_runs(modules, self.window):  # copies of a run at a time, made afresh
+                while not self.stop.is_set():
+                    _measure(graph, table, inputs[sizes.index(self.size)], device, 0, 1,
+                             window=self.window)
+                return
+            meta = any(has_meta_tensors(m) for m in modules)
+            with _real_units(modules, device, meta) as real:  # one copy for the worker's life
+                self._run(table, real, [dict(zip(table.graph_inputs, values))
+                                        for values in inputs], sizes)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
             self.errors.append(error)
+
+    def _run(self, table, modules: list[torch.nn.Module], inputs: list[dict[str, Any]],
+             sizes: Sequence[int]) -> None:
+        """Run the units as the load's kind asks until stopped, on `inputs` by size."""
+        needs_grad = _needs_grad(table)
+        # (size index, outputs) of one forward of the size being timed, kept (one size at a
+        # time: a graph kept per size would hold several micro-batches' activations)
+        retained: tuple[int, list[Any]] | None = None
+        while not self.stop.is_set():
+            i = sizes.index(self.size)
+            if self.kind == "stage":
+                _as_a_stage(table, modules, inputs[i], needs_grad)
+            elif self.kind == "forwards":
+                _connected_forward(table, modules, inputs[i], needs_grad)
+            else:  # backwards, again and again through one graph of the size
+                if retained is None or retained[0] != i:
+                    retained = (i, _connected_forward(table, modules, inputs[i], needs_grad))
+                _backward_from(retained[1], retain_graph=True)
 
     def __enter__(self) -> _Load:
         self.errors: list[BaseException] = []
@@ -503,6 +515,12 @@ def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
             start, grown = i, dict(unit)
         held = grown
     return [*runs, range(start, len(tensors))] if len(tensors) else runs
+
+
+def _in_runs(modules: Sequence[torch.nn.Module], window: float) -> bool:
+    """Whether these units, of a meta model, are timed in more than one run."""
+    return any(has_meta_tensors(m) for m in modules) and \
+        len(_runs(_tensor_bytes(modules), window)) > 1
 
 
 def _tensor_bytes(modules: Sequence[torch.nn.Module]) -> list[dict[int, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -260,3 +261,28 @@ def test_a_tied_weight_is_one_weight_in_the_copy_of_a_run():
                       repeats=1, window=float("inf"))
     weights = sum(p.nbytes for p in model.parameters())  # the tied embedding once
     assert copies == [weights, weights]
+
+
+def test_a_background_worker_makes_one_copy_of_a_meta_model_for_its_life():
+    """Timed in one run, the units get one real copy in each neighbour for as long as it runs
+    (not one per pass: making copies would be most of its work), whatever the load."""
+    with torch.device("meta"):
+        model = GPT(layers=1)
+    x = torch.randint(0, 128, (4, 12))
+    graph, table = _unit_graph(model, x)
+    made_by: list[threading.Thread] = []
+    made = profile_module.materialized_copy
+
+    @contextlib.contextmanager
+    def counted(module, device):
+        made_by.append(threading.current_thread())
+        with made(module, device) as copy:
+            yield copy
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "materialized_copy", counted)
+        prof = profile_units(graph, table, [x], [2, 4], warmup=1, repeats=10, concurrency=2,
+                             window=float("inf"))  # crossed: one worker per kind of load
+    workers = [t for t in made_by if t is not threading.main_thread()]
+    assert len(workers) == 2 and len(set(workers)) == 2
+    assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
