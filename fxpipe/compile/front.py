@@ -242,8 +242,8 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
                                           [devices[0]] * len(units))
     names = [u.name for u in units]
-    params, param_bytes = unit_parameters(unit_graph, len(units))
     if plan.costs == "none":
+        params, param_bytes = unit_parameters(unit_graph, len(units))
         zeros = [0.0] * len(units)
         return CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, tuple(names),
                          param_bytes)
@@ -259,13 +259,18 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                             devices[0], warmup=warmup, repeats=repeats, cache=cache,
                             threads=threads, concurrency=concurrency, whole=whole, loss=loss,
                             load=load, min_time=min_time,
-                            window=max(held * param_bytes.sum(), ALL_REAL_BELOW))
+                            window=max(held * _real_bytes(unit_graph), ALL_REAL_BELOW))
     annotate_profile(gm, units, profile)
     annotate_comm(gm, link)
     cost = cost_table(profile, link, batch, names)
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
         cost = fit_to_flops(cost, flops_of_units(gm, units, flat, whole))
     return cost
+
+
+def _real_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters and buffers once real (each tied one once)."""
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
 
 
 def profile_sizes(batch: int, plan: Plan) -> list[int]:

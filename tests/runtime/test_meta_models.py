@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
+from fxpipe.compile import front
 from fxpipe.compile.front import trace_and_cut
 from fxpipe.errors import PlanError
 from fxpipe.materialize import kept_from, materialize, materialized_copy
 from fxpipe.models import GPT, ResNet
 from fxpipe.passes.analysis import profile as profile_module
+from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.profile import profile_units
 from fxpipe.passes.rewrite.stages import split_stages
 
@@ -286,3 +288,36 @@ def test_a_background_worker_makes_one_copy_of_a_meta_model_for_its_life():
     workers = [t for t in made_by if t is not threading.main_thread()]
     assert len(workers) == 2 and len(set(workers)) == 2
     assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("held, floor", [(0.5, 0), (0.5, 2**30), (1.0, 0)])
+def test_compile_times_a_meta_model_with_at_most_its_devices_share_real_at_once(held, floor):
+    """measure_costs makes real at once no more than the share `held` of the weights and
+    buffers (or one unit's), unless all of them are below the floor, ALL_REAL_BELOW."""
+    with torch.device("meta"):
+        model = GPT(layers=2)
+    x = torch.randint(0, 128, (4, 12))
+    plan = fxpipe.Plan(stages=2, micro_batches=2)
+    traced, units, flat = trace_and_cut(model, plan, (x,), {})
+    total = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    copies: list[int] = []
+    made = profile_module.materialized_copy
+
+    @contextlib.contextmanager
+    def counted(module, device):
+        with made(module, device) as copy:
+            copies.append(sum(t.nbytes for t in [*copy.parameters(), *copy.buffers()]))
+            yield copy
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "materialized_copy", counted)
+        patch.setattr(front, "ALL_REAL_BELOW", floor)
+        front.measure_costs(traced.gm, units, flat, plan, ["cpu"], default_link("cpu", "cpu"),
+                            None, 1, warmup=0, repeats=1, min_time=0.0, held=held)
+    if floor > total or held == 1.0:
+        assert set(copies) == {total}  # every unit in one run
+    else:
+        graph, table = _unit_graph(model, x)
+        heaviest = max(sum(unit.values()) for unit in profile_module._tensor_bytes(
+            [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]))
+        assert max(copies) <= max(held * total, heaviest) and len(copies) > 2
