@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -211,6 +212,27 @@ def _unit_graph(model, x, stages=1):
     return split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
 
 
+def _real_bytes(module: nn.Module) -> int:
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+
+
+@contextlib.contextmanager
+def _copies_made() -> Iterator[list[tuple[threading.Thread, int]]]:
+    """Meanwhile, every real copy the profile makes: the thread making it, and its bytes of
+    parameters and buffers."""
+    made, log = profile_module.materialized_copy, []
+
+    @contextlib.contextmanager
+    def counted(module, device):
+        with made(module, device) as copy:
+            log.append((threading.current_thread(), _real_bytes(copy)))
+            yield copy
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "materialized_copy", counted)
+        yield log
+
+
 @settings(max_examples=8, deadline=None)
 @given(share=st.sampled_from([0.0, 0.2, 0.5, 1.0]))
 def test_a_meta_model_is_timed_with_no_more_weights_real_at_once_than_its_window(share):
@@ -223,22 +245,12 @@ def test_a_meta_model_is_timed_with_no_more_weights_real_at_once_than_its_window
     graph, table = _unit_graph(model, x)
     tensors = profile_module._tensor_bytes([graph.get_submodule(f"stage{io.stage}").module
                                             for io in table.stages])
-    window = share * sum(p.nbytes for p in [*model.parameters(), *model.buffers()])
-    copies: list[int] = []  # bytes of weights of each copy made, while it exists
-    made = profile_module.materialized_copy
-
-    @contextlib.contextmanager
-    def counted(module, device):
-        with made(module, device) as copy:
-            copies.append(sum(t.nbytes for t in [*copy.parameters(), *copy.buffers()]))
-            yield copy
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "materialized_copy", counted)
+    window = share * _real_bytes(model)
+    with _copies_made() as copies:
         prof = profile_units(graph, table, [x], [4], warmup=1, repeats=3, window=window)
     runs = profile_module._runs(tensors, window)
     assert len(copies) == 2 * len(runs)  # the timing's, then the memory measurement's
-    assert max(copies) <= max(window, max(sum(unit.values()) for unit in tensors))
+    assert max(n for _, n in copies) <= max(window, max(sum(u.values()) for u in tensors))
     assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
     if all(len(run) == 1 for run in runs):  # no connected call to compare the units with
         assert (prof.backward_call == 0).all()
@@ -248,21 +260,10 @@ def test_a_tied_weight_is_one_weight_in_the_copy_of_a_run():
     with torch.device("meta"):
         model = GPT(layers=1)
     graph, table = _unit_graph(model, torch.randint(0, 128, (4, 12)))
-    copies: list[int] = []
-    made = profile_module.materialized_copy
-
-    @contextlib.contextmanager
-    def counted(module, device):
-        with made(module, device) as copy:
-            copies.append(sum(p.nbytes for p in copy.parameters()))
-            yield copy
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "materialized_copy", counted)
+    with _copies_made() as copies:
         profile_units(graph, table, [torch.randint(0, 128, (4, 12))], [4], warmup=0,
                       repeats=1, window=float("inf"))
-    weights = sum(p.nbytes for p in model.parameters())  # the tied embedding once
-    assert copies == [weights, weights]
+    assert [n for _, n in copies] == [_real_bytes(model)] * 2  # the tied embedding once
 
 
 def test_a_background_worker_makes_one_copy_of_a_meta_model_for_its_life():
@@ -272,20 +273,10 @@ def test_a_background_worker_makes_one_copy_of_a_meta_model_for_its_life():
         model = GPT(layers=1)
     x = torch.randint(0, 128, (4, 12))
     graph, table = _unit_graph(model, x)
-    made_by: list[threading.Thread] = []
-    made = profile_module.materialized_copy
-
-    @contextlib.contextmanager
-    def counted(module, device):
-        made_by.append(threading.current_thread())
-        with made(module, device) as copy:
-            yield copy
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "materialized_copy", counted)
+    with _copies_made() as copies:
         prof = profile_units(graph, table, [x], [2, 4], warmup=1, repeats=10, concurrency=2,
                              window=float("inf"))  # crossed: one worker per kind of load
-    workers = [t for t in made_by if t is not threading.main_thread()]
+    workers = [t for t, _ in copies if t is not threading.main_thread()]
     assert len(workers) == 2 and len(set(workers)) == 2
     assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
 
@@ -299,25 +290,16 @@ def test_compile_times_a_meta_model_with_at_most_its_devices_share_real_at_once(
     x = torch.randint(0, 128, (4, 12))
     plan = fxpipe.Plan(stages=2, micro_batches=2)
     traced, units, flat = trace_and_cut(model, plan, (x,), {})
-    total = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
-    copies: list[int] = []
-    made = profile_module.materialized_copy
-
-    @contextlib.contextmanager
-    def counted(module, device):
-        with made(module, device) as copy:
-            copies.append(sum(t.nbytes for t in [*copy.parameters(), *copy.buffers()]))
-            yield copy
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "materialized_copy", counted)
+    total = _real_bytes(model)
+    with _copies_made() as copies, pytest.MonkeyPatch.context() as patch:
         patch.setattr(front, "ALL_REAL_BELOW", floor)
         front.measure_costs(traced.gm, units, flat, plan, ["cpu"], default_link("cpu", "cpu"),
                             None, 1, warmup=0, repeats=1, min_time=0.0, held=held)
+    sizes = [n for _, n in copies]
     if floor > total or held == 1.0:
-        assert set(copies) == {total}  # every unit in one run
+        assert set(sizes) == {total}  # every unit in one run
     else:
         graph, table = _unit_graph(model, x)
         heaviest = max(sum(unit.values()) for unit in profile_module._tensor_bytes(
             [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]))
-        assert max(copies) <= max(held * total, heaviest) and len(copies) > 2
+        assert max(sizes) <= max(held * total, heaviest) and len(sizes) > 2
