@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 
 from two_stages import add_model_arguments, at_least_one, two_stages
 
@@ -60,10 +59,7 @@ def main() -> None:
             fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1)
             predicted[load].append(pipe.predicted_timeline(fresh).makespan + overhead)
         pipe.timing = compiled
-        settled = time.perf_counter() + 0.2  # as fxpipe bench settles before its timed steps
-        while time.perf_counter() < settled:
-            pipe.step(x, y)
-        measured.append(statistics.median(setup.timed_step() for _ in range(args.steps)))
+        measured.append(setup.settled_step(args.steps))
     print(f"{args.model}, {setup.where} {list(pipe.partition.sizes)}, batch {args.batch}, "
           f"{args.micro_batches} micro-batches, {args.schedule}, {args.rounds} rounds: "
           f"measured step {statistics.median(measured) * 1e3:.2f} ms (median)")

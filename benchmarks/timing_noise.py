@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from two_stages import TwoStages
 
 import fxpipe
 from fxpipe.models import bundled
@@ -54,8 +54,8 @@ def main() -> None:
     plan = fxpipe.Plan(stages=2, partitioner=args.partitioner, micro_batches=args.micro_batches,
                        loss_fn=model.loss_fn)
     pipe = fxpipe.compile(net, plan, example_inputs=(x,), cache=False)
-    for _ in range(2):
-        pipe.step(x, y)
+    setup = TwoStages(pipe, model, x, y, distributed=False)
+    setup.warm_up(2)
     predicted: dict[float, list[float]] = {t: [] for t in args.min_time}
     measured = []
     print(f"{args.model}, 2 stages {list(pipe.partition.sizes)}, batch {args.batch}, "
@@ -69,15 +69,7 @@ def main() -> None:
                                   min_time=min_time)
             predicted[min_time].append((pipe.predicted_timeline(fresh).makespan
                                         + pipe.measure_step_overhead(x)) * 1e3)
-        settled = time.perf_counter() + 0.2  # untimed steps, as fxpipe bench runs: after a
-        while time.perf_counter() < settled:  # pause, steps run at another speed for a while
-            pipe.step(x, y)
-        steps = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            pipe.step(x, y)
-            steps.append((time.perf_counter() - start) * 1e3)
-        measured.append(statistics.median(steps))
+        measured.append(setup.settled_step(args.steps) * 1e3)
         print(f"{r:5d}  " + "  ".join(f"{predicted[t][-1]:{len(label)}.1f}"
                                       for t, label in zip(args.min_time, labels))
               + f"  {measured[-1]:11.1f}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 from typing import Any
 
@@ -61,6 +62,15 @@ class TwoStages:
         start = time.perf_counter()
         self.pipe.step(self.x, self.y)
         return time.perf_counter() - start
+
+    def settled_step(self, steps: int, settle: float = 0.2) -> float:
+        """The median of `steps` timed steps' seconds, after untimed steps for `settle`
+        seconds, as `fxpipe bench` runs them (after a pause, steps run at another speed for a
+        while)."""
+        settled = time.perf_counter() + settle
+        while time.perf_counter() < settled:
+            self.pipe.step(self.x, self.y)
+        return statistics.median(self.timed_step() for _ in range(steps))
 
     def everyones(self, lines: list[str]) -> list[str]:
         """Every rank's `lines`, in rank order (under torchrun every rank must call it)."""
