@@ -216,10 +216,11 @@ def profile_units(
     sizes = tuple(sorted(set(int(s) for s in sizes)))
     threads = threads or torch.get_num_threads()
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-    runs = [(r.start, r.stop) for r in _runs(_tensor_bytes(modules), window)] \
-        if has_meta_tensors(graph) else None  # what the window changes
+    meta = has_meta_tensors(graph)
+    runs = _runs(_tensor_bytes(modules), window) if meta else [range(len(modules))]
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
-                     (concurrency, tuple(whole), load, min_time, runs))
+                     (concurrency, tuple(whole), load, min_time,
+                      [(r.start, r.stop) for r in runs] if meta else None))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
@@ -234,7 +235,7 @@ def profile_units(
         def timed_beside(kind: str) -> list[tuple]:
             with preserved_state(graph), gradients_set_aside(graph), \
                     _Load(concurrency - 1, graph, table, flat_inputs, dims, sizes, device,
-                          threads, kind, window) as background:
+                          threads, kind, runs) as background:
                 rows = []
                 for size in sizes:
                     background.size = size  # the neighbours run micro-batches of this size
@@ -242,19 +243,19 @@ def profile_units(
                                          _on(resize(flat_inputs, dims, size), device), device,
                                          warmup, repeats,
                                          loss=loss and functools.partial(loss, size=size),
-                                         min_time=min_time, window=window))
+                                         min_time=min_time, runs=runs))
                 return rows
 
         # a meta model timed in several runs has its neighbours time copies of the units run
         # by run, whatever the load
-        if load != "crossed" or concurrency < 2 or _in_runs(modules, window):
+        if load != "crossed" or concurrency < 2 or len(runs) > 1:
             rows = timed_beside("stage" if load == "crossed" else load)
         else:
             rows = [_crossed(forwards, backwards) for forwards, backwards in
                     zip(timed_beside("backwards"), timed_beside("forwards"))]
         with preserved_state(graph), gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
-                                                 for size in sizes], device, window)
+                                                 for size in sizes], device, runs)
     finally:
         torch.set_num_threads(previous_threads)
     forward, backward, crossing, crossing_grad, call, loss_f, loss_b = (
@@ -292,8 +293,9 @@ class _Load:
     afresh each pass (their making then loads the interpreter more than their work)."""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
-                 threads: int, kind: str = "stage", window: float = 0.0) -> None:
-        self.workers, self.kind, self.window = workers, kind, window
+                 threads: int, kind: str = "stage", runs: Sequence[range] | None = None
+                 ) -> None:
+        self.workers, self.kind, self.runs = workers, kind, runs
         self.args = (graph, table, flat_inputs, dims, sizes, device, threads)
         self.size = sizes[0]  # set by the timing as it moves from size to size
         self.stop = threading.Event()
@@ -305,10 +307,10 @@ class _Load:
             torch.set_num_threads(threads)
             inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-            if _in_runs(modules, self.window):  # copies of a run at a time, made afresh
+            if self.runs is not None and len(self.runs) > 1:  # copies made afresh, run by run
                 while not self.stop.is_set():
                     _measure(graph, table, inputs[sizes.index(self.size)], device, 0, 1,
-                             window=self.window)
+                             runs=self.runs)
                 return
             meta = any(has_meta_tensors(m) for m in modules)
             with _real_units(modules, device, meta) as real:  # one copy for the worker's life
@@ -382,7 +384,7 @@ def _connected_forward(table, modules, values: Mapping[str, Any], needs_grad: di
                  if isinstance(o, torch.Tensor) and o.requires_grad}.values())
 
 
-def _memory(graph, table, inputs_per_size, device, window: float = 0.0
+def _memory(graph, table, inputs_per_size, device, runs: Sequence[range] | None = None
             ) -> tuple[np.ndarray, np.ndarray]:
     """One untimed repetition per micro-batch size measuring each unit's memory, in one memory
     profiler session: the bytes its forward saves for backward, and its peak, the larger of
@@ -393,7 +395,7 @@ def _memory(graph, table, inputs_per_size, device, window: float = 0.0
         for m, inputs in enumerate(inputs_per_size):
             saved.append([])
             _measure(graph, table, inputs, device, 0, 1,
-                     lambda name, m=m: peaks.span(f"{m}.{name}"), saved[-1], window=window)
+                     lambda name, m=m: peaks.span(f"{m}.{name}"), saved[-1], runs=runs)
     nan = float("nan")
     peak = [[max(peaks.result.get(f"{m}.{i}.forward", nan),
                  peaks.result.get(f"{m}.{i}.backward", 0.0)) for i in range(len(table.stages))]
@@ -402,7 +404,7 @@ def _memory(graph, table, inputs_per_size, device, window: float = 0.0
 
 
 def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None,
-             min_time=0.0, window=0.0):
+             min_time=0.0, runs=None):
     """One micro-batch size: per-unit forward and backward times, crossing bytes, the fixed
     cost of a backward call (`_without_call_cost`; 0 when measuring memory), and the forward
     and backward times of `loss(outputs)` when given (else 0). With
@@ -413,10 +415,10 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     Each repetition runs the units as training does, all forwards in order, then all backwards
     in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
     own would find its weights hot and look faster than it is inside a stage). A model on the
-    meta device is timed a run of consecutive units at a time (`_runs`: units whose weights
-    add up to at most `window` bytes, one at least), on real copies of that run's units made
-    for all its repetitions, so no more than a run's weights exist at once in each timing
-    thread (this one, and each background worker of `_Load`); a real model is one run. Each
+    meta device is timed a run of consecutive units at a time (`runs`, from `_runs`; default:
+    all units in one), on real copies of that run's units made for all its repetitions, so
+    no more than a run's weights exist at once in each timing thread (this one, and each
+    background worker of `_Load`); a real model is one run. Each
     repetition first runs the run's units as one graph (`_fused`), forward and one backward
     call, for the units' forward scale and the fixed cost of a call."""
     needs_grad = _needs_grad(table)
@@ -447,7 +449,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     fused_runs: list[tuple[range, float]] = []  # each run, the median of its fused forwards
     loss_times: list[tuple[float, float]] = []
     env = dict(zip(table.graph_inputs, inputs))
-    runs = _runs(_tensor_bytes(modules), window) if meta else [range(units)]
+    runs = runs or [range(units)]
     for run in runs:
         with _real_units([modules[i] for i in run], device, meta) as real:
             connected_times: list[float] = []
@@ -515,12 +517,6 @@ def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
             start, grown = i, dict(unit)
         held = grown
     return [*runs, range(start, len(tensors))] if len(tensors) else runs
-
-
-def _in_runs(modules: Sequence[torch.nn.Module], window: float) -> bool:
-    """Whether these units, of a meta model, are timed in more than one run."""
-    return any(has_meta_tensors(m) for m in modules) and \
-        len(_runs(_tensor_bytes(modules), window)) > 1
 
 
 def _tensor_bytes(modules: Sequence[torch.nn.Module]) -> list[dict[int, int]]:
