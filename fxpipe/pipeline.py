@@ -78,6 +78,8 @@ class CompiledPipeline(torch.nn.Module):
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
             # under torchrun: (ranks computing on this host's CPU, the CPUs they may use)
             host_cores=None,
+            # under torchrun: (the CPUs this pipeline's stages on one host share, those stages)
+            pipeline_cores=(None, ()),
         )
 
     @property
@@ -170,12 +172,24 @@ class CompiledPipeline(torch.nn.Module):
         after_f, after_b = self._posting(self.link.after_send)
         landing_f, landing_b = self._posting(self.link.after_receive)
         forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
+        cores, sharing = self.cpu_sharing()
         return simulate(schedule, forward, [s.b for s in stages],
                         [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
                         recv_post_b=recv_post_b, resume=self.link.resume,
                         after_send_f=after_f, after_send_b=after_b,
-                        after_receive_f=landing_f, after_receive_b=landing_b)
+                        after_receive_f=landing_f, after_receive_b=landing_b,
+                        cores=cores, sharing=sharing)
+
+    def cpu_sharing(self) -> tuple[float | None, tuple[int, ...]]:
+        """The CPU cores the stages computing on one host's CPU have between them, and those
+        stages, for the simulator to split among the ones computing at once: the stage
+        threads on this process's CPU, or under torchrun the stages whose ranks share one host
+        (None: each its own core, as on GPUs or over several hosts)."""
+        if self.executor.everything_here:
+            on_cpu = tuple(s for s, r in self.executor.runners.items() if r.device.type == "cpu")
+            return float(usable_cores()), on_cpu
+        return self.pipeline_cores
 
     def _posting(self, per_tensor: float
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:

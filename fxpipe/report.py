@@ -219,13 +219,13 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
 
 def shared_cores_lines(stages: int, cores: int, who: str = "stages") -> list[str]:
     """What to tell a user whose `stages` stages (or ranks: `who`) compute on a host's CPU of
-    `cores` cores: nothing when each can have a core, else that the prediction assumed it
-    could (the simulator runs every stage's compute at its timed pace, whatever else runs)."""
+    `cores` cores: nothing when each can have a core, else that they share them, and how the
+    prediction models that (the simulator splits the cores among the ones computing at once)."""
     if stages <= cores:
         return []
     return [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
-            f"core{'s' if cores > 1 else ''}, and the prediction gives each a core of its own, "
-            f"so steps run slower than predicted, the more so the more {who} share a core; "
+            f"core{'s' if cores > 1 else ''}; the prediction splits the cores evenly among the "
+            f"{who} computing at once, which leaves out the cost of switching between them; "
             f"with at most {cores} CPU {who} here each has one"]
 
 

@@ -132,6 +132,8 @@ def simulate(
     after_send_b: LinkCosts = 0.0,
     after_receive_f: LinkCosts = 0.0,
     after_receive_b: LinkCosts = 0.0,
+    cores: float | None = None,
+    sharing: Iterable[int] | None = None,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -155,9 +157,13 @@ def simulate(
     stage waited). Likewise a message that was there before its RECV was posted landed while
     the receiver computed, whose CPU the transport's work to take it in shared: the stage's
     next compute takes after_receive_f / after_receive_b longer, within the same bound (0 by
-    default; a message waited for landed while the stage waited). A compute-only schedule is
-    lowered with `add_communication(schedule, edges)` first, so both forms time the same; a
-    lowered one is checked with `check_communication`.
+    default; a message waited for landed while the stage waited). Stages that compute on one
+    host's CPU share its cores: with `cores` given, the work of the `sharing` stages (every
+    stage by default) goes at min(1, cores / k) of its pace while k of them work at once,
+    everything but a RECV's wait and an ALLREDUCE counting as work (processor sharing; the
+    times are taken as timed with up to `cores` of them busy; None: each a core of its own).
+    A compute-only schedule is lowered with `add_communication(schedule, edges)` first, so
+    both forms time the same; a lowered one is checked with `check_communication`.
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
@@ -168,7 +174,8 @@ def simulate(
     SEND of those messages, given the same ways; recv_post_f, recv_post_b: the receiver's time
     per RECV of them; after_send_f, after_send_b: the sender's compute after each SEND of
     them, and after_receive_f, after_receive_b: the receiver's compute after each RECV of
-    them that did not wait, given the same ways. resume: a scalar or one per stage.
+    them that did not wait, given the same ways. resume: a scalar or one per stage. cores: a
+    number above 0, or None; sharing: stage indices (default: all).
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -183,6 +190,13 @@ def simulate(
         lowered = add_communication(schedule, edges)
     check_communication(lowered)
     n, p, k = lowered.stages, lowered.micro_batches, lowered.minibatches
+    sharing = frozenset(range(n) if sharing is None else sharing)
+    if cores is not None and not cores > 0:
+        raise ValueError(f"cores={cores!r}: the stages need at least a share of one core; "
+                         "pass a number above 0, or None for a core of their own each")
+    if not sharing <= set(range(n)):
+        raise ValueError(f"sharing={sorted(sharing)} names stages a schedule of {n} stages "
+                         f"does not have; give stages among 0..{n - 1}")
     compute = {
         ActionKind.F: _per_micro_batch("forward", forward, n, p, k),
         ActionKind.B: _per_micro_batch("backward", backward, n, p, k),
@@ -202,75 +216,173 @@ def simulate(
              ActionKind.SEND_B: _link("after_send_b", after_send_b, n, forward=False)}
     landing = {ActionKind.SEND_F: _link("after_receive_f", after_receive_f, n, forward=True),
                ActionKind.SEND_B: _link("after_receive_b", after_receive_b, n, forward=False)}
-    return _run(lowered, compute, other, link, post, receive, after, landing,
-                _per_stage("resume", resume, n))
-
-
-def _run(
-    schedule: Schedule,
-    compute: dict[ActionKind, np.ndarray],
-    other: dict[ActionKind, np.ndarray],
-    link: dict[ActionKind, Callable[[int, int], float]],
-    post: dict[ActionKind, Callable[[int, int], float]],
-    receive: dict[ActionKind, Callable[[int, int], float]],
-    after: dict[ActionKind, Callable[[int, int], float]],
-    landing: dict[ActionKind, Callable[[int, int], float]],
-    resume: np.ndarray,
-) -> Timeline:
-    n = schedule.stages
-    pc, free, busy = [0] * n, [0.0] * n, [0.0] * n
-    waited = [True] * n  # whether the stage blocked since its last compute
-    owed = [0.0] * n  # the slowdown of the SENDs and unwaited RECVs since its last compute
-    finished: dict[Action, float] = {}  # compute actions and messages (keyed by their SEND)
-    link_free: dict[tuple[int, int], float] = {}
-    events: list[list[Event]] = [[] for _ in range(n)]
-    transfers: list[Event] = []
-    progress = True
-    while progress:
-        progress = False
-        for s, stage in enumerate(schedule.actions):
-            while pc[s] < len(stage):
-                a = stage[pc[s]]
-                needs = _needs(a)
-                if needs is not None and needs not in finished:
-                    break
-                start = free[s]
-                if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
-                    posted = start + receive[needs.kind](a.peer, s)
-                    end = max(posted, finished[needs])
-                    if finished[needs] > posted:
-                        waited[s] = True
-                    else:  # it landed while the stage computed
-                        owed[s] += landing[needs.kind](a.peer, s)
-                elif a.kind.is_compute:
-                    work = float(compute[a.kind][s, a.mb])
-                    end = start + work + (float(resume[s]) if waited[s] else min(owed[s], work))
-                    waited[s], owed[s] = False, 0.0
-                    busy[s] += end - start
-                elif a.kind.is_send:
-                    end = start + post[a.kind](s, a.peer)
-                    owed[s] += after[a.kind](s, a.peer)
-                    wire = max(end, link_free.get((s, a.peer), 0.0))
-                    arrival = wire + link[a.kind](s, a.peer)
-                    link_free[s, a.peer] = finished[a] = arrival
-                    transfers.append(Event(s, a, wire, arrival))
-                else:
-                    end = start + float(other[a.kind][s])
-                if a.kind.is_compute:
-                    finished[a] = end
-                free[s] = end
-                events[s].append(Event(s, a, start, end))
-                pc[s] += 1
-                progress = True
-    stuck = [(s, stage[pc[s]]) for s, stage in enumerate(schedule.actions) if pc[s] < len(stage)]
+    durations = _Durations(compute, other, link, post, receive, after, landing,
+                           _per_stage("resume", resume, n))
+    run = _Run(lowered, durations, cores, sharing)
+    run.run()
+    stuck = run.stuck()
     if stuck:
-        waits = "; ".join(f"stage {s} waits at {a} (action {pc[s]}) for {_needs(a)}"
+        waits = "; ".join(f"stage {s} waits at {a} (action {run.pc[s]}) for {_needs(a)}"
                           for s, a in stuck)
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}, which never runs "
                             "before it. Reorder the lists so every dependency comes first")
-    flat = [e for stage in events for e in stage]
+    flat = [e for stage in run.events for e in stage]
     makespan = max((e.end for e in flat), default=0.0)
-    return Timeline(schedule, flat, transfers, makespan, tuple(busy))
+    return Timeline(lowered, flat, run.transfers, makespan, tuple(run.busy))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Durations:
+    """What each kind of action takes, as `simulate` was given it."""
+
+    compute: dict[ActionKind, np.ndarray]
+    other: dict[ActionKind, np.ndarray]
+    link: dict[ActionKind, Callable[[int, int], float]]
+    post: dict[ActionKind, Callable[[int, int], float]]
+    receive: dict[ActionKind, Callable[[int, int], float]]
+    after: dict[ActionKind, Callable[[int, int], float]]
+    landing: dict[ActionKind, Callable[[int, int], float]]
+    resume: np.ndarray
+
+
+@dataclasses.dataclass
+class _Work:
+    """A stage's CPU work in progress: when it ends at the current pace."""
+
+    end: float
+    shares: bool  # whether it takes a share of the cores (an all-reduce waits on its peers)
+
+
+class _Run:
+    """The event loop of `simulate`: time moves from one end of work or arrival to the next.
+
+    A stage is in one of three states: running an action's CPU work (`work`), blocked in a
+    RECV whose receive it posted (`posted`), or between actions for no time at all. CPU work
+    of the `sharing` stages goes at min(1, cores / how many of them work) of its pace, and a
+    change of pace moves the end of every such work still going on (processor sharing)."""
+
+    def __init__(self, schedule: Schedule, durations: _Durations, cores: float | None,
+                 sharing: frozenset[int]) -> None:
+        n = schedule.stages
+        self.schedule, self.durations = schedule, durations
+        self.cores, self.sharing = cores, sharing
+        self.pc = [0] * n
+        self.waited = [True] * n  # whether the stage blocked since its last compute
+        self.owed = [0.0] * n  # the slowdown of the SENDs and unwaited RECVs since it computed
+        self.started = [0.0] * n  # when the stage's current action started
+        self.busy = [0.0] * n
+        self.finished: dict[Action, float] = {}  # computes, and messages keyed by their SEND
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.work: dict[int, _Work] = {}
+        self.posted: dict[int, float] = {}  # blocked stages: when they posted their receive
+        self.events: list[list[Event]] = [[] for _ in range(n)]
+        self.transfers: list[Event] = []
+        self.now, self.pace = 0.0, 1.0
+
+    def run(self) -> None:
+        while True:
+            self._settle()
+            pace = self._pace()
+            if pace != self.pace:  # what is left of the shared work goes at the new pace
+                for s, w in self.work.items():
+                    if self._shares(s, w):
+                        w.end = self.now + (w.end - self.now) * self.pace / pace
+                self.pace = pace
+            times = [w.end for w in self.work.values()] + [
+                self.finished[m] for m in map(self._message, self.posted) if m in self.finished]
+            if not times:
+                return
+            self.now = min(times)
+
+    def stuck(self) -> list[tuple[int, Action]]:
+        return [(s, actions[self.pc[s]]) for s, actions in enumerate(self.schedule.actions)
+                if self.pc[s] < len(actions)]
+
+    def _settle(self) -> None:
+        """Everything that happens at `now`: arrivals, work that ends, actions that start."""
+        progress = True
+        while progress:
+            progress = False
+            for s in [s for s in self.posted if self._arrived(s)]:
+                self._landed(s)
+                progress = True
+            for s in [s for s, w in self.work.items() if w.end <= self.now]:
+                self._end(s)
+                progress = True
+            for s in range(self.schedule.stages):
+                progress |= self._begin(s)
+
+    def _begin(self, s: int) -> bool:
+        """Start stage s's next action, if it is between actions and may; whether it did."""
+        actions, d = self.schedule.actions[s], self.durations
+        if self.pc[s] == len(actions) or s in self.work or s in self.posted:
+            return False
+        a = actions[self.pc[s]]
+        needs = _needs(a)
+        if a.kind.is_compute and needs is not None and needs not in self.finished:
+            return False  # a B before its F (a W before its B) on one list: a deadlock
+        if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
+            seconds = d.receive[a.partner.kind](a.peer, s)
+        elif a.kind.is_compute:
+            seconds = float(d.compute[a.kind][s, a.mb])
+            seconds += float(d.resume[s]) if self.waited[s] else min(self.owed[s], seconds)
+            self.waited[s], self.owed[s] = False, 0.0
+        elif a.kind.is_send:
+            seconds = d.post[a.kind](s, a.peer)
+        else:
+            seconds = float(d.other[a.kind][s])
+        work = _Work(self.now + seconds, a.kind is not ActionKind.ALLREDUCE)
+        if self._shares(s, work):
+            work.end = self.now + seconds / self.pace
+        self.started[s], self.work[s] = self.now, work
+        return True
+
+    def _end(self, s: int) -> None:
+        """Stage s's CPU work for its current action is done: a RECV now waits for its message."""
+        a, d = self.schedule.actions[s][self.pc[s]], self.durations
+        del self.work[s]
+        if a.kind.is_recv:
+            self.posted[s] = self.now
+            return
+        if a.kind.is_compute:
+            self.finished[a] = self.now
+            self.busy[s] += self.now - self.started[s]
+        elif a.kind.is_send:
+            self.owed[s] += d.after[a.kind](s, a.peer)
+            wire = max(self.now, self.link_free.get((s, a.peer), 0.0))
+            arrival = wire + d.link[a.kind](s, a.peer)
+            self.link_free[s, a.peer] = self.finished[a] = arrival
+            self.transfers.append(Event(s, a, wire, arrival))
+        self._next(s)
+
+    def _landed(self, s: int) -> None:
+        """Stage s's awaited message is there: its RECV ends."""
+        message = self._message(s)
+        if self.finished[message] > self.posted.pop(s):
+            self.waited[s] = True
+        else:  # it landed while the stage computed, whose CPU took it in
+            self.owed[s] += self.durations.landing[message.kind](message.stage, s)
+        self._next(s)
+
+    def _next(self, s: int) -> None:
+        action = self.schedule.actions[s][self.pc[s]]
+        self.events[s].append(Event(s, action, self.started[s], self.now))
+        self.pc[s] += 1
+
+    def _message(self, s: int) -> Action:
+        """The SEND whose message stage s's current RECV takes."""
+        return self.schedule.actions[s][self.pc[s]].partner
+
+    def _arrived(self, s: int) -> bool:
+        message = self._message(s)
+        return message in self.finished and self.finished[message] <= self.now
+
+    def _shares(self, s: int, work: _Work) -> bool:
+        return self.cores is not None and work.shares and s in self.sharing
+
+    def _pace(self) -> float:
+        working = sum(self._shares(s, w) for s, w in self.work.items())
+        return min(1.0, self.cores / working) if working and self.cores is not None else 1.0
 
 
 def _needs(a: Action) -> Action | None:

@@ -311,6 +311,25 @@ def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, co
     assert ("shared cores" in text) == shared
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_stage_threads_on_fewer_cores_are_predicted_to_share_them(trained, monkeypatch, device):
+    """The 3 stage threads of `trained` on 1 core take the compute of all three one after
+    another at best; on 3 cores, or on GPUs, each runs at its own pace."""
+    import fxpipe.pipeline
+
+    for runner in trained.executor.runners.values():
+        monkeypatch.setattr(runner, "device", torch.device(device))
+    monkeypatch.setattr(fxpipe.pipeline, "usable_cores", lambda: 3)
+    own = trained.predicted_timeline()
+    monkeypatch.setattr(fxpipe.pipeline, "usable_cores", lambda: 1)
+    one = trained.predicted_timeline()
+    work = sum(e.duration for e in own.events if e.action.kind.is_compute)
+    if device == "cpu":
+        assert one.makespan >= work * (1 - 1e-9) > own.makespan
+    else:
+        assert one.makespan == own.makespan
+
+
 def test_report_says_when_the_last_run_is_not_the_step_it_predicts():
     model = MLP((16, 32, 32, 10))
     x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))

@@ -630,3 +630,71 @@ def test_one_f_one_b_timeline_alternates_after_warm_up():
         "1 |..F0F1....B0  F2B1  F3B2  ..B3  ....|",
         "2 |....F0B0  F1B1  F2B2  F3B3  ........|",
     ]
+
+
+# --- stages sharing a host's cores -------------------------------------------------------------
+
+
+def _spans(timeline) -> list[tuple[int, str, float, float]]:
+    return sorted((e.stage, str(e.action), e.start, e.end) for e in timeline.events)
+
+
+@given(schedules(), st.integers(0, 2**32 - 1), st.data())
+def test_stages_with_a_core_each_run_as_if_they_shared_nothing(schedule: Schedule, seed: int,
+                                                              data):
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    sharing = data.draw(st.sets(st.integers(0, n - 1)))
+    cores = data.draw(st.floats(max(len(sharing), 1), 2.0 * n + 1))
+    alone = simulate(schedule, fwd, bwd, 0.5, 0.5, post_f=0.1, post_b=0.1)
+    shared = simulate(schedule, fwd, bwd, 0.5, 0.5, post_f=0.1, post_b=0.1, cores=cores,
+                      sharing=sharing)
+    assert _spans(shared) == _spans(alone)
+
+
+@given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.25, 4.0), st.booleans())
+def test_sharing_cores_delays_every_action_and_keeps_to_the_cores(schedule: Schedule, seed: int,
+                                                                cores: float, links: bool):
+    """No action ends earlier than with a core per stage, and the cores do no more than their
+    share: the step takes at least all the stages' work over the cores."""
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    link = 0.3 if links else 0.0
+    alone = simulate(schedule, fwd, bwd, link, link, post_f=0.05)
+    shared = simulate(schedule, fwd, bwd, link, link, post_f=0.05, cores=cores)
+    for a, b in zip(_spans(alone), _spans(shared)):
+        assert b[3] >= a[3] - 1e-9
+    posts = 0.05 * sum(e.action.kind in (ActionKind.SEND_F, ActionKind.RECV_F)
+                       for e in shared.events)  # each side's, of a forward message
+    work = fwd.sum() + bwd.sum() + posts
+    assert shared.makespan >= work / min(cores, n) * (1 - 1e-9)
+
+
+@given(schedules(), st.integers(0, 2**32 - 1))
+def test_one_core_for_every_stage_is_never_idle_while_work_is_left(schedule: Schedule,
+                                                                   seed: int):
+    """With messages that take no time, some stage can always go on, so one shared core works
+    the whole step through: the step is all the stages' work, one after another."""
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    timeline = simulate(schedule, fwd, bwd, cores=1.0)
+    assert timeline.makespan == pytest.approx(fwd.sum() + bwd.sum())
+
+
+def test_two_stages_on_one_core_split_it_while_both_compute():
+    # gpipe(2, 2), every compute 1: alone, stage 1's F0 runs beside stage 0's F1, and its B1
+    # beside stage 0's B0 (step 6); on one core each pair takes 2 where they overlap (step 8)
+    assert simulate(gpipe(2, 2), 1.0, 1.0).makespan == 6.0
+    timeline = simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["0F1"] == (1.0, 3.0) and at["1F0"] == (1.0, 3.0)
+    assert timeline.makespan == 8.0
+    # a stage that does not share (a GPU's) keeps its pace beside them
+    assert simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, sharing=[0]).makespan == 6.0
+
+
+def test_sharing_takes_a_positive_core_count_and_stages_of_the_schedule():
+    with pytest.raises(ValueError, match=r"cores=0: the stages need at least a share of one"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores=0)
+    with pytest.raises(ValueError, match=r"sharing=\[0, 2\] names stages a schedule of 2"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, sharing=[0, 2])
