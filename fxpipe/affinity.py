@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
-           "pin_process", "pin_rank", "pipeline_cores", "ranks_on_host", "usable_cores"]
+           "pin_process", "pin_rank", "ranks_on_host", "usable_cores"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
@@ -109,20 +109,6 @@ def ranks_on_host(rank: int, everyone: Sequence[Sequence[Any]]) -> tuple[int, in
     host = everyone[rank][0]
     here = [(on_cpu, cpus) for h, on_cpu, cpus, *_ in everyone if h == host]
     return sum(on_cpu for on_cpu, _ in here), len(set().union(*(cpus for _, cpus in here)))
-
-
-def pipeline_cores(pipeline_ranks: Sequence[int], everyone: Sequence[Sequence[Any]]
-                   ) -> tuple[float | None, tuple[int, ...]]:
-    """From every rank's (host, whether it computes on the CPU, CPUs it may use, ...): the CPUs
-    a pipeline's stages that compute on one host's CPU have between them, and those stages
-    (by position in `pipeline_ranks`). The host's CPUs go to its CPU ranks alike, other
-    pipelines' included. (None, ()) when the pipeline spans hosts or nothing of it is on a CPU."""
-    places = {everyone[r][0] for r in pipeline_ranks}
-    sharing = tuple(s for s, r in enumerate(pipeline_ranks) if everyone[r][1])
-    if len(places) != 1 or not sharing:
-        return None, ()
-    ranks, cpus = ranks_on_host(pipeline_ranks[0], everyone)
-    return cpus * len(sharing) / ranks, sharing
 
 
 def hosts(device: str) -> list[Host]:

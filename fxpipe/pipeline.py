@@ -78,8 +78,6 @@ class CompiledPipeline(torch.nn.Module):
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
             # under torchrun: (ranks computing on this host's CPU, the CPUs they may use)
             host_cores=None,
-            # under torchrun: (the CPUs this pipeline's stages on one host share, those stages)
-            pipeline_cores=(None, ()),
         )
 
     @property
@@ -182,14 +180,14 @@ class CompiledPipeline(torch.nn.Module):
                         cores=cores, sharing=sharing)
 
     def cpu_sharing(self) -> tuple[float | None, tuple[int, ...]]:
-        """The CPU cores the stages computing on one host's CPU have between them, and those
-        stages, for the simulator to split among the ones computing at once: the stage
-        threads on this process's CPU, or under torchrun the stages whose ranks share one host
-        (None: each its own core, as on GPUs or over several hosts)."""
-        if self.executor.everything_here:
-            on_cpu = tuple(s for s, r in self.executor.runners.items() if r.device.type == "cpu")
-            return float(usable_cores()), on_cpu
-        return self.pipeline_cores
+        """The CPU cores the stage threads computing on this process's CPU have between them,
+        and those stages, for the simulator to split among the ones computing at once (compile
+        timed the units with at most one stage per core busy). Under torchrun (None, ()): every
+        rank timed the units at once, so their times hold the ranks' sharing of the cores."""
+        if not self.executor.everything_here:
+            return None, ()
+        on_cpu = tuple(s for s, r in self.executor.runners.items() if r.device.type == "cpu")
+        return float(usable_cores()), on_cpu
 
     def _posting(self, per_tensor: float
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:

@@ -218,15 +218,18 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
 
 
 def shared_cores_lines(stages: int, cores: int, who: str = "stages") -> list[str]:
-    """What to tell a user whose `stages` stages (or ranks: `who`) compute on a host's CPU of
-    `cores` cores: nothing when each can have a core, else that they share them, and how the
-    prediction models that (the simulator splits the cores among the ones computing at once)."""
+    """What to tell a user whose `stages` stages (or ranks under torchrun: `who`) compute on a
+    host's CPU of `cores` cores: nothing when each can have a core, else that they share them,
+    and how the prediction takes that in: stage threads get an even split of the cores among
+    the ones computing at once; ranks run at the pace of the units timed on every rank at once."""
     if stages <= cores:
         return []
+    how = ("the prediction splits the cores evenly among the stages computing at once"
+           if who == "stages" else "the prediction runs every rank at the pace of the units "
+           "timed on all the ranks at once, even where fewer compute")
     return [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
-            f"core{'s' if cores > 1 else ''}; the prediction splits the cores evenly among the "
-            f"{who} computing at once, which leaves out the cost of switching between them; "
-            f"with at most {cores} CPU {who} here each has one"]
+            f"core{'s' if cores > 1 else ''}; {how}, and leaves out the cost of switching "
+            f"between them; with at most {cores} CPU {who} here each has one"]
 
 
 def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],

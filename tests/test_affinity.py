@@ -15,7 +15,6 @@ from fxpipe.affinity import (
     format_cpus,
     pin_process,
     pin_rank,
-    pipeline_cores,
     ranks_on_host,
     usable_cores,
 )
@@ -116,25 +115,3 @@ def test_usable_cores_are_the_cpus_the_process_may_run_on():
         os.sched_setaffinity(0, allowed)
     assert usable_cores() == len(allowed)
 
-
-@given(st.lists(st.tuples(st.sampled_from("ab"), st.booleans(),
-                          st.sets(st.integers(0, 7), min_size=1)), min_size=1, max_size=8),
-       st.data())
-def test_a_pipeline_on_one_host_gets_its_cpu_stages_share_of_the_host_cpus(everyone, data):
-    ranks = data.draw(st.lists(st.integers(0, len(everyone) - 1), min_size=1, unique=True))
-    cores, sharing = pipeline_cores(ranks, everyone)
-    places = {everyone[r][0] for r in ranks}
-    on_cpu = [s for s, r in enumerate(ranks) if everyone[r][1]]
-    if len(places) > 1 or not on_cpu:
-        assert (cores, sharing) == (None, ())
-        return
-    assert sharing == tuple(on_cpu)
-    host_ranks, cpus = ranks_on_host(ranks[0], everyone)
-    assert cores == pytest.approx(cpus * len(on_cpu) / host_ranks)
-    assert 0 < cores <= cpus
-
-
-def test_two_pipelines_on_one_host_split_its_cpus():
-    everyone = [("a", True, {0, 1})] * 4  # 2 stages x 2 data-parallel groups on 2 CPUs
-    assert pipeline_cores([0, 1], everyone) == (1.0, (0, 1))
-    assert pipeline_cores([0, 1], [("a", True, {0, 1}), ("b", True, {0, 1})]) == (None, ())

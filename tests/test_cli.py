@@ -276,19 +276,22 @@ def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
     assert row.predicted_spread > 0.3  # the compute scaled by 1.6; the links did not
 
 
-@pytest.mark.parametrize("cores, on_cpu", [(1, True), (2, True), (1, False)])
-def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores, on_cpu):
+@pytest.mark.parametrize("cores, on_cpu, nproc", [(1, True, []), (2, True, []), (1, False, []),
+                                                  (1, True, ["--nproc", "2"])])
+def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores, on_cpu, nproc):
     import fxpipe.cli
 
     row = BenchRow("even", "gpipe", (2, 2), 2, 1.0, 1.0, 0.0, 0.0, (0.0, 0.0), on_cpu=on_cpu)
     monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: [row])
     monkeypatch.setattr(fxpipe.cli, "usable_cores", lambda: cores)
     assert main(["bench", "mlp", "--stages", "2", "--partitioners", "even",
-                 "--schedules", "gpipe"]) == 0
+                 "--schedules", "gpipe", *nproc]) == 0
     out = capsys.readouterr().out
     shared = cores == 1 and on_cpu
-    assert ("shared cores: 2 stages compute on this host's 1 CPU core; the prediction "
-            "splits the cores evenly" in out) == shared
+    how = ("2 ranks compute on this host's 1 CPU core; the prediction runs every rank at the "
+           "pace of the units timed on all the ranks at once" if nproc else
+           "2 stages compute on this host's 1 CPU core; the prediction splits the cores evenly")
+    assert (f"shared cores: {how}" in out) == shared
     assert ("shared cores" in out) == shared
 
 

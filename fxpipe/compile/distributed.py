@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.affinity import hosts, pin_rank, pipeline_cores, ranks_on_host
+from fxpipe.affinity import hosts, pin_rank, ranks_on_host
 from fxpipe.allocator import keep_for
 from fxpipe.compile.front import (
     check_batched_inputs,
@@ -87,7 +87,6 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     stage.to(device)
     pipe.state_dict_keys, pipe.timing = list(model.state_dict()), timing
     pipe.host_cores = on_host
-    pipe.pipeline_cores = pipeline_cores(layout.pipeline_ranks, everyone)
     pipe.restrict_to_stage(layout.stage, layout.rank, cpus)
     pipeline = _pipeline_group(layout)
     hook = pipe.stage_hook(layout.stage)
