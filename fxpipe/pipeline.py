@@ -252,8 +252,8 @@ class CompiledPipeline(torch.nn.Module):
         """Predicted against measured for the last run: per stage and in total, bubble,
         send/receive (waits for a message included) and idle shares, and the stage that bounds
         the pipeline; where more stages compute on a host's CPU than they may use cores (stage
-        threads of this process, or under torchrun the ranks on rank 0's host), that the
-        prediction gave each a core of its own; and when the last run is not the step
+        threads of this process, or under torchrun the ranks on rank 0's host), how the
+        prediction took that in (see shared_cores_lines); and when the last run is not the step
         predicted: forwards only, or micro-batches of other sizes than compile's example (told
         only for compile's prediction). Printed (to `file`, default stdout; rank 0 under
         torchrun, where every rank must call it) and returned. `partition`: the stage costs to
@@ -269,8 +269,8 @@ class CompiledPipeline(torch.nn.Module):
         # stage threads of one process sharing the cores it may use, or under torchrun the
         # ranks on this rank's host (which compile found out)
         if self.executor.everything_here:
-            on_cpu = sum(r.device.type == "cpu" for r in self.executor.runners.values())
-            shared = shared_cores_lines(on_cpu, usable_cores())
+            cores, on_cpu = self.cpu_sharing()
+            shared = shared_cores_lines(len(on_cpu), int(cores))
         else:
             shared = shared_cores_lines(*self.host_cores, "ranks") if self.host_cores else []
         # compile's prediction is of its example's micro-batches (under data parallelism a

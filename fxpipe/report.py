@@ -224,12 +224,15 @@ def shared_cores_lines(stages: int, cores: int, who: str = "stages") -> list[str
     the ones computing at once; ranks run at the pace of the units timed on every rank at once."""
     if stages <= cores:
         return []
-    how = ("the prediction splits the cores evenly among the stages computing at once"
-           if who == "stages" else "the prediction runs every rank at the pace of the units "
-           "timed on all the ranks at once, even where fewer compute")
+    if who == "stages":
+        how = ("the prediction splits the cores evenly among the stages computing at once, and "
+               "leaves out the cost of switching between them")
+    else:
+        how = ("the prediction runs every rank at the pace of the units timed on all the ranks "
+               "at once, even where fewer compute")
     return [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
-            f"core{'s' if cores > 1 else ''}; {how}, and leaves out the cost of switching "
-            f"between them; with at most {cores} CPU {who} here each has one"]
+            f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
+            "has one"]
 
 
 def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],

@@ -161,7 +161,8 @@ def simulate(
     host's CPU share its cores: with `cores` given, the work of the `sharing` stages (every
     stage by default) goes at min(1, cores / k) of its pace while k of them work at once,
     everything but a RECV's wait and an ALLREDUCE counting as work (processor sharing; the
-    times are taken as timed with up to `cores` of them busy; None: each a core of its own).
+    given times are as measured with up to `cores` of them busy at once; None: each a core of
+    its own, and `sharing` is not used).
     A compute-only schedule is lowered with `add_communication(schedule, edges)` first, so
     both forms time the same; a lowered one is checked with `check_communication`.
 
@@ -191,9 +192,9 @@ def simulate(
     check_communication(lowered)
     n, p, k = lowered.stages, lowered.micro_batches, lowered.minibatches
     sharing = frozenset(range(n) if sharing is None else sharing)
-    if cores is not None and not cores > 0:
-        raise ValueError(f"cores={cores!r}: the stages need at least a share of one core; "
-                         "pass a number above 0, or None for a core of their own each")
+    if cores is not None and not 0 < cores < math.inf:
+        raise ValueError(f"cores={cores!r}: give the cores the sharing stages have between "
+                         "them, a finite number above 0, or None for a core of their own each")
     if not sharing <= set(range(n)):
         raise ValueError(f"sharing={sorted(sharing)} names stages a schedule of {n} stages "
                          f"does not have; give stages among 0..{n - 1}")
@@ -250,7 +251,7 @@ class _Work:
     """A stage's CPU work in progress: when it ends at the current pace."""
 
     end: float
-    shares: bool  # whether it takes a share of the cores (an all-reduce waits on its peers)
+    cpu_bound: bool  # whether it takes a share of the cores (an all-reduce waits on its peers)
 
 
 class _Run:
@@ -280,6 +281,7 @@ class _Run:
         self.now, self.pace = 0.0, 1.0
 
     def run(self) -> None:
+        """Run every stage's list as far as it goes."""
         while True:
             self._settle()
             pace = self._pace()
@@ -295,6 +297,7 @@ class _Run:
             self.now = min(times)
 
     def stuck(self) -> list[tuple[int, Action]]:
+        """The stages that never finished their list, and the action each stopped at."""
         return [(s, actions[self.pc[s]]) for s, actions in enumerate(self.schedule.actions)
                 if self.pc[s] < len(actions)]
 
@@ -321,19 +324,22 @@ class _Run:
         needs = _needs(a)
         if a.kind.is_compute and needs is not None and needs not in self.finished:
             return False  # a B before its F (a W before its B) on one list: a deadlock
+        extra = 0.0  # a compute's slowdown from waiting, or from the messages beside it
         if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
             seconds = d.receive[a.partner.kind](a.peer, s)
         elif a.kind.is_compute:
             seconds = float(d.compute[a.kind][s, a.mb])
-            seconds += float(d.resume[s]) if self.waited[s] else min(self.owed[s], seconds)
+            extra = float(d.resume[s]) if self.waited[s] else min(self.owed[s], seconds)
             self.waited[s], self.owed[s] = False, 0.0
         elif a.kind.is_send:
             seconds = d.post[a.kind](s, a.peer)
         else:
             seconds = float(d.other[a.kind][s])
-        work = _Work(self.now + seconds, a.kind is not ActionKind.ALLREDUCE)
-        if self._shares(s, work):
-            work.end = self.now + seconds / self.pace
+        work = _Work(0.0, cpu_bound=a.kind is not ActionKind.ALLREDUCE)
+        pace = self.pace if self._shares(s, work) else 1.0
+        # added in this order, a compute ends at exactly the time a list scheduler gives it:
+        # a message arriving then decides by a strict comparison whether its receiver waited
+        work.end = self.now + seconds / pace + extra / pace
         self.started[s], self.work[s] = self.now, work
         return True
 
@@ -353,18 +359,21 @@ class _Run:
             arrival = wire + d.link[a.kind](s, a.peer)
             self.link_free[s, a.peer] = self.finished[a] = arrival
             self.transfers.append(Event(s, a, wire, arrival))
-        self._next(s)
+        self._finish(s)
 
     def _landed(self, s: int) -> None:
         """Stage s's awaited message is there: its RECV ends."""
         message = self._message(s)
+        # a strict comparison: a message there the moment its receive is posted did not wait
+        # (so a tie, which rounding may decide, switches between resume and landing)
         if self.finished[message] > self.posted.pop(s):
             self.waited[s] = True
         else:  # it landed while the stage computed, whose CPU took it in
             self.owed[s] += self.durations.landing[message.kind](message.stage, s)
-        self._next(s)
+        self._finish(s)
 
-    def _next(self, s: int) -> None:
+    def _finish(self, s: int) -> None:
+        """Stage s's current action ends now: record its event and go on to the next."""
         action = self.schedule.actions[s][self.pc[s]]
         self.events[s].append(Event(s, action, self.started[s], self.now))
         self.pc[s] += 1
@@ -378,7 +387,7 @@ class _Run:
         return message in self.finished and self.finished[message] <= self.now
 
     def _shares(self, s: int, work: _Work) -> bool:
-        return self.cores is not None and work.shares and s in self.sharing
+        return self.cores is not None and work.cpu_bound and s in self.sharing
 
     def _pace(self) -> float:
         working = sum(self._shares(s, w) for s, w in self.work.items())

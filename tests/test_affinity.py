@@ -114,4 +114,3 @@ def test_usable_cores_are_the_cpus_the_process_may_run_on():
     finally:
         os.sched_setaffinity(0, allowed)
     assert usable_cores() == len(allowed)
-

@@ -656,7 +656,9 @@ def test_stages_with_a_core_each_run_as_if_they_shared_nothing(schedule: Schedul
 def test_sharing_cores_delays_every_action_and_keeps_to_the_cores(schedule: Schedule, seed: int,
                                                                 cores: float, links: bool):
     """No action ends earlier than with a core per stage, and the cores do no more than their
-    share: the step takes at least all the stages' work over the cores."""
+    share: the step takes at least all the stages' work over the cores. (With resume or the
+    slowdowns after messages, a later message can spare its receiver a resume, so actions
+    may end earlier: none are given here.)"""
     n, m = schedule.stages, micro_batch_count(schedule)
     fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
     link = 0.3 if links else 0.0
@@ -691,10 +693,33 @@ def test_two_stages_on_one_core_split_it_while_both_compute():
     assert timeline.makespan == 8.0
     # a stage that does not share (a GPU's) keeps its pace beside them
     assert simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, sharing=[0]).makespan == 6.0
+    # three stages on two cores: while all three compute, each goes at 2/3 of its pace
+    three = simulate(gpipe(3, 3), 1.0, 1.0, cores=2.0)
+    assert three.event(Action(0, F, 1)).end == 2.0  # beside one other: a core each
+    assert three.event(Action(0, F, 2)).end == pytest.approx(3.5)  # from 2, beside two
+    assert three.event(Action(2, F, 0)).end == pytest.approx(3.5)
+
+
+def test_an_allreduce_waits_on_its_peers_and_an_optimizer_step_computes():
+    """Sharing one core, two stages' optimizer steps run one after the other; their
+    all-reduces, which wait on their peers, do not."""
+    schedule = add_step(add_communication(gpipe(2, 1)), allreduce=True)
+    assert simulate(schedule, 1.0, 1.0, allreduce=2.0).makespan == 6.0
+    assert simulate(schedule, 1.0, 1.0, allreduce=2.0, cores=1.0).makespan == 6.0
+    assert simulate(schedule, 1.0, 1.0, step=1.0).makespan == 5.0
+    assert simulate(schedule, 1.0, 1.0, step=1.0, cores=1.0).makespan == 6.0
+
+
+def test_a_message_there_the_moment_its_receive_is_posted_did_not_wait():
+    # stage 1's F0 ends at 0.1 + 0.2 + 0.1 (resume) + 0.1 = 0.5 + 0.1, exactly when F1's
+    # message lands (0.2 + 0.2 + 0.2): a list scheduler's sums in its order make the tie,
+    # so F1 pays no resume and the step is 3.9
+    assert simulate(gpipe(2, 2), 0.1, 1.0, 0.2, 0.0, resume=0.1).makespan == 3.9
 
 
 def test_sharing_takes_a_positive_core_count_and_stages_of_the_schedule():
-    with pytest.raises(ValueError, match=r"cores=0: the stages need at least a share of one"):
-        simulate(gpipe(2, 2), 1.0, 1.0, cores=0)
+    for cores in (0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=rf"cores={cores}: give the cores the sharing"):
+            simulate(gpipe(2, 2), 1.0, 1.0, cores=cores)
     with pytest.raises(ValueError, match=r"sharing=\[0, 2\] names stages a schedule of 2"):
         simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, sharing=[0, 2])
