@@ -1,0 +1,63 @@
+"""Benchmark: every action of a step, predicted against measured, one line each.
+
+action_kinds.py sums each kind of action over a step; this script shows them one by one, so a
+term of the prediction that is off shows where it is added: a send's posting, the compute
+after it, the compute after a wait. It compiles a bundled model into 2 stages (one per rank
+under torchrun, or 2 stage threads), times the units and the runtime's own work afresh,
+predicts the step, runs `--steps` steps, and prints for each action of the predicted timeline
+its start, its predicted duration and the median of its measured durations. The link's line
+above gives the terms the prediction adds.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
+        benchmarks/action_times.py --model mlp --schedule gpipe
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+from two_stages import add_model_arguments, two_stages
+
+import fxpipe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "mlp", schedule=True, steps=100)
+    parser.add_argument("--partitioner", default="even")
+    args = parser.parse_args()
+    setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
+    pipe, x, y = setup.pipe, setup.x, setup.y
+    fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1, repeats=5)
+    pipe.measure_step_overhead(x)
+    pipe.measure_forward_overhead(x)  # which the predicted timeline adds
+    predicted = pipe.predicted_timeline(fresh)
+    setup.warm_up(50)  # the cores settle after the timing (benchmarks/after_pause.py)
+    kept = []
+    for _ in range(args.steps):
+        setup.timed_step()
+        kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
+    durations: dict[str, list[float]] = defaultdict(list)
+    for run in kept:  # after the steps: gathering the traces communicates
+        for e in pipe.executor.full_trace(run):
+            durations[str(e.action)].append(e.duration)
+    if not setup.reporting():
+        return
+    print(f"{args.model}, {setup.where}, {args.partitioner}, {args.schedule}, "
+          f"{args.micro_batches} micro-batches; per action: predicted start, predicted and "
+          f"measured duration in us (median of {args.steps} steps)")
+    print(f"link: {pipe.link}")
+    print("stage costs (units' forward + the runtime's own per forward / backward): " + ", ".join(
+        f"{(s.f + o) * 1e6:.0f} / {s.b * 1e6:.0f}"
+        for s, o in zip(fresh.stages, pipe.forward_overhead)))
+    for e in sorted(predicted.events, key=lambda e: (e.stage, e.start)):
+        measured = durations.get(str(e.action))
+        shown = f"{statistics.median(measured) * 1e6:6.0f}" if measured else "     -"
+        print(f"{e.action!s:10s} start {e.start * 1e6:7.0f}  predicted "
+              f"{e.duration * 1e6:6.0f}  measured {shown}")
+
+
+if __name__ == "__main__":
+    main()
