@@ -179,7 +179,7 @@ class CompiledPipeline(torch.nn.Module):
                         after_receive_f=landing_f, after_receive_b=landing_b,
                         cores=cores, sharing=sharing)
 
-    def cpu_sharing(self) -> tuple[float | None, tuple[int, ...]]:
+    def cpu_sharing(self) -> tuple[int | None, tuple[int, ...]]:
         """The CPU cores the stage threads computing on this process's CPU have between them,
         and those stages, for the simulator to split among the ones computing at once (compile
         timed the units with at most one stage per core busy). Under torchrun (None, ()): every
@@ -187,7 +187,7 @@ class CompiledPipeline(torch.nn.Module):
         if not self.executor.everything_here:
             return None, ()
         on_cpu = tuple(s for s, r in self.executor.runners.items() if r.device.type == "cpu")
-        return float(usable_cores()), on_cpu
+        return usable_cores(), on_cpu
 
     def _posting(self, per_tensor: float
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
@@ -270,7 +270,7 @@ class CompiledPipeline(torch.nn.Module):
         # ranks on this rank's host (which compile found out)
         if self.executor.everything_here:
             cores, on_cpu = self.cpu_sharing()
-            shared = shared_cores_lines(len(on_cpu), int(cores))
+            shared = shared_cores_lines(len(on_cpu), cores)
         else:
             shared = shared_cores_lines(*self.host_cores, "ranks") if self.host_cores else []
         # compile's prediction is of its example's micro-batches (under data parallelism a

@@ -287,7 +287,7 @@ class _Run:
             pace = self._pace()
             if pace != self.pace:  # what is left of the shared work goes at the new pace
                 for s, w in self.work.items():
-                    if self._shares(s, w):
+                    if self._shares(s, w.cpu_bound):
                         w.end = self.now + (w.end - self.now) * self.pace / pace
                 self.pace = pace
             times = [w.end for w in self.work.values()] + [
@@ -335,12 +335,12 @@ class _Run:
             seconds = d.post[a.kind](s, a.peer)
         else:
             seconds = float(d.other[a.kind][s])
-        work = _Work(0.0, cpu_bound=a.kind is not ActionKind.ALLREDUCE)
-        pace = self.pace if self._shares(s, work) else 1.0
+        cpu_bound = a.kind is not ActionKind.ALLREDUCE
+        pace = self.pace if self._shares(s, cpu_bound) else 1.0
         # added in this order, a compute ends at exactly the time a list scheduler gives it:
         # a message arriving then decides by a strict comparison whether its receiver waited
-        work.end = self.now + seconds / pace + extra / pace
-        self.started[s], self.work[s] = self.now, work
+        self.work[s] = _Work(self.now + seconds / pace + extra / pace, cpu_bound)
+        self.started[s] = self.now
         return True
 
     def _end(self, s: int) -> None:
@@ -386,11 +386,11 @@ class _Run:
         message = self._message(s)
         return message in self.finished and self.finished[message] <= self.now
 
-    def _shares(self, s: int, work: _Work) -> bool:
-        return self.cores is not None and work.cpu_bound and s in self.sharing
+    def _shares(self, s: int, cpu_bound: bool) -> bool:
+        return self.cores is not None and cpu_bound and s in self.sharing
 
     def _pace(self) -> float:
-        working = sum(self._shares(s, w) for s, w in self.work.items())
+        working = sum(self._shares(s, w.cpu_bound) for s, w in self.work.items())
         return min(1.0, self.cores / working) if working and self.cores is not None else 1.0
 
 
