@@ -40,23 +40,28 @@ def main() -> None:
         setup.timed_step()
         kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
     durations: dict[str, list[float]] = defaultdict(list)
+    starts: dict[str, list[float]] = defaultdict(list)
     for run in kept:  # after the steps: gathering the traces communicates
-        for e in pipe.executor.full_trace(run):
+        events = pipe.executor.full_trace(run)
+        origin = min(e.start for e in events)
+        for e in events:
             durations[str(e.action)].append(e.duration)
+            starts[str(e.action)].append(e.start - origin)
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where}, {args.partitioner}, {args.schedule}, "
-          f"{args.micro_batches} micro-batches; per action: predicted start, predicted and "
-          f"measured duration in us (median of {args.steps} steps)")
+          f"{args.micro_batches} micro-batches; per action: start and duration in us, "
+          f"predicted and measured (median of {args.steps} steps)")
     print(f"link: {pipe.link}")
     print("stage costs (units' forward + the runtime's own per forward / backward): " + ", ".join(
         f"{(s.f + o) * 1e6:.0f} / {s.b * 1e6:.0f}"
         for s, o in zip(fresh.stages, pipe.forward_overhead)))
     for e in sorted(predicted.events, key=lambda e: (e.stage, e.start)):
-        measured = durations.get(str(e.action))
-        shown = f"{statistics.median(measured) * 1e6:6.0f}" if measured else "     -"
-        print(f"{e.action!s:10s} start {e.start * 1e6:7.0f}  predicted "
-              f"{e.duration * 1e6:6.0f}  measured {shown}")
+        measured, began = durations.get(str(e.action)), starts.get(str(e.action))
+        shown = (f"{statistics.median(began) * 1e6:7.0f}  {statistics.median(measured) * 1e6:6.0f}"
+                 if measured else "      -       -")
+        print(f"{e.action!s:10s} predicted {e.start * 1e6:7.0f}  {e.duration * 1e6:6.0f}"
+              f"   measured {shown}")
 
 
 if __name__ == "__main__":
