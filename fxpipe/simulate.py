@@ -132,6 +132,10 @@ def simulate(
     after_send_b: LinkCosts = 0.0,
     after_receive_f: LinkCosts = 0.0,
     after_receive_b: LinkCosts = 0.0,
+    after_wake_f: LinkCosts | None = None,
+    after_wake_b: LinkCosts | None = None,
+    after_post_f: LinkCosts = 0.0,
+    after_post_b: LinkCosts = 0.0,
     cores: float | None = None,
     sharing: Iterable[int] | None = None,
 ) -> Timeline:
@@ -154,17 +158,20 @@ def simulate(
     after_send_f / after_send_b longer, at most twice its own time: the transport's work on a
     message goes on beside the sender's next compute, sharing its CPU, so it takes at most
     half of it (0 by default; after a wait resume alone counts, as that work ran while the
-    stage waited). Likewise a message that was there before its RECV was posted landed while
-    the receiver computed, whose CPU the transport's work to take it in shared: the stage's
-    next compute takes after_receive_f / after_receive_b longer, within the same bound (0 by
-    default; a message waited for landed while the stage waited). Stages that compute on one
-    host's CPU share its cores: with `cores` given, the work of the `sharing` stages (every
-    stage by default) goes at min(1, cores / k) of its pace while k of them work at once,
-    everything but a RECV's wait and an ALLREDUCE counting as work (processor sharing; the
-    given times are as measured with up to `cores` of them busy at once; None: each a core of
-    its own, and `sharing` is not used). A compute-only schedule is lowered with
-    `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
-    checked with `check_communication`.
+    stage waited); a SEND whose receiver is blocked waiting for it adds after_wake_f /
+    after_wake_b instead (by default the same), as waking a process costs its waker more.
+    Likewise a message that was there before its RECV was posted landed while the receiver
+    computed, whose CPU the transport's work to take it in shared: the stage's next compute
+    takes after_receive_f / after_receive_b longer, within the same bound (0 by default; a
+    message waited for landed while the stage waited), and so does posting the receive add
+    after_post_f / after_post_b to it (0 by default; nothing when the RECV then waits).
+    Stages that compute on one host's CPU share its cores: with `cores` given, the work of the
+    `sharing` stages (every stage by default) goes at min(1, cores / k) of its pace while k of
+    them work at once, everything but a RECV's wait and an ALLREDUCE counting as work
+    (processor sharing; the given times are as measured with up to `cores` of them busy at
+    once; None: each a core of its own, and `sharing` is not used). A compute-only schedule
+    is lowered with `add_communication(schedule, edges)` first, so both forms time the same;
+    a lowered one is checked with `check_communication`.
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
@@ -173,9 +180,10 @@ def simulate(
     gradient dst -> src. A scalar (every edge), one per producing stage src (N,) like the cost
     model's CF_s / CB_s, or a mapping {(src, dst): time}. post_f, post_b: the sender's time per
     SEND of those messages, given the same ways; recv_post_f, recv_post_b: the receiver's time
-    per RECV of them; after_send_f, after_send_b: the sender's compute after each SEND of
-    them, and after_receive_f, after_receive_b: the receiver's compute after each RECV of
-    them that did not wait, given the same ways. resume: a scalar or one per stage. cores: a
+    per RECV of them; after_send_f, after_send_b, after_wake_f, after_wake_b: the sender's
+    compute after each SEND of them, and after_receive_f, after_receive_b, after_post_f,
+    after_post_b: the receiver's compute after each RECV of them that did not wait, given the
+    same ways. resume: a scalar or one per stage. cores: a
     number above 0, or None; sharing: stage indices (default: all).
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
@@ -217,8 +225,14 @@ def simulate(
              ActionKind.SEND_B: _link("after_send_b", after_send_b, n, forward=False)}
     landing = {ActionKind.SEND_F: _link("after_receive_f", after_receive_f, n, forward=True),
                ActionKind.SEND_B: _link("after_receive_b", after_receive_b, n, forward=False)}
-    durations = _Durations(compute, other, link, post, receive, after, landing,
-                           _per_stage("resume", resume, n))
+    wake = {ActionKind.SEND_F: _link("after_wake_f", after_send_f if after_wake_f is None
+                                     else after_wake_f, n, forward=True),
+            ActionKind.SEND_B: _link("after_wake_b", after_send_b if after_wake_b is None
+                                     else after_wake_b, n, forward=False)}
+    after_post = {ActionKind.SEND_F: _link("after_post_f", after_post_f, n, forward=True),
+                  ActionKind.SEND_B: _link("after_post_b", after_post_b, n, forward=False)}
+    durations = _Durations(compute, other, link, post, receive, after, landing, wake,
+                           after_post, _per_stage("resume", resume, n))
     run = _Run(lowered, durations, cores, sharing)
     run.run()
     stuck = run.stuck()
@@ -243,6 +257,8 @@ class _Durations:
     receive: dict[ActionKind, Callable[[int, int], float]]
     after: dict[ActionKind, Callable[[int, int], float]]
     landing: dict[ActionKind, Callable[[int, int], float]]
+    wake: dict[ActionKind, Callable[[int, int], float]]
+    after_post: dict[ActionKind, Callable[[int, int], float]]
     resume: np.ndarray
 
 
@@ -347,14 +363,16 @@ class _Run:
         """Stage s's CPU work for its current action is done: a RECV now waits for its message."""
         a, d = self.schedule.actions[s][self.pc[s]], self.durations
         del self.work[s]
-        if a.kind.is_recv:
+        if a.kind.is_recv:  # the transport's work on the receive goes on beside what follows
+            self.owed[s] += d.after_post[a.partner.kind](a.peer, s)
             self.posted[s] = self.now
             return
         if a.kind.is_compute:
             self.finished[a] = self.now
             self.busy[s] += self.now - self.started[s]
-        elif a.kind.is_send:
-            self.owed[s] += d.after[a.kind](s, a.peer)
+        elif a.kind.is_send:  # waking a receiver blocked waiting for it costs more
+            waking = a.peer in self.posted and self._message(a.peer) == a
+            self.owed[s] += (d.wake if waking else d.after)[a.kind](s, a.peer)
             wire = max(self.now, self.link_free.get((s, a.peer), 0.0))
             arrival = wire + d.link[a.kind](s, a.peer)
             self.link_free[s, a.peer] = self.finished[a] = arrival

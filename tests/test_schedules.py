@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fxpipe.cost import CostTable, Partition
@@ -467,16 +467,18 @@ def test_resuming_after_a_wait_slows_exactly_the_next_compute(
 
 
 @given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
-       st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.floats(0.0, 2.0))
+       st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.floats(0.0, 2.0),
+       st.floats(0.0, 2.0))
 def test_sends_and_landed_messages_slow_the_next_compute_unless_it_waited_at_most_doubling_it(
         schedule: Schedule, seed: int, post: float, receiving: float, resume: float,
-        after: float, landing: float):
+        after: float, landing: float, wake: float, after_post: float):
     n, m = schedule.stages, micro_batch_count(schedule)
     fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
     posting = {"post_f": post, "post_b": post, "recv_post_f": receiving,
                "recv_post_b": receiving, "resume": resume}
     slowdowns = {"after_send_f": after, "after_send_b": after, "after_receive_f": landing,
-                 "after_receive_b": landing}
+                 "after_receive_b": landing, "after_wake_f": wake, "after_wake_b": wake,
+                 "after_post_f": after_post, "after_post_b": after_post}
     slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, **slowdowns)
     for stage in range(n):
         waited, owed = True, 0.0  # every stage starts from the step's shared wait
@@ -485,9 +487,11 @@ def test_sends_and_landed_messages_slow_the_next_compute_unless_it_waited_at_mos
                 if e.end > e.start + receiving:
                     waited = True
                 else:  # the message was there: it landed while the stage computed
-                    owed += landing
-            elif e.action.kind.is_send:
-                owed += after
+                    owed += landing + after_post
+            elif e.action.kind.is_send:  # its receiver blocked in the receive: woken by it
+                posted = slowed.event(e.action.partner).start + receiving
+                assume(abs(posted - e.end) > 1e-9)  # a tie: either is right
+                owed += wake if posted < e.end else after
             elif e.action.kind.is_compute:
                 times = {K.F: fwd, K.B: bwd}.get(e.action.kind)  # W: weight time 0 here
                 compute = 0.0 if times is None else times[stage, e.action.mb]
@@ -524,6 +528,35 @@ def test_after_send_example():
     assert at["1F0"] == (1.0, 2.0) and at["1F1"] == (2.25, 3.25)
     assert at["1B1"] == (3.25, 4.25) and at["1B0"] == (4.25, 5.5)  # after sending B1
     assert at["0B1"] == (4.25, 5.25) and at["0B0"] == (5.5, 6.5)
+
+
+def test_after_wake_example():
+    # 2 stages, 3 micro-batches, no links, stage 1's forward 1.75: F0 wakes stage 1, blocked
+    # in its receive, and slows stage 0's F1 by after_wake_f; F1 reaches stage 1 as it
+    # computes, and slows F2 by after_send_f; B2 wakes stage 0 and slows stage 1's B1 by
+    # after_wake_b
+    timeline = simulate(gpipe(2, 3), [1.0, 1.75], 1.0, 0.0, 0.0, after_send_f=0.25,
+                        after_send_b=0.25, after_wake_f=0.5, after_wake_b=0.75)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["0F1"] == (1.0, 2.5) and at["0F2"] == (2.5, 3.75)
+    assert at["1B2"] == (6.25, 7.25) and at["1B1"] == (7.25, 9.0)
+    # by default waking costs what any send does
+    plain = simulate(gpipe(2, 3), [1.0, 1.75], 1.0, 0.0, 0.0, after_send_f=0.25,
+                     after_send_b=0.25)
+    assert plain.events == simulate(gpipe(2, 3), [1.0, 1.75], 1.0, 0.0, 0.0,
+                                    after_send_f=0.25, after_send_b=0.25, after_wake_f=0.25,
+                                    after_wake_b=0.25).events
+
+
+def test_after_post_example():
+    # 1F1B on 2 stages, 2 micro-batches, receives taking 0.125 to post: stage 1 posts the
+    # receive of F1 after sending B0 and finds F1 there, so its F1 runs 0.5 slower; stage 0
+    # waits in both of its receives, which costs it nothing more
+    timeline = simulate(one_f_one_b(2, 2), 1.0, 1.0, 0.0, 0.0, recv_post_f=0.125,
+                        recv_post_b=0.125, after_post_f=0.5, after_post_b=0.5)
+    at = {str(e.action): (e.start, e.end) for e in timeline.events}
+    assert at["1RF1<0"] == (3.0, 3.125) and at["1F1"] == (3.125, 4.625)
+    assert at["0B0"] == (3.0, 4.0) and at["0B1"] == (5.625, 6.625)
 
 
 def test_resume_example():
