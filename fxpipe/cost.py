@@ -24,6 +24,9 @@ class Link:
     bandwidth: float  # bytes per second (math.inf: no copy at all)
     source: str = "configured"  # where the figures come from: configured, default, measured
     post: float = 0.0  # the sender's own seconds to hand over one tensor (e.g. isend's call)
+    # the same right after a backward, as a stage sends gradients: the longer the compute
+    # before a send, the slower it goes (DistTransport.measure_posting; None: post)
+    post_back: float | None = None
     post_recv: float | None = None  # the receiver's, to post one tensor's receive (None: post)
     # the same between two computes, where a stage posts its next receive under 1F1B (a
     # forwards-first stage posts them all back to back at the start; None: post_recv)
@@ -35,9 +38,25 @@ class Link:
     # how much longer the sender's next compute runs after it sent a message, per tensor: the
     # transport's work on the message goes on beside it (DistTransport.measure_posting)
     after_send: float = 0.0
+    # the same where the message wakes a receiver blocked waiting for it (None: after_send)
+    after_wake: float | None = None
     # how much longer the receiver's compute runs while a message lands, per tensor: the
     # transport's work to take it in shares its CPU (DistTransport.measure_posting)
     after_receive: float = 0.0
+    # how much longer a stage's next compute runs after it posted a receive between two
+    # computes, per tensor: the transport's work on the receive goes on beside it
+    after_post: float = 0.0
+
+    @property
+    def posting_back(self) -> float:
+        """The sender's seconds to hand over one tensor of gradients."""
+        return self.post if self.post_back is None else self.post_back
+
+    @property
+    def waking(self) -> float:
+        """How much longer the sender's next compute runs per tensor of a message that wakes
+        its receiver."""
+        return self.after_send if self.after_wake is None else self.after_wake
 
     @property
     def receiving(self) -> float:
@@ -56,12 +75,17 @@ class Link:
         return np.where(nbytes > 0, self.latency + transfer, 0.0)
 
     def __str__(self) -> str:
-        if math.isinf(self.bandwidth) and not (self.latency or self.post or self.receiving
+        if math.isinf(self.bandwidth) and not (self.latency or self.post or self.posting_back
+                                                or self.receiving
                                                 or self.receiving_between
                                                 or any(np.atleast_1d(self.resume))
-                                                or self.after_send or self.after_receive):
+                                                or self.after_send or self.after_receive
+                                                or self.waking or self.after_post):
             return f"free (same device, no copy; {self.source})"
-        posting = f", {self.post * 1e6:.0f} us to post each tensor" if self.post else ""
+        posting = (f", {self.post * 1e6:.0f} us to post each tensor"
+                   if self.post or self.posting_back else "")
+        if self.posting_back != self.post:
+            posting += f" ({self.posting_back * 1e6:.0f} us after a backward)"
         if self.receiving != self.post:
             posting += f", {self.receiving * 1e6:.0f} us to post its receive"
         if self.receiving_between != self.receiving:
@@ -71,11 +95,16 @@ class Link:
             posting += f", compute {slower} us slower after a wait"
             if np.ndim(self.resume):
                 posting += " (per stage)"
-        if self.after_send:
+        if self.after_send or self.waking:
             posting += f", the sender's {self.after_send * 1e6:.0f} us slower per tensor sent"
+        if self.waking != self.after_send:
+            posting += f" ({self.waking * 1e6:.0f} us where it wakes the receiver)"
         if self.after_receive:
             posting += (f", the receiver's {self.after_receive * 1e6:.0f} us slower per tensor "
                         "taken in")
+        if self.after_post:
+            posting += (f", {self.after_post * 1e6:.0f} us slower per receive posted between "
+                        "computes")
         if math.isinf(self.bandwidth):
             return f"{self.latency * 1e6:.0f} us per message, no copy{posting} ({self.source})"
         return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"

@@ -165,10 +165,15 @@ class CompiledPipeline(torch.nn.Module):
         every forward also taking the runtime's own time per forward (`forward_overhead`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
-        post_f, post_b = self._posting(self.link.post)
-        recv_post_f, recv_post_b = self._receive_posting(schedule)
+        post_f, _ = self._posting(self.link.post)
+        _, post_b = self._posting(self.link.posting_back)
+        recv_post_f, recv_post_b = self._by_receiver(schedule, self.link.receiving,
+                                                     self.link.receiving_between)
         after_f, after_b = self._posting(self.link.after_send)
+        wake_f, wake_b = self._posting(self.link.waking)
         landing_f, landing_b = self._posting(self.link.after_receive)
+        # a forwards-first stage's work on its receives goes on while it waits at the start
+        after_post_f, after_post_b = self._by_receiver(schedule, 0.0, self.link.after_post)
         forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
         cores, sharing = self.cpu_sharing()
         return simulate(schedule, forward, [s.b for s in stages],
@@ -176,7 +181,9 @@ class CompiledPipeline(torch.nn.Module):
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
                         recv_post_b=recv_post_b, resume=self.link.resume,
                         after_send_f=after_f, after_send_b=after_b,
+                        after_wake_f=wake_f, after_wake_b=wake_b,
                         after_receive_f=landing_f, after_receive_b=landing_b,
+                        after_post_f=after_post_f, after_post_b=after_post_b,
                         cores=cores, sharing=sharing)
 
     def cpu_sharing(self) -> tuple[int | None, tuple[int, ...]]:
@@ -202,13 +209,14 @@ class CompiledPipeline(torch.nn.Module):
             backward[e.src, e.dst] += per_tensor if carries[e.value] else 0.0
         return forward, backward
 
-    def _receive_posting(self, schedule: Schedule
-                         ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-        """The receiver's time per message on each edge, forward and backward: a stage that
+    def _by_receiver(self, schedule: Schedule, alone: float, between: float
+                     ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        """A figure per message on each edge, forward and backward, for what posting its
+        receive costs the receiver, at `alone` or `between` seconds per tensor: a stage that
         runs its forwards first posts its receives back to back at the start, any other one
         each between two computes (the runtime's driver), which takes longer."""
-        alone_f, alone_b = self._posting(self.link.receiving)
-        between_f, between_b = self._posting(self.link.receiving_between)
+        alone_f, alone_b = self._posting(alone)
+        between_f, between_b = self._posting(between)
         first = [forwards_first(actions) for actions in schedule.actions]
         # activations are received by the edge's dst, their gradients by its src
         forward = {e: (alone_f if first[e[1]] else between_f)[e] for e in alone_f}

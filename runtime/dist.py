@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,7 +36,8 @@ from fxpipe.simulate import Event
 __all__ = ["DistCoordinator", "DistTransport", "ErrorBoard", "Posting"]
 
 _ERROR_KEY = "fxpipe/error"
-_AFTER_SEND_BURSTS = 3  # the compute timed before and after each measured send
+_AFTER_SEND_BURSTS = 3  # measure_posting's default compute: bursts per call
+_ROUND_KINDS = ("forward", "backward", "wake")  # measure_posting's rounds, in turn
 _READY_TAG = 2 ** 31 - 2  # the posting measurement's "receives posted" note, apart from _tag's
 _LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
 _TIED_TAG = 2 ** 31 - 4  # a tied weight's gradient from its other holder
@@ -289,10 +291,13 @@ class DistCoordinator:
 class Posting:
     """A transport's own seconds per tensor around a message (DistTransport.measure_posting)."""
 
-    send: float  # the sender's, in send()
+    send: float  # the sender's, in send() right after a forward
+    send_back: float  # the same right after a backward, as gradients are sent
     receive: float  # the receiver's, to post a receive back to back with others
     receive_between: float  # the same between two computes
     after_send: float  # how much longer the sender's compute right after send() runs
+    after_wake: float  # the same where the send wakes a receiver blocked waiting for it
+    after_post: float  # how much longer the receiver's compute after posting a receive runs
     after_receive: float  # how much longer the receiver's compute runs while a message lands
 
 
@@ -370,51 +375,76 @@ class DistTransport:
         for work in pending:
             self._wait(work, "a send")
 
-    def measure_posting(self, key: Any, rounds: int = 8, per_round: int = 5) -> Posting | None:
-        """Seconds this transport spends per tensor handing a message over, measured on the
-        first stage pair's forward message of run `key` (prepared). The raw isend call that the
-        link's ping-pong times misses the runtime's own work around it.
+    def measure_posting(self, key: Any, forward: Callable[[], float] | None = None,
+                        backward: Callable[[], float] | None = None, rounds: int = 9,
+                        per_round: int = 5) -> Posting | None:
+        """Seconds this transport spends per tensor around a message, measured on the first
+        stage pair's forward message of run `key` (prepared): its own time in send() and in
+        posting a receive, and how much slower the compute beside its work runs. The raw isend
+        call that the link's ping-pong times misses all of it.
 
-        The sender is timed as the pipeline sends: with the receive already posted and its
-        notice already at the sender, so send() writes the whole message itself (over gloo a
-        send the peer has not asked for yet only posts a notice, which is far cheaper). So in
-        each round the receiver posts `per_round` receives and then tells the sender, on the
-        same connection, behind their notices; the sender computes a little before each send,
-        as a stage does (right after compute, the send path runs clearly slower). The
-        transport's work on a sent message goes on after send() returns, beside the compute
-        that follows: the sender times the same compute right after each send and right
-        before it, and the difference is `after_send` (never below 0). The receiver posts its
-        receives back to back in half the rounds, as a forwards-first stage does at the start,
-        and with compute before each in the others, as a 1F1B stage posts its next receive:
-        there posting takes several times as long. The receiver then computes while the
-        messages land, and, in a quiet round before, the same computes while the sender
-        computes as it will but sends nothing: the difference per message is `after_receive`
-        (never below 0), the transport's work to take a message in on the receiver's CPU. The
-        two peers return the same figures; other ranks None."""
+        `forward` and `backward` compute as the stage does and return their seconds (the
+        stage's own, best: the send path runs slower right after compute, the more so the
+        longer it was; default: bursts of about a small stage's forward and backward, for
+        both). The rounds come in three kinds, in turn, the first round untimed:
+
+        - forward: the receiver posts its `per_round` receives back to back, as a
+          forwards-first stage does at the start, and tells the sender on the same connection,
+          behind their notices, so that send() writes the whole message itself, as in a
+          pipeline (over gloo a send the peer has not asked for yet only posts a notice). The
+          sender runs `forward` twice before each send and once after it: `send` is send()'s
+          time, `after_send` how much longer the forward right after it runs than the one
+          right before (never below 0; the transport's work on the message goes on beside it).
+        - backward: the same with `backward` before each send, as gradients are sent
+          (`send_back`); the receiver runs `forward` before and after posting each receive, as
+          a 1F1B stage posts its next receive between two computes (`receive_between`, several
+          times the back-to-back posting, `receive`), and `after_post` is how much longer the
+          forward after the posting runs.
+        - wake: the receiver waits for each message as it posts its receive, blocked, and
+          `after_wake` is how much longer the sender's forward after a send runs than before
+          it: waking a blocked receiver costs the sender more than a send to a busy one.
+
+        In the forward and backward rounds the receiver computes while the messages land, as
+        long as the sender's computes and sends take (the peers swap their compute times
+        first), and in a quiet stretch before, while the sender computes as it will but sends
+        nothing: the difference per message is `after_receive` (never below 0), the
+        transport's work to take a message in on the receiver's CPU. The two peers return the
+        same figures; other ranks None."""
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
         count = len(self._dims[key][0])
-        # the first round warms the path up and is not timed
         rounds_of = [[(key, i % count) for i in range(per_round)] for _ in range(rounds + 1)]
-        burst = ComputeBurst(self.device, size=64, depth=8, backward=True)  # like a stage
+        if forward is None:
+            burst = ComputeBurst(self.device, size=64, depth=8, backward=True)  # like a stage
 
-        def compute() -> float:  # long enough for the transport's work to end within it
-            return sum(burst() for _ in range(_AFTER_SEND_BURSTS))
+            def forward() -> float:
+                return sum(burst() for _ in range(_AFTER_SEND_BURSTS))
 
-        first = self.rank == sender
+        backward = backward or forward
+        first, peer = self.rank == sender, receiver if self.rank == sender else sender
+
+        def swap(mine: list[float]) -> list[float]:
+            return swap_figures(mine, peer, first, self._group(0, 1), self._group(1, 0),
+                                self.device)
+
+        # how long the sender's computes take, for the receiver to compute as long as the
+        # sender sends (each message lands while it computes)
+        computes = [statistics.median(f() for _ in range(3)) for f in (forward, backward)]
         if first:  # each side measures its part; the other's figures are 0 here
-            mine = self._time_sending(rounds_of, receiver, compute)
+            swap(computes)
+            mine = self._time_sending(rounds_of, receiver, forward, backward)
         else:
-            mine = self._time_receiving(rounds_of, sender, compute)
-        theirs = swap_figures(mine, receiver if first else sender, first, self._group(0, 1),
-                              self._group(1, 0), self.device)
+            mine = self._time_receiving(rounds_of, sender, forward, swap(computes))
+        theirs = swap(mine)
         tensors = max(len(self._slots(0, 1, "F")), 1)
         return Posting(*((a + b) / tensors for a, b in zip(mine, theirs)))
 
     def _time_sending(self, rounds_of: list[list[Any]], receiver: int,
-                      compute: Callable[[], float]) -> list[float]:
-        """The sender's half of measure_posting: [send, 0, 0, after_send, 0] in seconds."""
+                      forward: Callable[[], float], backward: Callable[[], float]
+                      ) -> list[float]:
+        """The sender's half of measure_posting, in Posting's order (the receiver's figures
+        0)."""
         slots = self._slots(0, 1, "F")
 
         def values(mb):  # what the stage would send: tensors of the micro-batch's shapes
@@ -424,12 +454,17 @@ class DistTransport:
                     for s in slots}
 
         ready = torch.zeros(1, device=self.device)
-        sending, before, after = [], [], []
+        sending: dict[str, list[float]] = {kind: [] for kind in _ROUND_KINDS}
+        before: dict[str, list[float]] = {kind: [] for kind in _ROUND_KINDS}
+        after: dict[str, list[float]] = {kind: [] for kind in _ROUND_KINDS}
         for index, mbs in enumerate(rounds_of):
-            dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)  # a quiet round: the
-            for _ in mbs:  # same computes without the sends, for the receiver to compare
-                compute()
-                compute()
+            kind = _ROUND_KINDS[index % len(_ROUND_KINDS)]
+            compute = backward if kind == "backward" else forward
+            dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)
+            if kind != "wake":  # a quiet stretch: the same computes without the sends
+                for _ in mbs:
+                    compute()
+                    compute()
             dist.recv(ready, receiver, self._group(0, 1), _READY_TAG)
             for mb in mbs:
                 message = values(mb)
@@ -440,48 +475,67 @@ class DistTransport:
                 sent = time.perf_counter() - start
                 slowed = compute()
                 if index > 0:
-                    sending.append(sent)
-                    before.append(computed)
-                    after.append(slowed)
+                    sending[kind].append(sent)
+                    before[kind].append(computed)
+                    after[kind].append(slowed)
             self.flush()
-        slower = max(statistics.median(after) - statistics.median(before), 0.0)
-        return [statistics.median(sending), 0.0, 0.0, slower, 0.0]
+
+        def slower(kind: str) -> float:
+            return max(statistics.median(after[kind]) - statistics.median(before[kind]), 0.0)
+
+        return [statistics.median(sending["forward"]), statistics.median(sending["backward"]),
+                0.0, 0.0, slower("forward"), slower("wake"), 0.0, 0.0]
 
     def _time_receiving(self, rounds_of: list[list[Any]], sender: int,
-                        compute: Callable[[], float]) -> list[float]:
-        """The receiver's half of measure_posting: [0, receive, receive_between, 0,
-        after_receive] in seconds."""
+                        compute: Callable[[], float], senders: list[float]) -> list[float]:
+        """The receiver's half of measure_posting, in Posting's order (the sender's figures
+        0). `senders`: the seconds of the sender's forward and backward."""
         ready = torch.zeros(1, device=self.device)
-        alone, between, quiet, landing = [], [], [], []
+        alone, between, before, after, slower = [], [], [], [], []
+        own = max(statistics.median(compute() for _ in range(3)), 1e-9)
 
-        def busy() -> float:  # as a stage is while messages come
-            return sum(compute() for _ in range(3 * per_round))
+        def busy(kind: str) -> float:  # as a stage is while messages come: as long as the
+            # sender's 3 computes and a send per message, or longer (a send taking at most
+            # one compute's time), with a margin
+            sending = len(rounds_of[0]) * 4 * senders[kind == "backward"]
+            return sum(compute() for _ in range(math.ceil(1.25 * sending / own)))
 
         per_round = len(rounds_of[0])
         for index, mbs in enumerate(rounds_of):
+            kind, timed = _ROUND_KINDS[index % len(_ROUND_KINDS)], index > 0
             dist.send(ready, sender, self._group(0, 1), _READY_TAG)
-            if index > 0:
-                quiet.append(busy())
-            else:
-                busy()
-            posted, seconds = [], between if index % 2 else alone
+            if kind == "wake":
+                dist.send(ready, sender, self._group(0, 1), _READY_TAG)
+                for mb in mbs:  # blocked in each wait, as a stage waiting for its input
+                    for work in self._post_receive(0, 1, "F", mb)[2]:
+                        self._wait(work, "a measured message")
+                continue
+            quiet = busy(kind)
+            posted = []
             for mb in mbs:
-                if index % 2:
-                    compute()
+                if kind == "backward":
+                    computed = compute()
                 start = time.perf_counter()
                 posted.append(self._post_receive(0, 1, "F", mb))
-                if index > 0:
-                    seconds.append(time.perf_counter() - start)
+                took = time.perf_counter() - start
+                if kind == "backward":
+                    slowed = compute()
+                if timed and kind == "backward":
+                    between.append(took)
+                    before.append(computed)
+                    after.append(slowed)
+                elif timed:
+                    alone.append(took)
             dist.send(ready, sender, self._group(0, 1), _READY_TAG)
-            if index > 0:
-                landing.append(busy())
-            else:
-                busy()
+            landing = busy(kind)
+            if timed:  # the same computes with the messages landing, per message
+                slower.append((landing - quiet) / per_round)
             for _, _, works in posted:
                 for work in works:
                     self._wait(work, "a measured message")
-        slower = max(statistics.median(landing) - statistics.median(quiet), 0.0) / per_round
-        return [0.0, statistics.median(alone), statistics.median(between), 0.0, slower]
+        posting = max(statistics.median(after) - statistics.median(before), 0.0)
+        return [0.0, 0.0, statistics.median(alone), statistics.median(between), 0.0, 0.0,
+                posting, max(statistics.median(slower), 0.0)]
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -460,16 +460,26 @@ class PipelineExecutor:
             self._trace, self.trace_origin, self.last_schedule, self.last_sizes = kept
 
     def posting_time(self, flat_inputs: Sequence[Any] | None) -> Posting | None:
-        """The transport's seconds per tensor around a message (the sender's, the receiver's,
-        the sender's compute slower after it), measured on the micro-batches of `flat_inputs`
-        (None where the transport has no such measure, or this rank sends and receives none
-        of the measured message). Every rank of the pipeline must call it."""
+        """The transport's seconds per tensor around a message (DistTransport.measure_posting),
+        measured on the micro-batches of `flat_inputs`, each rank computing as its stage does:
+        its forward and backward on the values a forward of `flat_inputs` hands it (None where
+        the transport has no such measure, or this rank sends and receives none of the
+        measured message). Leaves no gradient, buffer or trace behind. Every rank of the
+        pipeline must call it."""
         measure = getattr(self.transport, "measure_posting", None)
         if measure is None:
             return None
-        call = self._call(flat_inputs if self.first else None)
-        self.transport.prepare(call.key, call.sizes, call.seq)
-        return measure(call.key)
+        with self._timing_the_stages():
+            inputs = self._stage_inputs(flat_inputs)
+            call = self._call(flat_inputs if self.first else None)
+            self.transport.prepare(call.key, call.sizes, call.seq)
+            if len(self.runners) != 1:  # one stage per rank is what the measure is made for
+                return measure(call.key)
+            (runner,) = self.runners.values()
+            try:
+                return measure(call.key, *_stage_timers(runner, inputs[runner.index]))
+            finally:
+                runner.discard("posting")  # what a failed run left in flight
 
     def _targets(self, targets: Sequence[Any], calls: Sequence[Call]) -> list[Any]:
         """Each mini-batch's target cut like its inputs; one clear error per kind of mismatch."""
@@ -617,6 +627,38 @@ def _own_time_per_forward(runner: StageRunner, values: Mapping[str, Any], repeat
         for hook in hooks:
             hook.remove()
     return max(statistics.median(overheads), 0.0)
+
+
+def _stage_timers(runner: StageRunner, values: Mapping[str, Any]
+                  ) -> tuple[Callable[[], float], Callable[[], float]]:
+    """Two calls that return their seconds: one runs the stage's forward on `values`, as a
+    step does (its graph dropped after); the other a forward, untimed, and its backward."""
+    keys = itertools.count()
+
+    def timed(work: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        work()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        return time.perf_counter() - start
+
+    def forward() -> float:
+        with torch.enable_grad():  # a worker thread keeps the last run's grad mode
+            seconds = timed(lambda: runner.forward(("posting", next(keys)), values))
+        runner.discard("posting")  # the graph goes, as its backward would free it
+        return seconds
+
+    def backward() -> float:
+        key = ("posting", next(keys))
+        with torch.enable_grad():
+            outputs = runner.forward(key, values)
+            gradients = _ones_for(runner, outputs)
+            if not gradients:  # the last stage's: a loss's backward
+                runner.add_root(key, _stand_in_loss(outputs))
+            timed(lambda: None)  # the forward's kernels done (on a GPU) before the timing
+            return timed(lambda: runner.backward(key, gradients))
+
+    return forward, backward
 
 
 def _stand_in_loss(outputs: Mapping[str, Any]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -46,6 +47,20 @@ def test_link_time_and_defaults():
     assert default_link("cpu", "cpu").time(1e9) == 0.0  # one process: references, no copy
     assert default_link("cpu", "cpu", distributed=True).time(2e9) == pytest.approx(1 + 50e-6)
     assert math.isfinite(default_link("cuda:0", "cuda:1").bandwidth)
+
+
+def test_a_links_terms_default_to_their_general_figure_and_are_told_when_apart():
+    link = Link(1e-4, 1e9, post=5e-5, after_send=2e-5)
+    assert (link.posting_back, link.waking) == (5e-5, 2e-5)  # as any send, unless measured
+    assert "after a backward" not in str(link) and "wakes" not in str(link)
+    told = dataclasses.replace(link, post_back=6e-5, after_wake=4.5e-5, after_post=2e-5)
+    assert (told.posting_back, told.waking) == (6e-5, 4.5e-5)
+    assert ("50 us to post each tensor (60 us after a backward)" in str(told)
+            and "the sender's 20 us slower per tensor sent (45 us where it wakes the receiver)"
+            in str(told) and "20 us slower per receive posted between computes" in str(told))
+    for term in ("post_back", "after_wake", "after_post"):  # a term it has is never left out
+        alone = str(Link(0.0, math.inf, **{term: 3e-6}))
+        assert "free" not in alone and "3 us" in alone
 
 
 def test_memory_estimate_counts_weights_state_and_in_flight_activations():

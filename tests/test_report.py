@@ -519,6 +519,29 @@ def test_a_stage_posts_its_receives_as_the_runtime_does(schedule, posting):
     assert "3000000 us between computes" in str(pipe.link)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_only_a_stage_posting_between_computes_pays_for_it_in_the_next_one(schedule):
+    """Posting a receive between two computes (1F1B) slows the stage's next compute by
+    Link.after_post, at most doubling it; a forwards-first stage (GPipe) posts its receives
+    at the start, while it waits, which costs its computes nothing."""
+    x = torch.randn(8, 32)
+    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
+    vars(pipe)["link"] = dataclasses.replace(pipe.link, post_recv=1e-3, after_post=0.0)
+    plain = {str(e.action): e.duration for e in pipe.predicted_timeline().events
+             if e.action.kind.is_compute}
+    vars(pipe)["link"] = dataclasses.replace(pipe.link, after_post=1.0)
+    slowed = {str(e.action): e.duration for e in pipe.predicted_timeline().events
+              if e.action.kind.is_compute}
+    doubled = [a for a in plain if slowed[a] == pytest.approx(2 * plain[a])]
+    if schedule == "gpipe":
+        assert slowed == plain
+    else:  # stage 1 posts the receives of F1..F3 after sending a gradient, and finds them
+        assert doubled == ["1F1", "1F2", "1F3"]
+        assert all(slowed[a] == pytest.approx(plain[a]) for a in plain if a not in doubled)
+    assert "1000000 us slower per receive posted between computes" in str(pipe.link)
+
+
 def test_each_stage_pays_its_own_slowdown_after_a_wait():
     """Link.resume may hold one figure per stage (under torchrun compile measures each
     stage's own compute after a wait): a stage's first compute, after the wait every step

@@ -153,9 +153,11 @@ def _with_stage_terms(pipe: CompiledPipeline, link: Link, layout, flat: Sequence
     if shared[0] is None:
         return link
     posting = shared[0]
-    return dataclasses.replace(link, post=posting.send, post_recv=posting.receive,
+    return dataclasses.replace(link, post=posting.send, post_back=posting.send_back,
+                               post_recv=posting.receive,
                                post_recv_between=posting.receive_between,
-                               after_send=posting.after_send, after_receive=posting.after_receive)
+                               after_send=posting.after_send, after_wake=posting.after_wake,
+                               after_receive=posting.after_receive, after_post=posting.after_post)
 
 
 def _measure_link(pipe: CompiledPipeline, layout, links: _LinkGroups, device: str,

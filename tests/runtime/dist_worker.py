@@ -136,6 +136,7 @@ def train(name, stages, schedule, micro_batches, out):
         losses = train_pipelined(pipe, data)
         retimed = fxpipe.retime(pipe, data[0][0])  # other stages' units timed on real copies
         assert pipe.link.source.startswith("measured ping-pong") and pipe.link.post > 0
+        assert pipe.link.post_back is not None and pipe.link.post_back > 0
         assert pipe.link.post_recv is not None and pipe.link.post_recv > 0
         assert pipe.link.post_recv_between is not None and pipe.link.post_recv_between > 0
         # one figure per stage, each measured on the stage's own compute; beyond 50 ms the
@@ -144,6 +145,8 @@ def train(name, stages, schedule, micro_batches, out):
         assert all(0 <= figure < 0.05 for figure in pipe.link.resume)
         assert 0 <= pipe.link.after_send < 0.05
         assert 0 <= pipe.link.after_receive < 0.05
+        assert pipe.link.after_wake is not None and 0 <= pipe.link.after_wake < 0.05
+        assert 0 <= pipe.link.after_post < 0.05
         grads = [p.grad.clone() for p in pipe.parameters()]  # the last step's
         buffers = [b.clone() for b in pipe.buffers()]
         compiled, again = pipe.link, pipe.measure_link(data[0][0])  # measured anew, kept
