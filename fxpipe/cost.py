@@ -38,7 +38,8 @@ class Link:
     # how much longer the sender's next compute runs after it sent a message, per tensor: the
     # transport's work on the message goes on beside it (DistTransport.measure_posting)
     after_send: float = 0.0
-    # the same where the message wakes a receiver blocked waiting for it (None: after_send)
+    # the same where the message wakes a receiver blocked waiting for it that posts its next
+    # receive between computes, at once, whose notice lands beside it (None: after_send)
     after_wake: float | None = None
     # how much longer the receiver's compute runs while a message lands, per tensor: the
     # transport's work to take it in shares its CPU (DistTransport.measure_posting)
@@ -55,7 +56,7 @@ class Link:
     @property
     def waking(self) -> float:
         """How much longer the sender's next compute runs per tensor of a message that wakes
-        its receiver."""
+        a receiver which posts its next receive at once."""
         return self.after_send if self.after_wake is None else self.after_wake
 
     @property
@@ -103,8 +104,8 @@ class Link:
             posting += (f", the receiver's {self.after_receive * 1e6:.0f} us slower per tensor "
                         "taken in")
         if self.after_post:
-            posting += (f", {self.after_post * 1e6:.0f} us slower per receive posted between "
-                        "computes")
+            posting += (f", its compute {self.after_post * 1e6:.0f} us slower per tensor whose "
+                        "receive it posted between computes")
         if math.isinf(self.bandwidth):
             return f"{self.latency * 1e6:.0f} us per message, no copy{posting} ({self.source})"
         return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"

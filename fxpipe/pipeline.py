@@ -170,7 +170,8 @@ class CompiledPipeline(torch.nn.Module):
         recv_post_f, recv_post_b = self._by_receiver(schedule, self.link.receiving,
                                                      self.link.receiving_between)
         after_f, after_b = self._posting(self.link.after_send)
-        wake_f, wake_b = self._posting(self.link.waking)
+        # a woken receiver posting between computes posts its next receive at once
+        wake_f, wake_b = self._by_receiver(schedule, self.link.after_send, self.link.waking)
         landing_f, landing_b = self._posting(self.link.after_receive)
         # a forwards-first stage's work on its receives goes on while it waits at the start
         after_post_f, after_post_b = self._by_receiver(schedule, 0.0, self.link.after_post)

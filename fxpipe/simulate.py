@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -159,12 +160,15 @@ def simulate(
     message goes on beside the sender's next compute, sharing its CPU, so it takes at most
     half of it (0 by default; after a wait resume alone counts, as that work ran while the
     stage waited); a SEND whose receiver is blocked waiting for it adds after_wake_f /
-    after_wake_b instead (by default the same), as waking a process costs its waker more.
+    after_wake_b instead (by default the same; waking a process may cost its waker more).
     Likewise a message that was there before its RECV was posted landed while the receiver
     computed, whose CPU the transport's work to take it in shared: the stage's next compute
     takes after_receive_f / after_receive_b longer, within the same bound (0 by default; a
-    message waited for landed while the stage waited), and so does posting the receive add
-    after_post_f / after_post_b to it (0 by default; nothing when the RECV then waits).
+    message waited for landed while the stage waited). The runtime posts a RECV's receive
+    early, right before the stage's first compute that comes before the RECV, and the
+    transport's work on it goes on beside that compute, which takes after_post_f /
+    after_post_b longer (0 by default), within the same bound, whether or not the stage
+    waited before it (the time to post stays the RECV's).
     Stages that compute on one host's CPU share its cores: with `cores` given, the work of the
     `sharing` stages (every stage by default) goes at min(1, cores / k) of its pace while k of
     them work at once, everything but a RECV's wait and an ALLREDUCE counting as work
@@ -181,9 +185,9 @@ def simulate(
     model's CF_s / CB_s, or a mapping {(src, dst): time}. post_f, post_b: the sender's time per
     SEND of those messages, given the same ways; recv_post_f, recv_post_b: the receiver's time
     per RECV of them; after_send_f, after_send_b, after_wake_f, after_wake_b: the sender's
-    compute after each SEND of them, and after_receive_f, after_receive_b, after_post_f,
-    after_post_b: the receiver's compute after each RECV of them that did not wait, given the
-    same ways. resume: a scalar or one per stage. cores: a
+    compute after each SEND of them, after_receive_f, after_receive_b: the receiver's compute
+    after each RECV of them that did not wait, and after_post_f, after_post_b: its compute
+    that posts the receive, given the same ways. resume: a scalar or one per stage. cores: a
     number above 0, or None; sharing: stage indices (default: all).
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
@@ -286,6 +290,9 @@ class _Run:
         self.pc = [0] * n
         self.waited = [True] * n  # whether the stage blocked since its last compute
         self.owed = [0.0] * n  # the slowdown of the SENDs and unwaited RECVs since it computed
+        self.receives = [[i for i, a in enumerate(actions) if a.kind.is_recv]
+                         for actions in schedule.actions]
+        self.prefetched = [-1] * n  # the last RECV whose receive a compute posted
         self.started = [0.0] * n  # when the stage's current action started
         self.busy = [0.0] * n
         self.finished: dict[Action, float] = {}  # computes, and messages keyed by their SEND
@@ -345,7 +352,9 @@ class _Run:
             seconds = d.receive[a.partner.kind](a.peer, s)
         elif a.kind.is_compute:
             seconds = float(d.compute[a.kind][s, a.mb])
-            extra = float(d.resume[s]) if self.waited[s] else min(self.owed[s], seconds)
+            posting = self._posting_beside(s)
+            extra = (float(d.resume[s]) + min(posting, seconds) if self.waited[s]
+                     else min(self.owed[s] + posting, seconds))
             self.waited[s], self.owed[s] = False, 0.0
         elif a.kind.is_send:
             seconds = d.post[a.kind](s, a.peer)
@@ -363,18 +372,19 @@ class _Run:
         """Stage s's CPU work for its current action is done: a RECV now waits for its message."""
         a, d = self.schedule.actions[s][self.pc[s]], self.durations
         del self.work[s]
-        if a.kind.is_recv:  # the transport's work on the receive goes on beside what follows
-            self.owed[s] += d.after_post[a.partner.kind](a.peer, s)
+        if a.kind.is_recv:
             self.posted[s] = self.now
             return
         if a.kind.is_compute:
             self.finished[a] = self.now
             self.busy[s] += self.now - self.started[s]
-        elif a.kind.is_send:  # waking a receiver blocked waiting for it costs more
-            waking = a.peer in self.posted and self._message(a.peer) == a
-            self.owed[s] += (d.wake if waking else d.after)[a.kind](s, a.peer)
+        elif a.kind.is_send:
             wire = max(self.now, self.link_free.get((s, a.peer), 0.0))
             arrival = wire + d.link[a.kind](s, a.peer)
+            # its receiver blocked in the RECV of it, and so woken by it (as _landed decides)
+            waking = (a.peer in self.posted and self._message(a.peer) == a
+                      and self.posted[a.peer] < arrival)
+            self.owed[s] += (d.wake if waking else d.after)[a.kind](s, a.peer)
             self.link_free[s, a.peer] = self.finished[a] = arrival
             self.transfers.append(Event(s, a, wire, arrival))
         self._finish(s)
@@ -395,6 +405,17 @@ class _Run:
         action = self.schedule.actions[s][self.pc[s]]
         self.events[s].append(Event(s, action, self.started[s], self.now))
         self.pc[s] += 1
+
+    def _posting_beside(self, s: int) -> float:
+        """after_post of the stage's next RECV, when its compute about to start is the first
+        before that RECV (the runtime's driver posts the receive then), else 0."""
+        receives = self.receives[s]
+        following = bisect.bisect_right(receives, self.pc[s])
+        if following == len(receives) or receives[following] <= self.prefetched[s]:
+            return 0.0
+        self.prefetched[s] = receives[following]
+        receive = self.schedule.actions[s][receives[following]]
+        return self.durations.after_post[receive.partner.kind](receive.peer, s)
 
     def _message(self, s: int) -> Action:
         """The SEND whose message stage s's current RECV takes."""

@@ -400,9 +400,11 @@ class DistTransport:
           a 1F1B stage posts its next receive between two computes (`receive_between`, several
           times the back-to-back posting, `receive`), and `after_post` is how much longer the
           forward after the posting runs.
-        - wake: the receiver waits for each message as it posts its receive, blocked, and
-          `after_wake` is how much longer the sender's forward after a send runs than before
-          it: waking a blocked receiver costs the sender more than a send to a busy one.
+        - wake: the receiver waits for each message, blocked, and once woken posts the receive
+          of the next, as a stage that posts between computes does (the runtime posts a
+          receive before the compute ahead of it); `after_wake` is how much longer the
+          sender's forward after a send runs than before it: the notice of that posting
+          lands beside it.
 
         In the forward and backward rounds the receiver computes while the messages land, as
         long as the sender's computes and sends take (the peers swap their compute times
@@ -410,6 +412,9 @@ class DistTransport:
         nothing: the difference per message is `after_receive` (never below 0), the
         transport's work to take a message in on the receiver's CPU. The two peers return the
         same figures; other ranks None."""
+        if rounds < len(_ROUND_KINDS):
+            raise ValueError(f"measure_posting needs a round of each kind, {_ROUND_KINDS}: "
+                             f"rounds={rounds}")
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
@@ -428,14 +433,18 @@ class DistTransport:
             return swap_figures(mine, peer, first, self._group(0, 1), self._group(1, 0),
                                 self.device)
 
-        # how long the sender's computes take, for the receiver to compute as long as the
-        # sender sends (each message lands while it computes)
-        computes = [statistics.median(f() for _ in range(3)) for f in (forward, backward)]
+        # how long the computes take, for the receiver to compute as long as the sender sends
+        # (each message lands while it computes): the sender's forward and backward, the
+        # receiver's forward
+        computes = [statistics.median(f() for _ in range(3))
+                    for f in ((forward, backward) if first else (forward,))]
+        computes += [0.0] * (2 - len(computes))
         if first:  # each side measures its part; the other's figures are 0 here
             swap(computes)
             mine = self._time_sending(rounds_of, receiver, forward, backward)
         else:
-            mine = self._time_receiving(rounds_of, sender, forward, swap(computes))
+            mine = self._time_receiving(rounds_of, sender, forward, computes[0],
+                                        swap(computes))
         theirs = swap(mine)
         tensors = max(len(self._slots(0, 1, "F")), 1)
         return Posting(*((a + b) / tensors for a, b in zip(mine, theirs)))
@@ -487,12 +496,14 @@ class DistTransport:
                 0.0, 0.0, slower("forward"), slower("wake"), 0.0, 0.0]
 
     def _time_receiving(self, rounds_of: list[list[Any]], sender: int,
-                        compute: Callable[[], float], senders: list[float]) -> list[float]:
+                        compute: Callable[[], float], own: float, senders: list[float]
+                        ) -> list[float]:
         """The receiver's half of measure_posting, in Posting's order (the sender's figures
-        0). `senders`: the seconds of the sender's forward and backward."""
+        0). `own`: the seconds of `compute`; `senders`: those of the sender's forward and
+        backward."""
         ready = torch.zeros(1, device=self.device)
         alone, between, before, after, slower = [], [], [], [], []
-        own = max(statistics.median(compute() for _ in range(3)), 1e-9)
+        own = max(own, 1e-9)
 
         def busy(kind: str) -> float:  # as a stage is while messages come: as long as the
             # sender's 3 computes and a send per message, or longer (a send taking at most
@@ -504,9 +515,9 @@ class DistTransport:
         for index, mbs in enumerate(rounds_of):
             kind, timed = _ROUND_KINDS[index % len(_ROUND_KINDS)], index > 0
             dist.send(ready, sender, self._group(0, 1), _READY_TAG)
-            if kind == "wake":
+            if kind == "wake":  # blocked in each wait, posting the next receive once woken
                 dist.send(ready, sender, self._group(0, 1), _READY_TAG)
-                for mb in mbs:  # blocked in each wait, as a stage waiting for its input
+                for mb in mbs:
                     for work in self._post_receive(0, 1, "F", mb)[2]:
                         self._wait(work, "a measured message")
                 continue
@@ -514,6 +525,7 @@ class DistTransport:
             posted = []
             for mb in mbs:
                 if kind == "backward":
+                    compute()  # the last posting's work done before the next is timed
                     computed = compute()
                 start = time.perf_counter()
                 posted.append(self._post_receive(0, 1, "F", mb))

@@ -57,7 +57,8 @@ def test_a_links_terms_default_to_their_general_figure_and_are_told_when_apart()
     assert (told.posting_back, told.waking) == (6e-5, 4.5e-5)
     assert ("50 us to post each tensor (60 us after a backward)" in str(told)
             and "the sender's 20 us slower per tensor sent (45 us where it wakes the receiver)"
-            in str(told) and "20 us slower per receive posted between computes" in str(told))
+            in str(told) and "its compute 20 us slower per tensor whose receive it posted "
+            "between computes" in str(told))
     for term in ("post_back", "after_wake", "after_post"):  # a term it has is never left out
         alone = str(Link(0.0, math.inf, **{term: 3e-6}))
         assert "free" not in alone and "3 us" in alone

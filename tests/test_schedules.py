@@ -480,22 +480,31 @@ def test_sends_and_landed_messages_slow_the_next_compute_unless_it_waited_at_mos
                  "after_receive_b": landing, "after_wake_f": wake, "after_wake_b": wake,
                  "after_post_f": after_post, "after_post_b": after_post}
     slowed = simulate(schedule, fwd, bwd, 0.5, 0.5, **posting, **slowdowns)
-    for stage in range(n):
+    for stage, actions in enumerate(slowed.schedule.actions):
         waited, owed = True, 0.0  # every stage starts from the step's shared wait
-        for e in (e for e in slowed.events if e.stage == stage):
-            if e.action.kind.is_recv:
+        receives = [i for i, a in enumerate(actions) if a.kind.is_recv]
+        posted_early = set()  # receives posted before a compute, as the runtime does
+        for i, action in enumerate(actions):
+            e = slowed.event(action)
+            if action.kind.is_recv:
                 if e.end > e.start + receiving:
                     waited = True
                 else:  # the message was there: it landed while the stage computed
-                    owed += landing + after_post
-            elif e.action.kind.is_send:  # its receiver blocked in the receive: woken by it
-                posted = slowed.event(e.action.partner).start + receiving
+                    owed += landing
+            elif action.kind.is_send:  # its receiver blocked in the receive: woken by it
+                posted = slowed.event(action.partner).start + receiving
                 assume(abs(posted - e.end) > 1e-9)  # a tie: either is right
                 owed += wake if posted < e.end else after
-            elif e.action.kind.is_compute:
-                times = {K.F: fwd, K.B: bwd}.get(e.action.kind)  # W: weight time 0 here
-                compute = 0.0 if times is None else times[stage, e.action.mb]
-                extra = resume if waited else min(owed, compute)
+            elif action.kind.is_compute:
+                times = {K.F: fwd, K.B: bwd}.get(action.kind)  # W: weight time 0 here
+                compute = 0.0 if times is None else times[stage, action.mb]
+                following = next((r for r in receives if r > i), None)
+                beside = 0.0  # the next receive, if this is the first compute before it
+                if following is not None and following not in posted_early:
+                    posted_early.add(following)
+                    beside = after_post
+                extra = (resume + min(beside, compute) if waited
+                         else min(owed + beside, compute))
                 assert e.duration == pytest.approx(compute + extra)
                 waited, owed = False, 0.0
     # Without the resume slowdown, the slowdowns only add time, so the step cannot get shorter.
@@ -540,6 +549,13 @@ def test_after_wake_example():
     at = {str(e.action): (e.start, e.end) for e in timeline.events}
     assert at["0F1"] == (1.0, 2.5) and at["0F2"] == (2.5, 3.75)
     assert at["1B2"] == (6.25, 7.25) and at["1B1"] == (7.25, 9.0)
+    # stage 1 posts the receive of F0 the moment F0 arrives: it did not wait for it, so
+    # stage 0 did not wake it; B1 wakes stage 0, blocked in the receive of it since 2.25
+    tie = simulate(gpipe(2, 2), 1.0, 1.0, 0.0, 0.0, recv_post_f=1.0, after_send_f=0.25,
+                   after_send_b=0.25, after_wake_f=0.5, after_wake_b=0.5)
+    at = {str(e.action): (e.start, e.end) for e in tie.events}
+    assert at["1RF0<0"] == (0.0, 1.0) and at["1F0"] == (1.0, 2.0) and at["0F1"] == (1.0, 2.25)
+    assert at["1B1"] == (4.0, 5.0) and at["1B0"] == (5.0, 6.5)
     # by default waking costs what any send does
     plain = simulate(gpipe(2, 3), [1.0, 1.75], 1.0, 0.0, 0.0, after_send_f=0.25,
                      after_send_b=0.25)
@@ -549,14 +565,17 @@ def test_after_wake_example():
 
 
 def test_after_post_example():
-    # 1F1B on 2 stages, 2 micro-batches, receives taking 0.125 to post: stage 1 posts the
-    # receive of F1 after sending B0 and finds F1 there, so its F1 runs 0.5 slower; stage 0
-    # waits in both of its receives, which costs it nothing more
+    # 1F1B on 2 stages, 2 micro-batches, receives taking 0.125 to post: a stage posts each
+    # receive before the first compute ahead of it, which runs 0.5 slower, waited or not:
+    # stage 0's F0 (for B0's gradient) and B0 (for B1's), stage 1's F0 (for F1's
+    # activations); the last compute of each stage posts nothing
     timeline = simulate(one_f_one_b(2, 2), 1.0, 1.0, 0.0, 0.0, recv_post_f=0.125,
                         recv_post_b=0.125, after_post_f=0.5, after_post_b=0.5)
     at = {str(e.action): (e.start, e.end) for e in timeline.events}
-    assert at["1RF1<0"] == (3.0, 3.125) and at["1F1"] == (3.125, 4.625)
-    assert at["0B0"] == (3.0, 4.0) and at["0B1"] == (5.625, 6.625)
+    assert at["0F0"] == (0.0, 1.5) and at["0F1"] == (1.5, 2.5)
+    assert at["1F0"] == (1.5, 3.0) and at["1B0"] == (3.0, 4.0)
+    assert at["1RF1<0"] == (4.0, 4.125) and at["1F1"] == (4.125, 5.125)
+    assert at["0B0"] == (4.0, 5.5) and at["0B1"] == (6.125, 7.125)
 
 
 def test_resume_example():

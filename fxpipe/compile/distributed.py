@@ -138,8 +138,10 @@ def _ping_pong(plan: Plan, layout, links: _LinkGroups, device: str) -> Link:
 def _with_stage_terms(pipe: CompiledPipeline, link: Link, layout, flat: Sequence[Any]
                       ) -> Link:
     """`link` with the terms measured on the pipeline's own stages: the runtime's own time to
-    send and receive a tensor, and how much it slows the compute after a send and while a
-    message lands, measured on the first stage pair and shared by its first rank; and each
+    send a tensor (after a forward and after a backward) and to post its receive, and how much
+    it slows the compute after a send (and after one that wakes its receiver), after posting a
+    receive and while a message lands, measured on the first stage pair computing as its
+    stages do (DistTransport.measure_posting) and shared by its first rank; and each
     stage's own slowdown after a wait, which depends on what the stage computes, in place of
     the ping-pong's small probe (the plan's link as it is)."""
     if not _link_measured(pipe.plan):
