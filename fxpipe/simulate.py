@@ -217,24 +217,15 @@ def simulate(
     }
     other = {ActionKind.STEP: _per_stage("step", step, n),
              ActionKind.ALLREDUCE: _per_stage("allreduce", allreduce, n)}
-    link = {ActionKind.SEND_F: _link("send_f", send_f, n, forward=True),
-            ActionKind.SEND_B: _link("send_b", send_b, n, forward=False)}
-    post = {ActionKind.SEND_F: _link("post_f", post_f, n, forward=True),
-            ActionKind.SEND_B: _link("post_b", post_b, n, forward=False)}
-    receive = {ActionKind.SEND_F: _link("recv_post_f", post_f if recv_post_f is None
-                                        else recv_post_f, n, forward=True),
-               ActionKind.SEND_B: _link("recv_post_b", post_b if recv_post_b is None
-                                        else recv_post_b, n, forward=False)}
-    after = {ActionKind.SEND_F: _link("after_send_f", after_send_f, n, forward=True),
-             ActionKind.SEND_B: _link("after_send_b", after_send_b, n, forward=False)}
-    landing = {ActionKind.SEND_F: _link("after_receive_f", after_receive_f, n, forward=True),
-               ActionKind.SEND_B: _link("after_receive_b", after_receive_b, n, forward=False)}
-    wake = {ActionKind.SEND_F: _link("after_wake_f", after_send_f if after_wake_f is None
-                                     else after_wake_f, n, forward=True),
-            ActionKind.SEND_B: _link("after_wake_b", after_send_b if after_wake_b is None
-                                     else after_wake_b, n, forward=False)}
-    after_post = {ActionKind.SEND_F: _link("after_post_f", after_post_f, n, forward=True),
-                  ActionKind.SEND_B: _link("after_post_b", after_post_b, n, forward=False)}
+    link = _by_direction("send", send_f, send_b, n)
+    post = _by_direction("post", post_f, post_b, n)
+    receive = _by_direction("recv_post", post_f if recv_post_f is None else recv_post_f,
+                            post_b if recv_post_b is None else recv_post_b, n)
+    after = _by_direction("after_send", after_send_f, after_send_b, n)
+    landing = _by_direction("after_receive", after_receive_f, after_receive_b, n)
+    wake = _by_direction("after_wake", after_send_f if after_wake_f is None else after_wake_f,
+                         after_send_b if after_wake_b is None else after_wake_b, n)
+    after_post = _by_direction("after_post", after_post_f, after_post_b, n)
     durations = _Durations(compute, other, link, post, receive, after, landing, wake,
                            after_post, _per_stage("resume", resume, n))
     run = _Run(lowered, durations, cores, sharing)
@@ -478,6 +469,14 @@ def _times(name: str, value: object) -> np.ndarray:
     if not np.all(np.isfinite(array)) or np.any(array < 0):
         raise ValueError(f"{name} must hold finite non-negative times, got {value!r}")
     return array
+
+
+def _by_direction(name: str, forward: LinkCosts, backward: LinkCosts, n: int
+                  ) -> dict[ActionKind, Callable[[int, int], float]]:
+    """A figure per message, looked up by the kind of its SEND: `name`_f for activations,
+    `name`_b for their gradients."""
+    return {ActionKind.SEND_F: _link(f"{name}_f", forward, n, forward=True),
+            ActionKind.SEND_B: _link(f"{name}_b", backward, n, forward=False)}
 
 
 def _link(name: str, value: LinkCosts, n: int, forward: bool) -> Callable[[int, int], float]:

@@ -519,28 +519,37 @@ def test_a_stage_posts_its_receives_as_the_runtime_does(schedule, posting):
     assert "3000000 us between computes" in str(pipe.link)
 
 
+def _doubled_by(schedule: str, plain: dict, slowed: dict
+                ) -> tuple[fxpipe.CompiledPipeline, list[str]]:
+    """A 2-stage MLP pipeline of `schedule` and its predicted computes that the link's terms
+    `slowed` (over `plain`) make twice as long; every other compute stays as it was."""
+    x = torch.randn(8, 32)
+    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
+    durations = []
+    for terms in (plain, slowed):
+        vars(pipe)["link"] = dataclasses.replace(pipe.link, **terms)
+        durations.append({str(e.action): e.duration for e in pipe.predicted_timeline().events
+                          if e.action.kind.is_compute})
+    before, after = durations
+    doubled = [a for a in before if after[a] == pytest.approx(2 * before[a])]
+    assert all(after[a] == pytest.approx(before[a]) for a in before if a not in doubled)
+    return pipe, doubled
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_only_a_stage_posting_between_computes_pays_for_it_in_the_next_one(schedule):
     """A stage that posts its receives between computes (1F1B) posts each before the first
     compute ahead of it, which Link.after_post slows, at most doubling it; a forwards-first
     stage (GPipe) posts its receives at the start, while it waits, which costs its computes
     nothing."""
-    x = torch.randn(8, 32)
-    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy)
-    pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
-    vars(pipe)["link"] = dataclasses.replace(pipe.link, post_recv=1e-3, after_post=0.0)
-    plain = {str(e.action): e.duration for e in pipe.predicted_timeline().events
-             if e.action.kind.is_compute}
-    vars(pipe)["link"] = dataclasses.replace(pipe.link, after_post=1.0)
-    slowed = {str(e.action): e.duration for e in pipe.predicted_timeline().events
-              if e.action.kind.is_compute}
-    doubled = [a for a in plain if slowed[a] == pytest.approx(2 * plain[a])]
+    pipe, doubled = _doubled_by(schedule, {"post_recv": 1e-3, "after_post": 0.0},
+                                {"after_post": 1.0})
     if schedule == "gpipe":
-        assert slowed == plain
+        assert doubled == []
     else:  # stage 0 posts the receive of gradient 0 before F0 and each next before a
         # backward, stage 1 that of F1..F3 before F0..F2; the last computes post nothing
         assert doubled == ["0F0", "0B0", "0B1", "0B2", "1F0", "1F1", "1F2"]
-        assert all(slowed[a] == pytest.approx(plain[a]) for a in plain if a not in doubled)
     assert "1000000 us slower per tensor whose receive it posted" in str(pipe.link)
 
 
@@ -549,17 +558,8 @@ def test_waking_a_stage_that_posts_between_computes_costs_the_sender_after_wake(
     """A woken stage that posts its receives between computes (1F1B) posts its next one at
     once, whose notice lands beside the sender's next compute: Link.after_wake slows it, at
     most doubling it; a forwards-first one (GPipe) posted them all at the start."""
-    x = torch.randn(8, 32)
-    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy)
-    pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
-    vars(pipe)["link"] = dataclasses.replace(pipe.link, after_send=0.0, after_wake=0.0)
-    plain = {str(e.action): e.duration for e in pipe.predicted_timeline().events
-             if e.action.kind.is_compute}
-    vars(pipe)["link"] = dataclasses.replace(pipe.link, after_wake=1.0)
-    slowed = {str(e.action): e.duration for e in pipe.predicted_timeline().events
-              if e.action.kind.is_compute}
-    doubled = [a for a in plain if slowed[a] == pytest.approx(2 * plain[a])]
-    assert all(slowed[a] == pytest.approx(plain[a]) for a in plain if a not in doubled)
+    _, doubled = _doubled_by(schedule, {"after_send": 0.0, "after_wake": 0.0},
+                             {"after_wake": 1.0})
     assert (doubled == []) == (schedule == "gpipe")
 
 
