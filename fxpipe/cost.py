@@ -44,8 +44,9 @@ class Link:
     # how much longer the receiver's compute runs while a message lands, per tensor: the
     # transport's work to take it in shares its CPU (DistTransport.measure_posting)
     after_receive: float = 0.0
-    # how much longer a stage's next compute runs after it posted a receive between two
-    # computes, per tensor: the transport's work on the receive goes on beside it
+    # how much longer the compute a stage posts a receive right before runs, per tensor, where
+    # it posts them between computes (the runtime posts the next receive before a compute):
+    # the transport's work on the receive goes on beside it
     after_post: float = 0.0
 
     @property

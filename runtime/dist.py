@@ -296,7 +296,7 @@ class Posting:
     receive: float  # the receiver's, to post a receive back to back with others
     receive_between: float  # the same between two computes
     after_send: float  # how much longer the sender's compute right after send() runs
-    after_wake: float  # the same where the send wakes a receiver blocked waiting for it
+    after_wake: float  # the same where it wakes a blocked receiver, which posts its next receive
     after_post: float  # how much longer the receiver's compute after posting a receive runs
     after_receive: float  # how much longer the receiver's compute runs while a message lands
 
@@ -508,7 +508,7 @@ class DistTransport:
         def busy(kind: str) -> float:  # as a stage is while messages come: as long as the
             # sender's 3 computes and a send per message, or longer (a send taking at most
             # one compute's time), with a margin
-            sending = len(rounds_of[0]) * 4 * senders[kind == "backward"]
+            sending = len(rounds_of[0]) * 4 * senders[1 if kind == "backward" else 0]
             return sum(compute() for _ in range(math.ceil(1.25 * sending / own)))
 
         per_round = len(rounds_of[0])
