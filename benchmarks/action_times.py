@@ -31,7 +31,6 @@ def main() -> None:
     setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
     pipe, x, y = setup.pipe, setup.x, setup.y
     fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1, repeats=5)
-    pipe.measure_step_overhead(x)
     pipe.measure_forward_overhead(x)  # which the predicted timeline adds
     predicted = pipe.predicted_timeline(fresh)
     setup.warm_up(50)  # the cores settle after the timing (benchmarks/after_pause.py)
@@ -39,14 +38,12 @@ def main() -> None:
     for _ in range(args.steps):
         setup.timed_step()
         kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
-    durations: dict[str, list[float]] = defaultdict(list)
-    starts: dict[str, list[float]] = defaultdict(list)
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (start, duration)
     for run in kept:  # after the steps: gathering the traces communicates
         events = pipe.executor.full_trace(run)
         origin = min(e.start for e in events)
         for e in events:
-            durations[str(e.action)].append(e.duration)
-            starts[str(e.action)].append(e.start - origin)
+            spans[str(e.action)].append((e.start - origin, e.duration))
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where}, {args.partitioner}, {args.schedule}, "
@@ -57,8 +54,9 @@ def main() -> None:
         f"{(s.f + o) * 1e6:.0f} / {s.b * 1e6:.0f}"
         for s, o in zip(fresh.stages, pipe.forward_overhead)))
     for e in sorted(predicted.events, key=lambda e: (e.stage, e.start)):
-        measured, began = durations.get(str(e.action)), starts.get(str(e.action))
-        shown = (f"{statistics.median(began) * 1e6:7.0f}  {statistics.median(measured) * 1e6:6.0f}"
+        measured = spans.get(str(e.action))
+        shown = ("  ".join(f"{statistics.median(column) * 1e6:{width}.0f}"
+                           for column, width in zip(zip(*measured), (7, 6)))
                  if measured else "      -       -")
         print(f"{e.action!s:10s} predicted {e.start * 1e6:7.0f}  {e.duration * 1e6:6.0f}"
               f"   measured {shown}")

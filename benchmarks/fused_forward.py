@@ -21,6 +21,7 @@ from two_stages import add_model_arguments
 import fxpipe
 from fxpipe.allocator import keep_for
 from fxpipe.compile.front import trace_and_cut
+from fxpipe.cost import check_bounds
 from fxpipe.models import bundled
 from fxpipe.passes.analysis import profile as profile_module
 from fxpipe.passes.rewrite.stages import split_stages
@@ -38,10 +39,11 @@ def main() -> None:
     plan = fxpipe.Plan(stages=2, micro_batches=args.micro_batches)  # tracing options only
     keep_for(plan.cpu_memory, ["cpu"])
     traced, units, flat = trace_and_cut(spec.build(), plan, (x,), {})
-    bounds = tuple(int(b) for b in args.bounds.split(","))
     k = len(units)
-    if bounds[-1] != k or list(bounds) != sorted(set(bounds)):
-        parser.error(f"--bounds must rise and end at the model's {k} units")
+    try:
+        bounds = check_bounds(args.bounds.split(","), k)
+    except ValueError as error:
+        parser.error(f"--bounds: {error}")
     per_unit = split_stages(traced.gm, units, range(1, k + 1), ["cpu"] * k)
     per_stage = split_stages(traced.gm, units, bounds, ["cpu"] * len(bounds))
     size = [args.batch // args.micro_batches]

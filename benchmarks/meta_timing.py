@@ -25,7 +25,7 @@ import fxpipe
 from fxpipe.allocator import keep_for
 from fxpipe.compile.front import profile_sizes, trace_and_cut
 from fxpipe.models import bundled
-from fxpipe.passes.analysis.profile import _runs, _tensor_bytes, profile_units
+from fxpipe.passes.analysis.profile import _runs, _tensor_bytes, profile_units, real_bytes
 from fxpipe.passes.rewrite.stages import split_stages
 
 
@@ -37,7 +37,7 @@ def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float, concurrency: i
     traced, units, flat = trace_and_cut(model, plan, (x,), {})
     graph, table = split_stages(traced.gm, units, range(1, len(units) + 1),
                                 ["cpu"] * len(units))
-    window = share * _total(_unit_tensors(graph, len(units)))
+    window = share * real_bytes(graph)
     profile = profile_units(graph, table, flat, profile_sizes(len(x), plan), "cpu",
                             min_time=0.05, window=window, concurrency=concurrency)
     return (profile.forward[-1].sum(), profile.backward[-1].sum(),
@@ -46,11 +46,6 @@ def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float, concurrency: i
 
 def _unit_tensors(graph, units: int) -> list[dict[int, int]]:
     return _tensor_bytes([graph.get_submodule(f"stage{i}").module for i in range(units)])
-
-
-def _total(tensors: list[dict[int, int]]) -> int:
-    """Bytes of the model's tensors, a tied one once."""
-    return sum({t: n for unit in tensors for t, n in unit.items()}.values())
 
 
 def main() -> None:
@@ -82,7 +77,7 @@ def main() -> None:
             real = _timed(spec, "cpu", plan, x, share, args.concurrency)
             meta = _timed(spec, "meta", plan, x, share, args.concurrency)
             ratios.append([m / r if r > 0 else float("nan") for m, r in zip(meta, real)])
-        runs = len(_runs(tensors, share * _total(tensors)))
+        runs = len(_runs(tensors, share * real_bytes(graph)))
         cells = [f"{statistics.median(column):.2f}" for column in np.array(ratios).T]
         print(f"{share:<5g}  {runs:<4}  {cells[0]:<7}  {cells[1]:<8}  {cells[2]}")
 

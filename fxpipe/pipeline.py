@@ -165,8 +165,7 @@ class CompiledPipeline(torch.nn.Module):
         every forward also taking the runtime's own time per forward (`forward_overhead`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
-        post_f, _ = self._posting(self.link.post)
-        _, post_b = self._posting(self.link.posting_back)
+        post_f, post_b = self._posting(self.link.post, self.link.posting_back)
         recv_post_f, recv_post_b = self._by_receiver(schedule, self.link.receiving,
                                                      self.link.receiving_between)
         after_f, after_b = self._posting(self.link.after_send)
@@ -197,25 +196,27 @@ class CompiledPipeline(torch.nn.Module):
         on_cpu = tuple(s for s, r in self.executor.runners.items() if r.device.type == "cpu")
         return usable_cores(), on_cpu
 
-    def _posting(self, per_tensor: float
+    def _posting(self, per_tensor: float, per_gradient: float | None = None
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """The time per message on each edge, forward and backward, at `per_tensor` seconds
-        per tensor the message holds (the sender's to post them, the receiver's, or the
-        sender's compute after it, or the receiver's while it lands)."""
+        per tensor the message holds (`per_gradient` for the gradients, when it differs: the
+        sender's to post them, the receiver's, or the sender's compute after it, or the
+        receiver's while it lands)."""
+        per_gradient = per_tensor if per_gradient is None else per_gradient
         carries = self.comm.carries_grad()
         forward = {(e.src, e.dst): 0.0 for e in self.comm.edges}
         backward = dict(forward)
         for e in self.comm.edges:
             forward[e.src, e.dst] += per_tensor
-            backward[e.src, e.dst] += per_tensor if carries[e.value] else 0.0
+            backward[e.src, e.dst] += per_gradient if carries[e.value] else 0.0
         return forward, backward
 
     def _by_receiver(self, schedule: Schedule, alone: float, between: float
                      ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
-        """A figure per message on each edge, forward and backward, for what posting its
-        receive costs the receiver, at `alone` or `between` seconds per tensor: a stage that
-        runs its forwards first posts its receives back to back at the start, any other one
-        each between two computes (the runtime's driver), which takes longer."""
+        """A figure per message on each edge, forward and backward, that depends on how its
+        receiver posts its receives: `alone` seconds per tensor where it runs its forwards
+        first and posts them back to back at the start, `between` where it posts each between
+        two computes (the runtime's driver)."""
         alone_f, alone_b = self._posting(alone)
         between_f, between_b = self._posting(between)
         first = [forwards_first(actions) for actions in schedule.actions]

@@ -29,6 +29,7 @@ from fxpipe.passes.analysis.profile import (
     annotate_profile,
     default_cache_dir,
     profile_units,
+    real_bytes,
     unit_parameters,
 )
 from fxpipe.passes.analysis.shape import annotate_shapes, record_values
@@ -259,18 +260,13 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                             devices[0], warmup=warmup, repeats=repeats, cache=cache,
                             threads=threads, concurrency=concurrency, whole=whole, loss=loss,
                             load=load, min_time=min_time,
-                            window=max(held * _real_bytes(unit_graph), ALL_REAL_BELOW))
+                            window=max(held * real_bytes(unit_graph), ALL_REAL_BELOW))
     annotate_profile(gm, units, profile)
     annotate_comm(gm, link)
     cost = cost_table(profile, link, batch, names)
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
         cost = fit_to_flops(cost, flops_of_units(gm, units, flat, whole))
     return cost
-
-
-def _real_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's parameters and buffers once real (each tied one once)."""
-    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
 
 
 def profile_sizes(batch: int, plan: Plan) -> list[int]:

@@ -62,6 +62,7 @@ __all__ = [
     "annotate_profile",
     "default_cache_dir",
     "profile_units",
+    "real_bytes",
     "unit_parameters",
 ]
 
@@ -196,7 +197,7 @@ def profile_units(
     work timed beside the other: the forwards, and the loss's forward, beside workers running
     backwards only; the backwards, and the loss's backward, beside workers running forwards
     only: two timings of each size, so the timing takes about twice as long; once, as "stage",
-    on a model on the meta device), "stage" (the units' forwards, then a backward, as a
+    on a meta model timed in several runs), "stage" (the units' forwards, then a backward, as a
     pipeline stage does), "forwards" (forwards only) or "backwards" (backwards only, again and
     again through one retained graph); profile_parts.py in benchmarks compares what each
     makes of the units. Stage threads of one process slow each other mostly through Python's
@@ -206,10 +207,10 @@ def profile_units(
     close elsewhere (the note at LOADS). `min_time`:
     after the `repeats`, more repetitions (at most MOST_REPEATS timed in all) until the timed
     ones have taken that many seconds at each size (compile asks for MIN_TIMED). `window`:
-    the bytes of a meta model's weights made real at once to time its units, in runs of
-    consecutive units whose weights add up to no more (one unit at least; compile allows the
-    share of them the timing device will hold, or all of them when they are small); a real
-    model is timed all at once.
+    the bytes of a meta model's parameters and buffers (a tied one once) made real at once to
+    time its units, in runs of consecutive units whose tensors add up to no more (one unit at
+    least; compile allows the share of them the timing device will hold, or all of them when
+    they are small); a real model is timed all at once.
     """
     if load not in LOADS:
         raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
@@ -293,8 +294,7 @@ class _Load:
     afresh each pass (their making then loads the interpreter more than their work)."""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
-                 threads: int, kind: str = "stage", runs: Sequence[range] | None = None
-                 ) -> None:
+                 threads: int, kind: str, runs: Sequence[range]) -> None:
         self.workers, self.kind, self.runs = workers, kind, runs
         self.args = (graph, table, flat_inputs, dims, sizes, device, threads)
         self.size = sizes[0]  # set by the timing as it moves from size to size
@@ -307,7 +307,7 @@ class _Load:
             torch.set_num_threads(threads)
             inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-            if self.runs is not None and len(self.runs) > 1:  # copies made afresh, run by run
+            if len(self.runs) > 1:  # copies made afresh, run by run
                 while not self.stop.is_set():
                     _measure(graph, table, inputs[sizes.index(self.size)], device, 0, 1,
                              runs=self.runs)
@@ -384,7 +384,7 @@ def _connected_forward(table, modules, values: Mapping[str, Any], needs_grad: di
                  if isinstance(o, torch.Tensor) and o.requires_grad}.values())
 
 
-def _memory(graph, table, inputs_per_size, device, runs: Sequence[range] | None = None
+def _memory(graph, table, inputs_per_size, device, runs: Sequence[range]
             ) -> tuple[np.ndarray, np.ndarray]:
     """One untimed repetition per micro-batch size measuring each unit's memory, in one memory
     profiler session: the bytes its forward saves for backward, and its peak, the larger of
@@ -404,7 +404,7 @@ def _memory(graph, table, inputs_per_size, device, runs: Sequence[range] | None 
 
 
 def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None,
-             min_time=0.0, runs=None):
+             min_time=0.0, *, runs: Sequence[range]):
     """One micro-batch size: per-unit forward and backward times, crossing bytes, the fixed
     cost of a backward call (`_without_call_cost`; 0 when measuring memory), and the forward
     and backward times of `loss(outputs)` when given (else 0). With
@@ -415,12 +415,12 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     Each repetition runs the units as training does, all forwards in order, then all backwards
     in reverse, so a unit meets the caches the units around it leave (a unit repeated on its
     own would find its weights hot and look faster than it is inside a stage). A model on the
-    meta device is timed a run of consecutive units at a time (`runs`, from `_runs`; default:
-    all units in one), on real copies of that run's units made for all its repetitions, so
-    no more than a run's weights exist at once in each timing thread (this one, and each
-    background worker of `_Load`); a real model is one run. Each
-    repetition first runs the run's units as one graph (`_fused`), forward and one backward
-    call, for the units' forward scale and the fixed cost of a call."""
+    meta device is timed a run of consecutive units at a time (`runs`, from `_runs`), on real
+    copies of that run's units made for all its repetitions, so no more than a run's weights
+    exist at once in each timing thread (this one, and each background worker of `_Load`); a
+    real model is one run. Each repetition first runs the run's units as one graph
+    (`_fused`), forward and one backward call, for the units' forward scale and the fixed
+    cost of a call."""
     needs_grad = _needs_grad(table)
     timer = _timer(torch.device(device))
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
@@ -449,7 +449,6 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     fused_runs: list[tuple[range, float]] = []  # each run, the median of its fused forwards
     loss_times: list[tuple[float, float]] = []
     env = dict(zip(table.graph_inputs, inputs))
-    runs = runs or [range(units)]
     for run in runs:
         with _real_units([modules[i] for i in run], device, meta) as real:
             connected_times: list[float] = []
@@ -517,6 +516,11 @@ def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
             start, grown = i, dict(unit)
         held = grown
     return [*runs, range(start, len(tensors))] if len(tensors) else runs
+
+
+def real_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters and buffers once real (each tied one once)."""
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
 
 
 def _tensor_bytes(modules: Sequence[torch.nn.Module]) -> list[dict[int, int]]:

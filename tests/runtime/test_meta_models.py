@@ -22,7 +22,7 @@ from fxpipe.materialize import kept_from, materialize, materialized_copy
 from fxpipe.models import GPT, ResNet
 from fxpipe.passes.analysis import profile as profile_module
 from fxpipe.passes.analysis.comm import default_link
-from fxpipe.passes.analysis.profile import profile_units
+from fxpipe.passes.analysis.profile import profile_units, real_bytes
 from fxpipe.passes.rewrite.stages import split_stages
 
 
@@ -212,10 +212,6 @@ def _unit_graph(model, x, stages=1):
     return split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
 
 
-def _real_bytes(module: nn.Module) -> int:
-    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
-
-
 @contextlib.contextmanager
 def _copies_made() -> Iterator[list[tuple[threading.Thread, int]]]:
     """Meanwhile, every real copy the profile makes: the thread making it, and its bytes of
@@ -225,7 +221,7 @@ def _copies_made() -> Iterator[list[tuple[threading.Thread, int]]]:
     @contextlib.contextmanager
     def counted(module, device):
         with made(module, device) as copy:
-            log.append((threading.current_thread(), _real_bytes(copy)))
+            log.append((threading.current_thread(), real_bytes(copy)))
             yield copy
 
     with pytest.MonkeyPatch.context() as patch:
@@ -245,7 +241,7 @@ def test_a_meta_model_is_timed_with_no_more_weights_real_at_once_than_its_window
     graph, table = _unit_graph(model, x)
     tensors = profile_module._tensor_bytes([graph.get_submodule(f"stage{io.stage}").module
                                             for io in table.stages])
-    window = share * _real_bytes(model)
+    window = share * real_bytes(model)
     with _copies_made() as copies:
         prof = profile_units(graph, table, [x], [4], warmup=1, repeats=3, window=window)
     runs = profile_module._runs(tensors, window)
@@ -263,7 +259,7 @@ def test_a_tied_weight_is_one_weight_in_the_copy_of_a_run():
     with _copies_made() as copies:
         profile_units(graph, table, [torch.randint(0, 128, (4, 12))], [4], warmup=0,
                       repeats=1, window=float("inf"))
-    assert [n for _, n in copies] == [_real_bytes(model)] * 2  # the tied embedding once
+    assert [n for _, n in copies] == [real_bytes(model)] * 2  # the tied embedding once
 
 
 def test_a_background_worker_makes_one_copy_of_a_meta_model_for_its_life():
@@ -290,7 +286,7 @@ def test_compile_times_a_meta_model_with_at_most_its_devices_share_real_at_once(
     x = torch.randint(0, 128, (4, 12))
     plan = fxpipe.Plan(stages=2, micro_batches=2)
     traced, units, flat = trace_and_cut(model, plan, (x,), {})
-    total = _real_bytes(model)
+    total = real_bytes(model)
     with _copies_made() as copies, pytest.MonkeyPatch.context() as patch:
         patch.setattr(front, "ALL_REAL_BELOW", floor)
         front.measure_costs(traced.gm, units, flat, plan, ["cpu"], default_link("cpu", "cpu"),
