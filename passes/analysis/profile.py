@@ -218,10 +218,11 @@ def profile_units(
     threads = threads or torch.get_num_threads()
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     meta = has_meta_tensors(graph)
-    runs = _runs(_tensor_bytes(modules), window) if meta else [range(len(modules))]
+    runs = _Runs(tuple(_runs(_tensor_bytes(modules), window)) if meta
+                 else (range(len(modules)),), meta)
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                      (concurrency, tuple(whole), load, min_time,
-                      [(r.start, r.stop) for r in runs] if meta else None))
+                      [(r.start, r.stop) for r in runs.ranges] if meta else None))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
@@ -249,7 +250,7 @@ def profile_units(
 
         # a meta model timed in several runs has its neighbours time copies of the units run
         # by run, whatever the load
-        if load != "crossed" or concurrency < 2 or len(runs) > 1:
+        if load != "crossed" or concurrency < 2 or len(runs.ranges) > 1:
             rows = timed_beside("stage" if load == "crossed" else load)
         else:
             rows = [_crossed(forwards, backwards) for forwards, backwards in
@@ -294,7 +295,7 @@ class _Load:
     afresh each pass (their making then loads the interpreter more than their work)."""
 
     def __init__(self, workers: int, graph, table, flat_inputs, dims, sizes, device,
-                 threads: int, kind: str, runs: Sequence[range]) -> None:
+                 threads: int, kind: str, runs: _Runs) -> None:
         self.workers, self.kind, self.runs = workers, kind, runs
         self.args = (graph, table, flat_inputs, dims, sizes, device, threads)
         self.size = sizes[0]  # set by the timing as it moves from size to size
@@ -307,13 +308,12 @@ class _Load:
             torch.set_num_threads(threads)
             inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-            if len(self.runs) > 1:  # copies made afresh, run by run
+            if len(self.runs.ranges) > 1:  # copies made afresh, run by run
                 while not self.stop.is_set():
                     _measure(graph, table, inputs[sizes.index(self.size)], device, 0, 1,
                              runs=self.runs)
                 return
-            meta = any(has_meta_tensors(m) for m in modules)
-            with _real_units(modules, device, meta) as real:  # one copy for the worker's life
+            with _real_units(modules, device, self.runs.meta) as real:  # one for its life
                 self._run(table, real, [dict(zip(table.graph_inputs, values))
                                         for values in inputs], sizes)
         except BaseException as error:  # re-raised by __exit__: a dead load would go unnoticed
@@ -384,7 +384,7 @@ def _connected_forward(table, modules, values: Mapping[str, Any], needs_grad: di
                  if isinstance(o, torch.Tensor) and o.requires_grad}.values())
 
 
-def _memory(graph, table, inputs_per_size, device, runs: Sequence[range]
+def _memory(graph, table, inputs_per_size, device, runs: _Runs
             ) -> tuple[np.ndarray, np.ndarray]:
     """One untimed repetition per micro-batch size measuring each unit's memory, in one memory
     profiler session: the bytes its forward saves for backward, and its peak, the larger of
@@ -404,7 +404,7 @@ def _memory(graph, table, inputs_per_size, device, runs: Sequence[range]
 
 
 def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None,
-             min_time=0.0, *, runs: Sequence[range]):
+             min_time=0.0, *, runs: _Runs):
     """One micro-batch size: per-unit forward and backward times, crossing bytes, the fixed
     cost of a backward call (`_without_call_cost`; 0 when measuring memory), and the forward
     and backward times of `loss(outputs)` when given (else 0). With
@@ -424,7 +424,6 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     needs_grad = _needs_grad(table)
     timer = _timer(torch.device(device))
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-    meta = any(has_meta_tensors(m) for m in modules)
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
@@ -449,8 +448,8 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     fused_runs: list[tuple[range, float]] = []  # each run, the median of its fused forwards
     loss_times: list[tuple[float, float]] = []
     env = dict(zip(table.graph_inputs, inputs))
-    for run in runs:
-        with _real_units([modules[i] for i in run], device, meta) as real:
+    for run in runs.ranges:
+        with _real_units([modules[i] for i in run], device, runs.meta) as real:
             connected_times: list[float] = []
             fused_times: list[float] = []
             fused = _fused(table, real, run) if connect else None
@@ -474,7 +473,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
                     wants += [p for p in module.parameters() if p.requires_grad]
                     pending.append((outputs, wants))
                     for value, out in zip(io.outputs, outputs):  # before a copy's weights go
-                        values[value] = kept_from(module, out) if meta else (
+                        values[value] = kept_from(module, out) if runs.meta else (
                             out.detach() if isinstance(out, torch.Tensor) else out)
                     if rep >= warmup:
                         f_times[i].append(seconds)
@@ -501,6 +500,16 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     loss_b = max(loss_b - call, 0.0)
     crossing, crossing_grad = _crossing_bytes(table, env, units)
     return forward, list(backward_times), crossing, crossing_grad, call, loss_f, loss_b
+
+
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+    """How the units are timed: in runs of consecutive ones (`ranges`), each on real copies
+    made for it where `meta` (the model's tensors on the meta device: `_runs`), else as one
+    run of the model itself."""
+
+    ranges: tuple[range, ...]
+    meta: bool
 
 
 def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
@@ -757,7 +766,6 @@ def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in flat_inputs],
         "threads": threads, "how": how,
-        "meta": has_meta_tensors(graph),  # a meta model's units are timed run by run
         "memory kept": kept(),  # the allocator's handling of freed memory changes the times
     }
     return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]
