@@ -194,8 +194,7 @@ def _bench(args: argparse.Namespace) -> None:
     for line in _against_even(rows, args.repeats):
         print(line)
     if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
-        for line in shared_cores_lines(args.stages, usable_cores(),
-                                       "ranks" if args.nproc else "stages"):
+        for line in shared_cores_lines(args.stages, usable_cores(), ranks=bool(args.nproc)):
             print(line)
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "

@@ -282,7 +282,7 @@ class CompiledPipeline(torch.nn.Module):
             cores, on_cpu = self.cpu_sharing()
             shared = shared_cores_lines(len(on_cpu), cores)
         else:
-            shared = shared_cores_lines(*self.host_cores, "ranks") if self.host_cores else []
+            shared = shared_cores_lines(*self.host_cores, ranks=True) if self.host_cores else []
         # compile's prediction is of its example's micro-batches (under data parallelism a
         # group's share of it, which is not known here)
         known = partition is None and self.cost.batch is not None and self.plan.groups == 1

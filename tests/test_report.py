@@ -289,12 +289,15 @@ def test_replan_moves_work_away_from_a_stage_measured_slower():
     assert result.proposed.sizes[0] < result.current.sizes[0]
 
 
-@given(stages=st.integers(1, 16), cores=st.integers(1, 16))
-def test_stages_sharing_cores_are_named_exactly_when_there_are_more_than_cores(stages, cores):
-    lines = shared_cores_lines(stages, cores)
+@given(stages=st.integers(1, 16), cores=st.integers(1, 16), ranks=st.booleans())
+def test_stages_sharing_cores_are_named_exactly_when_there_are_more_than_cores(stages, cores,
+                                                                              ranks):
+    lines = shared_cores_lines(stages, cores, ranks=ranks)
     assert bool(lines) == (stages > cores)
+    who = "ranks" if ranks else "stages"
     for line in lines:
-        assert f"{stages} stages compute on this host's {cores} CPU core" in line
+        assert f"{stages} {who} compute on this host's {cores} CPU core" in line
+        assert ("timed on all the ranks at once" in line) == ranks
 
 
 @pytest.mark.parametrize("cores, device", [(2, "cpu"), (3, "cpu"), (2, "cuda:0")])
