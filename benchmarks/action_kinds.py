@@ -21,7 +21,6 @@ from collections import defaultdict
 
 from two_stages import add_model_arguments, at_least_one, two_stages
 
-import fxpipe
 from fxpipe.simulate import Event
 
 
@@ -40,25 +39,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=at_least_one, default=3)
     args = parser.parse_args()
     setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
-    pipe, x, y = setup.pipe, setup.x, setup.y
+    pipe, x = setup.pipe, setup.x
     lines = []
     for _ in range(args.rounds):
-        fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1, repeats=5)
         overhead = pipe.measure_step_overhead(x)
-        pipe.measure_forward_overhead(x)  # which the predicted timeline adds
-        predicted = pipe.predicted_timeline(fresh)
-        setup.warm_up(50)  # the cores settle after the timing (benchmarks/after_pause.py)
-        walls, kept = [], []
-        for _ in range(args.steps):
-            walls.append(setup.timed_step())
-            kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
-        measured = [sums(pipe.executor.full_trace(k)) for k in kept]  # after the round
-        expected = sums(predicted.events)
+        run = setup.predicted_then_run(args.steps)
+        measured = [sums(events) for events in run.traces]
+        expected = sums(run.predicted.events)
         parts = "  ".join(f"{s}{kind} {seconds * 1e3:.2f}/"
                           f"{statistics.median(m.get((s, kind), 0.0) for m in measured) * 1e3:.2f}"
                           for (s, kind), seconds in sorted(expected.items()))
-        lines.append(f"step {statistics.median(walls) * 1e3:.2f} measured, "
-                     f"{(predicted.makespan + overhead) * 1e3:.2f} predicted | {parts}")
+        lines.append(f"step {statistics.median(run.seconds) * 1e3:.2f} measured, "
+                     f"{(run.predicted.makespan + overhead) * 1e3:.2f} predicted | {parts}")
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where}, {args.partitioner}, {args.schedule}, "

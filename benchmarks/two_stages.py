@@ -19,6 +19,7 @@ import fxpipe
 from fxpipe.cli import at_least_one  # the benchmarks' argparse type, as the CLI's
 from fxpipe.distributed import launched
 from fxpipe.models import BundledModel, bundled
+from fxpipe.simulate import Event, Timeline
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, model: str,
@@ -34,6 +35,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: str,
         parser.add_argument("--schedule", default="gpipe")
     if steps is not None:
         parser.add_argument("--steps", type=at_least_one, default=steps, help="timed steps")
+
+
+@dataclasses.dataclass
+class PredictedRun:
+    """A step predicted from timings taken afresh, and the steps run after it."""
+
+    partition: fxpipe.Partition  # the compiled partition's costs from those timings
+    predicted: Timeline
+    seconds: list[float]  # each timed step's
+    traces: list[list[Event]]  # each timed step's actions, on every rank
 
 
 @dataclasses.dataclass
@@ -71,6 +82,22 @@ class TwoStages:
         while time.perf_counter() < settled:
             self.pipe.step(self.x, self.y)
         return statistics.median(self.timed_step() for _ in range(steps))
+
+    def predicted_then_run(self, steps: int) -> PredictedRun:
+        """Time the units and the runtime's own work per forward afresh and predict a step
+        from them; then, once the cores settled (benchmarks/after_pause.py), run `steps` timed
+        steps."""
+        fresh = fxpipe.retime(self.pipe, (self.x,), target=self.y, warmup=1, repeats=5)
+        self.pipe.measure_forward_overhead(self.x)  # which the predicted timeline adds
+        predicted = self.pipe.predicted_timeline(fresh)
+        self.warm_up(50)
+        walls, kept = [], []
+        for _ in range(steps):
+            walls.append(self.timed_step())
+            kept.append((self.pipe.executor.last_trace(), self.pipe.executor.trace_origin))
+        # gathered after the steps, as gathering communicates
+        return PredictedRun(fresh, predicted, walls,
+                            [self.pipe.executor.full_trace(k) for k in kept])
 
     def everyones(self, lines: list[str]) -> list[str]:
         """Every rank's `lines`, in rank order (under torchrun every rank must call it)."""
