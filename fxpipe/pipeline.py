@@ -189,8 +189,9 @@ class CompiledPipeline(torch.nn.Module):
     def cpu_sharing(self) -> tuple[int | None, tuple[int, ...]]:
         """The CPU cores the stage threads computing on this process's CPU have between them,
         and those stages, for the simulator to split among the ones computing at once (compile
-        timed the units with at most one stage per core busy). Under torchrun (None, ()): every
-        rank timed the units at once, so their times hold the ranks' sharing of the cores."""
+        timed the units beside every other stage thread, less the time it waited for a core
+        where they outnumber the cores). Under torchrun (None, ()): every rank timed the units
+        at once, so their times hold the ranks' sharing of the cores."""
         if not self.executor.everything_here:
             return None, ()
         on_cpu = tuple(s for s, r in self.executor.runners.items() if r.device.type == "cpu")

@@ -221,8 +221,9 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False) -> list[str
     """What to tell a user whose `stages` stages (stage threads of one process, or with
     `ranks` one per rank under torchrun) compute on a host's CPU of `cores` cores: nothing
     when each can have a core, else that they share them, and how the prediction takes that
-    in: stage threads get an even split of the cores among the ones computing at once; ranks
-    run at the pace of the units timed on every rank at once."""
+    in: stage threads get an even split of the cores among the ones computing at once (their
+    units timed beside every other one, less the time they waited for a core); ranks run at
+    the pace of the units timed on every rank at once."""
     if stages <= cores:
         return []
     who = "ranks" if ranks else "stages"
@@ -230,8 +231,9 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False) -> list[str
         how = ("the prediction runs every rank at the pace of the units timed on all the ranks "
                "at once, even where fewer compute")
     else:
-        how = ("the prediction splits the cores evenly among the stages computing at once, and "
-               "leaves out the cost of switching between them")
+        how = ("the units were timed beside as many busy stage threads, less their waits for a "
+               "core, and the prediction splits the cores evenly among the stages computing at "
+               "once")
     return [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
             f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
             "has one"]

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxpipe.affinity import usable_cores
 from fxpipe.batching import input_dims, resize
 from fxpipe.cost import CostTable, Link, fit_to_flops
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
@@ -305,10 +304,9 @@ def profile_cache(cache: bool | str | os.PathLike) -> ProfileCache | None:
 
 
 def busy_stages(devices: Sequence[str]) -> int:
-    """How many stages compute at once on this host's CPU in steady state (GPU stages each
-    have their own device): at most one per core."""
-    on_cpu = sum(torch.device(d).type == "cpu" for d in devices)
-    return max(1, min(on_cpu, usable_cores()))
+    """How many stage threads compute on this process's CPU (GPU stages each have their own
+    device), at least 1: the units are timed beside as many (profile_units' `concurrency`)."""
+    return max(1, sum(torch.device(d).type == "cpu" for d in devices))
 
 
 def threads_per_stage(devices: Sequence[str]) -> int:

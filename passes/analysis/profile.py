@@ -42,6 +42,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from fxpipe.affinity import usable_cores
 from fxpipe.allocator import kept
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
@@ -66,7 +67,7 @@ __all__ = [
     "unit_parameters",
 ]
 
-_FORMAT = 10  # bump when the cached record changes (or how it is measured)
+_FORMAT = 11  # bump when the cached record changes (or how it is measured)
 
 # what the background workers can run while the units are timed (profile_units' `load`)
 LOADS = ("crossed", "stage", "forwards", "backwards")
@@ -188,10 +189,13 @@ def profile_units(
     `graph` and `table` are the rewrite pass's PipelineGraph and CommTable of the model split
     with one unit per stage. `threads`: intra-op threads to time with, as many as each stage's
     worker will have (stages sharing the CPU share its cores). `concurrency`: how many stages
-    compute at once in the pipeline's steady state on this host; `concurrency - 1` background
-    workers run the same units meanwhile, so the times include the slowdown that cores
-    sharing caches and memory bandwidth cause (a unit alone on a quiet machine runs faster
-    than it will inside the pipeline). `loss(outputs, size)`: the loss of a micro-batch of
+    compute on this host in the pipeline (stage threads of one process on its CPU);
+    `concurrency - 1` background workers run the same units meanwhile, so the times include
+    the slowdown that cores sharing caches and memory bandwidth cause, and threads sharing
+    Python's interpreter lock (a unit alone on a quiet machine runs faster than it will inside
+    the pipeline). Where they outnumber the CPU cores this process may use, the times leave
+    out what the timing thread waited for a core (`_timer`): the simulator shares the cores
+    among the stages computing at once. `loss(outputs, size)`: the loss of a micro-batch of
     `size` samples from the graph's output values by name, timed forward and backward when
     given (never cached). `load`: what the background workers run, "crossed" (each kind of
     work timed beside the other: the forwards, and the loss's forward, beside workers running
@@ -218,11 +222,14 @@ def profile_units(
     threads = threads or torch.get_num_threads()
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     meta = has_meta_tensors(graph)
+    # more stage threads than cores: their turns on the cores are the simulator's to share out
+    core_waits_out = torch.device(device).type == "cpu" and concurrency > usable_cores()
     runs = _Runs(tuple(_runs(_tensor_bytes(modules), window)) if meta
                  else (range(len(modules)),), meta)
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                      (concurrency, tuple(whole), load, min_time,
-                      [(r.start, r.stop) for r in runs.ranges] if meta else None))
+                      [(r.start, r.stop) for r in runs.ranges] if meta else None,
+                      core_waits_out))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
@@ -245,7 +252,8 @@ def profile_units(
                                          _on(resize(flat_inputs, dims, size), device), device,
                                          warmup, repeats,
                                          loss=loss and functools.partial(loss, size=size),
-                                         min_time=min_time, runs=runs))
+                                         min_time=min_time, runs=runs,
+                                         core_waits_out=core_waits_out))
                 return rows
 
         # a meta model timed in several runs has its neighbours time copies of the units run
@@ -404,7 +412,7 @@ def _memory(graph, table, inputs_per_size, device, runs: _Runs
 
 
 def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=None, loss=None,
-             min_time=0.0, *, runs: _Runs):
+             min_time=0.0, *, runs: _Runs, core_waits_out: bool = False):
     """One micro-batch size: per-unit forward and backward times, crossing bytes, the fixed
     cost of a backward call (`_without_call_cost`; 0 when measuring memory), and the forward
     and backward times of `loss(outputs)` when given (else 0). With
@@ -420,9 +428,10 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     exist at once in each timing thread (this one, and each background worker of `_Load`); a
     real model is one run. Each repetition first runs the run's units as one graph
     (`_fused`), forward and one backward call, for the units' forward scale and the fixed
-    cost of a call."""
+    cost of a call. `core_waits_out`: the times leave out what this thread waited for a core
+    (`_timer`)."""
     needs_grad = _needs_grad(table)
-    timer = _timer(torch.device(device))
+    timer = _timer(torch.device(device), core_waits_out)
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
@@ -720,8 +729,11 @@ class _SavedBytes:
         self.hooks.__exit__(*exc)
 
 
-def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:
-    """timer(fn, *args, **kwargs) -> (result, seconds): CUDA events on GPU, perf_counter else."""
+def _timer(device: torch.device, core_waits_out: bool = False
+           ) -> Callable[..., tuple[Any, float]]:
+    """timer(fn, *args, **kwargs) -> (result, seconds): CUDA events on GPU, perf_counter else,
+    less, with `core_waits_out`, the time the calling thread was ready to run but waited for a
+    core meanwhile (`_core_wait`)."""
     if device.type == "cuda":
         def cuda_timed(fn, *args, **kwargs):
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -736,7 +748,22 @@ def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         return result, time.perf_counter() - start
-    return cpu_timed
+
+    def without_core_waits(fn, *args, **kwargs):
+        waited = _core_wait()  # read outside the timed span: a read takes microseconds
+        result, seconds = cpu_timed(fn, *args, **kwargs)
+        return result, max(seconds - (_core_wait() - waited), 0.0)
+    return without_core_waits if core_waits_out else cpu_timed
+
+
+def _core_wait() -> float:
+    """Seconds the calling thread has spent so far ready to run but waiting for a core (the
+    second field of Linux's /proc/thread-self/schedstat); 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.ndarray]:

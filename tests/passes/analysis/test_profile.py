@@ -274,7 +274,7 @@ def test_the_loss_backward_leaves_out_the_call_the_last_stage_pays_once(three_un
     call runs it."""
     graph, table, x = three_units
 
-    def clock(device):
+    def clock(device, core_waits_out=False):
         def timed(fn, *args, **kwargs):
             result = fn(*args, **kwargs)
             if isinstance(getattr(fn, "__self__", None), torch.Tensor):  # loss.backward
@@ -314,7 +314,7 @@ def test_crossed_timings_take_each_kind_beside_the_other(three_units, concurrenc
     # a unit by what runs beside it: seconds of its forward, and of its own backward call
     scale = {"backwards": 1.0, "forwards": 2.0, "stage": 3.0, None: 4.0}
 
-    def clock(device):
+    def clock(device, core_waits_out=False):
         def timed(fn, *args, **kwargs):
             result, unit = fn(*args, **kwargs), scale[beside[0]]
             if getattr(fn, "__name__", "") == "backward" and fn is not torch.autograd.backward:
@@ -420,3 +420,51 @@ def test_the_units_forwards_are_scaled_to_their_run_as_one_graph(forward, data):
         assert sum(scaled[i] for i in run) == pytest.approx(seconds, rel=1e-9, abs=1e-15)
         for i in run:
             assert scaled[i] == pytest.approx(forward[i] / timed * seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("cores, waits_out", [(1, True), (2, False), (3, False)])
+def test_units_leave_out_core_waits_only_where_the_stage_threads_outnumber_the_cores(
+        three_units, cores, waits_out):
+    """Stage threads beyond the cores take turns on them, which the simulator shares out: the
+    units timed beside 2 busy stages leave out their waits for a core on 1 core only."""
+    graph, table, x = three_units
+    asked: list[bool] = []
+    timer = profile_module._timer
+
+    def noting(device, core_waits_out=False):
+        asked.append(core_waits_out)
+        return timer(device, core_waits_out)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "usable_cores", lambda: cores)
+        patch.setattr(profile_module, "_timer", noting)
+        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=2)
+    # the crossed load's two timings (then the memory pass, which times nothing that counts)
+    assert asked[:2] == [waits_out] * 2
+
+
+@settings(deadline=None, max_examples=10)
+@given(waited=st.floats(0.0, 0.02))
+def test_a_timing_without_core_waits_is_the_wall_clock_less_the_wait(waited):
+    readings = iter([7.0, 7.0 + waited])  # the thread's time waiting for a core, before/after
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "_core_wait", lambda: next(readings))
+        timer = profile_module._timer(torch.device("cpu"), core_waits_out=True)
+        start = time.perf_counter()
+        _, seconds = timer(time.sleep, 0.01)
+        wall = time.perf_counter() - start
+    assert max(0.01 - waited, 0.0) <= seconds + 1e-9
+    assert seconds <= max(wall - waited, 0.0) + 1e-9
+
+
+def test_a_plain_timing_reads_no_core_waits():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "_core_wait", lambda: pytest.fail("read a core wait"))
+        _, seconds = profile_module._timer(torch.device("cpu"))(time.sleep, 0.001)
+    assert seconds >= 0.001
+
+
+def test_core_waits_only_grow():
+    first = profile_module._core_wait()
+    sum(range(10**6))
+    assert 0.0 <= first <= profile_module._core_wait()
