@@ -44,8 +44,8 @@ def main() -> None:
                      "with python, not torchrun")
     pipe, x, y = setup.pipe, setup.x, setup.y
     if pipe.timing.concurrency < 2:
-        parser.error("the units are timed beside no neighbour here (one core, or stages on "
-                     "GPUs), so every load times them alike")
+        parser.error("the units are timed beside no neighbour here (fewer than 2 stages on "
+                     "the CPU), so every load times them alike")
     compiled = pipe.timing
     predicted: dict[str, list[float]] = {load: [] for load in loads}
     measured = []

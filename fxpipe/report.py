@@ -231,9 +231,9 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False) -> list[str
         how = ("the prediction runs every rank at the pace of the units timed on all the ranks "
                "at once, even where fewer compute")
     else:
-        how = ("the units were timed beside as many busy stage threads, less their waits for a "
-               "core, and the prediction splits the cores evenly among the stages computing at "
-               "once")
+        how = ("the units were timed with every stage thread busy, less the timing thread's "
+               "waits for a core, and the prediction splits the cores evenly among the stages "
+               "computing at once")
     return [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
             f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
             "has one"]

@@ -172,8 +172,9 @@ def simulate(
     Stages that compute on one host's CPU share its cores: with `cores` given, the work of the
     `sharing` stages (every stage by default) goes at min(1, cores / k) of its pace while k of
     them work at once, everything but a RECV's wait and an ALLREDUCE counting as work
-    (processor sharing; the given times are as measured with up to `cores` of them busy at
-    once; None: each a core of its own, and `sharing` is not used). A compute-only schedule
+    (processor sharing; the given times are each stage's pace with a core of its own, as
+    measured beside the others busy, less the waits for a core; None: each a core of its own,
+    and `sharing` is not used). A compute-only schedule
     is lowered with `add_communication(schedule, edges)` first, so both forms time the same;
     a lowered one is checked with `check_communication`.
 

@@ -290,9 +290,9 @@ def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores, on_c
     shared = cores == 1 and on_cpu
     how = ("2 ranks compute on this host's 1 CPU core; the prediction runs every rank at the "
            "pace of the units timed on all the ranks at once" if nproc else
-           "2 stages compute on this host's 1 CPU core; the units were timed beside as many "
-           "busy stage threads, less their waits for a core, and the prediction splits the "
-           "cores evenly")
+           "2 stages compute on this host's 1 CPU core; the units were timed with every stage "
+           "thread busy, less the timing thread's waits for a core, and the prediction splits "
+           "the cores evenly")
     assert (f"shared cores: {how}" in out) == shared
     assert ("shared cores" in out) == shared
 

@@ -59,7 +59,7 @@ def compile(
     `pipe.load_state_dict(state_dict)`. Its units are timed on real copies, a run of
     consecutive units at a time holding no more weights than the device will (all of them
     below ALL_REAL_BELOW bytes), one such copy in each thread timing them (one per stage
-    busy at once).
+    busy at once, at most one per core).
     Its stage tensors are new objects, put in the model's place under every name (a weight
     tied across modules gets the reset of the module that comes last); build optimizers
     after compile.

@@ -23,10 +23,10 @@ __all__ = ["Timing", "retime"]
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """How compile timed the units: on which device, with how many threads, beside how many
-    busy stages, running what (profile_units' `load`), and what share of the model's weights
-    that device holds in the pipeline (a meta model's units are timed with no more of them
-    real at once)."""
+    """How compile timed the units: on which device, with how many threads, with how many
+    stage threads busy (profile_units' `concurrency`), running what (its `load`), and what
+    share of the model's weights that device holds in the pipeline (a meta model's units are
+    timed with no more of them real at once)."""
 
     device: str
     threads: int

@@ -188,14 +188,17 @@ def profile_units(
 
     `graph` and `table` are the rewrite pass's PipelineGraph and CommTable of the model split
     with one unit per stage. `threads`: intra-op threads to time with, as many as each stage's
-    worker will have (stages sharing the CPU share its cores). `concurrency`: how many stages
-    compute on this host in the pipeline (stage threads of one process on its CPU);
+    worker will have (stages sharing the CPU share its cores). `concurrency`: how many stage
+    threads of this process compute in the pipeline (1 under torchrun, a stage per process);
     `concurrency - 1` background workers run the same units meanwhile, so the times include
     the slowdown that cores sharing caches and memory bandwidth cause, and threads sharing
     Python's interpreter lock (a unit alone on a quiet machine runs faster than it will inside
     the pipeline). Where they outnumber the CPU cores this process may use, the times leave
     out what the timing thread waited for a core (`_timer`): the simulator shares the cores
-    among the stages computing at once. `loss(outputs, size)`: the loss of a micro-batch of
+    among the stages computing at once. Where that wait cannot be left out (no schedstat, more
+    than one intra-op thread, or a GPU), and for a meta model (whose every timing thread holds
+    real copies of its units), the units are timed beside one busy stage per core instead, as
+    many as are at once. `loss(outputs, size)`: the loss of a micro-batch of
     `size` samples from the graph's output values by name, timed forward and backward when
     given (never cached). `load`: what the background workers run, "crossed" (each kind of
     work timed beside the other: the forwards, and the loss's forward, beside workers running
@@ -222,8 +225,12 @@ def profile_units(
     threads = threads or torch.get_num_threads()
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     meta = has_meta_tensors(graph)
+    cores = usable_cores()
     # more stage threads than cores: their turns on the cores are the simulator's to share out
-    core_waits_out = torch.device(device).type == "cpu" and concurrency > usable_cores()
+    core_waits_out = (concurrency > cores and torch.device(device).type == "cpu"
+                      and threads == 1 and not meta and _core_waits_known())
+    if concurrency > cores and not core_waits_out:
+        concurrency = cores
     runs = _Runs(tuple(_runs(_tensor_bytes(modules), window)) if meta
                  else (range(len(modules)),), meta)
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
@@ -750,20 +757,36 @@ def _timer(device: torch.device, core_waits_out: bool = False
         return result, time.perf_counter() - start
 
     def without_core_waits(fn, *args, **kwargs):
-        waited = _core_wait()  # read outside the timed span: a read takes microseconds
+        # read outside the timed span, as a read takes microseconds (a wait between a read and
+        # the clock is left out though not timed: the clamp, and the median, absorb it)
+        waited = _core_wait()
         result, seconds = cpu_timed(fn, *args, **kwargs)
         return result, max(seconds - (_core_wait() - waited), 0.0)
     return without_core_waits if core_waits_out else cpu_timed
 
 
-def _core_wait() -> float:
-    """Seconds the calling thread has spent so far ready to run but waiting for a core (the
-    second field of Linux's /proc/thread-self/schedstat); 0 where the kernel does not say."""
+def _schedstat() -> tuple[float, float] | None:
+    """The calling thread's seconds on a core so far, and ready to run but waiting for one
+    (Linux's /proc/thread-self/schedstat); None where the kernel does not say."""
     try:
         with open("/proc/thread-self/schedstat") as stat:
-            return int(stat.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
+            ran, waited = stat.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):  # no such file, or fewer than two numbers
+        return None
+
+
+def _core_wait() -> float:
+    """The calling thread's seconds so far ready to run but waiting for a core (0: unknown)."""
+    known = _schedstat()
+    return known[1] if known is not None else 0.0
+
+
+def _core_waits_known() -> bool:
+    """Whether the kernel counts this thread's waits for a core: it says the thread has run (a
+    kernel built without scheduler statistics gives zeros)."""
+    known = _schedstat()
+    return known is not None and known[0] > 0
 
 
 def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.ndarray]:
@@ -782,7 +805,8 @@ def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.n
 def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                how: tuple) -> str:
     """`how`: the rest of what the timings depend on (concurrency, whole inputs, the
-    background load, min_time, a meta model's runs of units)."""
+    background load, min_time, a meta model's runs of units or None for a real model, whether
+    the waits for a core are left out)."""
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
     signature = {
         "format": _FORMAT, "torch": torch.__version__, "device": device, "sizes": sizes,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from io import StringIO
 
 import numpy as np
 import pytest
@@ -422,25 +424,58 @@ def test_the_units_forwards_are_scaled_to_their_run_as_one_graph(forward, data):
             assert scaled[i] == pytest.approx(forward[i] / timed * seconds, rel=1e-9)
 
 
-@pytest.mark.parametrize("cores, waits_out", [(1, True), (2, False), (3, False)])
-def test_units_leave_out_core_waits_only_where_the_stage_threads_outnumber_the_cores(
-        three_units, cores, waits_out):
-    """Stage threads beyond the cores take turns on them, which the simulator shares out: the
-    units timed beside 2 busy stages leave out their waits for a core on 1 core only."""
-    graph, table, x = three_units
-    asked: list[bool] = []
-    timer = profile_module._timer
+def _timing_beside(graph, table, x, cores: int, known: bool = True, threads: int = 1,
+                   concurrency: int = 3, cache=None) -> tuple[list[int], list[bool]]:
+    """Profile on `cores` cores with `concurrency` stage threads: how many background workers
+    each timing had, and whether its timer left the waits for a core out."""
+    workers: list[int] = []
+    waits_out: list[bool] = []
+    enter, timer = profile_module._Load.__enter__, profile_module._timer
 
-    def noting(device, core_waits_out=False):
-        asked.append(core_waits_out)
+    def noting_the_load(load):
+        workers.append(load.workers)
+        return enter(load)
+
+    def noting_the_timer(device, core_waits_out=False):
+        waits_out.append(core_waits_out)
         return timer(device, core_waits_out)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(profile_module, "usable_cores", lambda: cores)
-        patch.setattr(profile_module, "_timer", noting)
-        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=2)
+        patch.setattr(profile_module, "_core_waits_known", lambda: known)
+        patch.setattr(profile_module._Load, "__enter__", noting_the_load)
+        patch.setattr(profile_module, "_timer", noting_the_timer)
+        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=concurrency,
+                      threads=threads, cache=cache)
     # the crossed load's two timings (then the memory pass, which times nothing that counts)
-    assert asked[:2] == [waits_out] * 2
+    return workers[:2], waits_out[:2]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4])
+def test_stage_threads_beyond_the_cores_are_timed_beside_every_other_without_core_waits(
+        three_units, cores):
+    """3 stage threads: on fewer cores the units are timed beside the 2 others, less the
+    timing thread's waits for a core, which the simulator's split of the cores stands for;
+    on enough cores beside the 2 others as they are."""
+    workers, waits_out = _timing_beside(*three_units, cores=cores)
+    assert workers == [2, 2]
+    assert waits_out == [cores < 3] * 2
+
+
+@pytest.mark.parametrize("known, threads", [(False, 1), (True, 2)])
+def test_where_core_waits_cannot_be_left_out_the_units_are_timed_beside_a_stage_per_core(
+        three_units, known, threads):
+    """No schedstat, or intra-op threads whose waits the timing thread's leave out: 3 stage
+    threads on 2 cores are timed beside one busy stage, with their waits, as before."""
+    workers, waits_out = _timing_beside(*three_units, cores=2, known=known, threads=threads)
+    assert workers == [1, 1] and waits_out == [False, False]
+
+
+def test_the_waits_left_out_are_part_of_the_cached_timings_key(three_units, tmp_path):
+    cache = profile_module.ProfileCache(tmp_path)
+    for cores in (4, 1):  # the same 3 stage threads: waits for a core left in, then out
+        _timing_beside(*three_units, cores=cores, concurrency=3, cache=cache)
+    assert len(list(tmp_path.glob("*.json"))) == 2
 
 
 @settings(deadline=None, max_examples=10)
@@ -464,7 +499,27 @@ def test_a_plain_timing_reads_no_core_waits():
     assert seconds >= 0.001
 
 
-def test_core_waits_only_grow():
+@given(ran=st.integers(0, 10**15), waited=st.integers(0, 10**15), slices=st.integers(0, 10**6))
+def test_schedstat_is_read_as_time_on_a_core_then_time_waiting_for_one(ran, waited, slices):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "open", lambda *args: StringIO(f"{ran} {waited} "
+                                                                        f"{slices}\n"),
+                      raising=False)
+        assert profile_module._schedstat() == (ran / 1e9, waited / 1e9)
+        assert profile_module._core_wait() == waited / 1e9
+        assert profile_module._core_waits_known() == (ran > 0)
+
+
+@pytest.mark.parametrize("text", ["", "12\n", "a b c\n"])
+def test_unreadable_schedstat_counts_no_waits(text):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "open", lambda *args: StringIO(text), raising=False)
+        assert profile_module._schedstat() is None
+        assert profile_module._core_wait() == 0.0 and not profile_module._core_waits_known()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux only")
+def test_this_kernel_counts_the_threads_waits_for_a_core():
     first = profile_module._core_wait()
     sum(range(10**6))
-    assert 0.0 <= first <= profile_module._core_wait()
+    assert profile_module._core_waits_known() and 0.0 <= first <= profile_module._core_wait()
