@@ -174,9 +174,9 @@ def simulate(
     them work at once, everything but a RECV's wait and an ALLREDUCE counting as work
     (processor sharing; the given times are each stage's pace with a core of its own, as
     measured beside the others busy, less the waits for a core; None: each a core of its own,
-    and `sharing` is not used). A compute-only schedule
-    is lowered with `add_communication(schedule, edges)` first, so both forms time the same;
-    a lowered one is checked with `check_communication`.
+    and `sharing` is not used). A compute-only schedule is lowered with
+    `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
+    checked with `check_communication`.
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
