@@ -277,6 +277,21 @@ def test_a_background_worker_makes_one_copy_of_a_meta_model_for_its_life():
     assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
 
 
+def test_a_meta_model_is_timed_with_no_more_real_copies_at_once_than_cores():
+    """4 stage threads on 2 cores: a real model's units are timed beside the 3 others, but
+    each timing thread holds real copies of a meta model's, so it has 1 neighbour, a copy for
+    each of the crossed load's 2 passes."""
+    with torch.device("meta"):
+        model = GPT(layers=1)
+    x = torch.randint(0, 128, (4, 12))
+    graph, table = _unit_graph(model, x)
+    with _copies_made() as copies, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "usable_cores", lambda: 2)
+        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=4, threads=1,
+                      window=float("inf"))
+    assert len([t for t, _ in copies if t is not threading.main_thread()]) == 2
+
+
 @pytest.mark.parametrize("held, floor", [(0.5, 0), (0.5, 2**30), (1.0, 0)])
 def test_compile_times_a_meta_model_with_at_most_its_devices_share_real_at_once(held, floor):
     """measure_costs makes real at once no more than the share `held` of the weights and

@@ -466,7 +466,7 @@ def test_stage_threads_beyond_the_cores_are_timed_beside_every_other_without_cor
 def test_where_core_waits_cannot_be_left_out_the_units_are_timed_beside_a_stage_per_core(
         three_units, known, threads):
     """No schedstat, or intra-op threads whose waits the timing thread's leave out: 3 stage
-    threads on 2 cores are timed beside one busy stage, with their waits, as before."""
+    threads on 2 cores are timed beside one busy stage, with their waits in."""
     workers, waits_out = _timing_beside(*three_units, cores=2, known=known, threads=threads)
     assert workers == [1, 1] and waits_out == [False, False]
 
