@@ -33,14 +33,11 @@ from fxpipe.runtime.transport import PipelineAborted
 from fxpipe.schedules import Action
 from fxpipe.simulate import Event
 
-__all__ = ["POSTING_BUDGET", "DistCoordinator", "DistTransport", "ErrorBoard", "Posting",
-           "posting_rounds"]
+__all__ = ["DistCoordinator", "DistTransport", "ErrorBoard", "Posting"]
 
 _ERROR_KEY = "fxpipe/error"
 _AFTER_SEND_BURSTS = 3  # measure_posting's default compute: bursts per call
 _ROUND_KINDS = ("forward", "backward", "wake")  # measure_posting's rounds, in turn
-# seconds measure_posting's timed rounds may take where the stage's computes are long
-POSTING_BUDGET = 0.5
 _READY_TAG = 2 ** 31 - 2  # the posting measurement's "receives posted" note, apart from _tag's
 _LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
 _TIED_TAG = 2 ** 31 - 4  # a tied weight's gradient from its other holder
@@ -380,8 +377,7 @@ class DistTransport:
 
     def measure_posting(self, key: Any, forward: Callable[[], float] | None = None,
                         backward: Callable[[], float] | None = None, rounds: int = 9,
-                        per_round: int = 5, budget: float = POSTING_BUDGET
-                        ) -> Posting | None:
+                        per_round: int = 5) -> Posting | None:
         """Seconds this transport spends per tensor around a message, measured on the first
         stage pair's forward message of run `key` (prepared): its own time in send() and in
         posting a receive, and how much slower the compute beside its work runs. The raw isend
@@ -415,17 +411,15 @@ class DistTransport:
         first), and in a quiet stretch before, while the sender computes as it will but sends
         nothing: the difference per message is `after_receive` (never below 0), the
         transport's work to take a message in on the receiver's CPU. The two peers return the
-        same figures; other ranks None.
-
-        The timed rounds: `rounds`, or fewer where the sender's computes are long, as many
-        whole turns of the kinds as take about `budget` seconds (`posting_rounds`; a turn at
-        least): a long compute makes the transport's terms a small part of a step."""
+        same figures; other ranks None."""
         if rounds < len(_ROUND_KINDS):
             raise ValueError(f"measure_posting needs a round of each kind, {_ROUND_KINDS}: "
                              f"rounds={rounds}")
         sender, receiver = self.ranks[0], self.ranks[1]
         if self.rank not in (sender, receiver) or (0, 1) not in self._forward:
             return None
+        count = len(self._dims[key][0])
+        rounds_of = [[(key, i % count) for i in range(per_round)] for _ in range(rounds + 1)]
         if forward is None:
             burst = ComputeBurst(self.device, size=64, depth=8, backward=True)  # like a stage
 
@@ -445,16 +439,12 @@ class DistTransport:
         computes = [statistics.median(f() for _ in range(3))
                     for f in ((forward, backward) if first else (forward,))]
         computes += [0.0] * (2 - len(computes))
-        theirs = swap(computes)  # the sender gets the receiver's, the receiver the sender's
-        senders = computes if first else theirs
-        # both peers count the rounds from the sender's figures, so they run as many
-        count = len(self._dims[key][0])
-        rounds_of = [[(key, i % count) for i in range(per_round)]
-                     for _ in range(posting_rounds(*senders, per_round, rounds, budget) + 1)]
         if first:  # each side measures its part; the other's figures are 0 here
+            swap(computes)
             mine = self._time_sending(rounds_of, receiver, forward, backward)
         else:
-            mine = self._time_receiving(rounds_of, sender, forward, computes[0], senders)
+            mine = self._time_receiving(rounds_of, sender, forward, computes[0],
+                                        swap(computes))
         theirs = swap(mine)
         tensors = max(len(self._slots(0, 1, "F")), 1)
         return Posting(*((a + b) / tensors for a, b in zip(mine, theirs)))
@@ -611,20 +601,6 @@ class DistTransport:
                 raise PipelineAborted(f"the pipeline stopped because {failure}") from error
             raise FxpipeError(f"rank {self.rank} gave up waiting for {what} after at most "
                               f"{self.timeout:.0f} s: {error}") from error
-
-
-def posting_rounds(forward: float, backward: float, per_round: int, most: int,
-                   budget: float) -> int:
-    """How many timed rounds measure_posting runs: `most`, or as many whole turns of its round
-    kinds as take about `budget` seconds, by the sender's `forward` and `backward` seconds (a
-    turn at least). In a turn the receiver computes while each of a forward round's and a
-    backward round's `per_round` messages lands, as long as the sender's 4 computes take (and
-    as long again, quiet, before): 10 of the sender's computes per message, and a wake round
-    has the sender run 3 forwards per message."""
-    kinds = len(_ROUND_KINDS)
-    turn = per_round * (13 * forward + 10 * backward)
-    turns = int(budget // turn) if turn > 0 else most
-    return min(most, max(1, turns) * kinds)
 
 
 def _other_holder(group: Any) -> int | None:

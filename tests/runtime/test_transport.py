@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.runtime.dist import POSTING_BUDGET, posting_rounds
 from fxpipe.runtime.transport import LocalTransport, PipelineAborted
 
 STAGES = 4
@@ -108,25 +107,3 @@ def test_an_abort_wakes_every_waiting_stage_with_the_error():
         assert not receiver.is_alive()
     assert len(failed) == STAGES - 1
     assert all(isinstance(e, PipelineAborted) and "stage 0 failed" in str(e) for e in failed)
-
-
-@given(forward=st.floats(0.0, 1.0), backward=st.floats(0.0, 1.0),
-       per_round=st.integers(1, 10), most=st.integers(3, 30),
-       budget=st.floats(0.01, 10.0))
-def test_the_posting_rounds_fill_the_budget_in_whole_turns_of_the_kinds(forward, backward,
-                                                                        per_round, most,
-                                                                        budget):
-    rounds = posting_rounds(forward, backward, per_round, most, budget)
-    turn = per_round * (13 * forward + 10 * backward)  # a round of each kind, in seconds
-    assert 3 <= rounds <= most
-    if rounds < most:  # cut short by the budget: whole turns, as many as it holds, one at least
-        assert rounds % 3 == 0
-        assert rounds // 3 * turn <= budget or rounds == 3
-        assert (rounds // 3 + 1) * turn > budget
-    elif turn > 0:  # the budget holds them all (or they are the least, a turn)
-        assert most <= 3 * max(1, budget // turn)
-
-
-def test_short_computes_keep_every_posting_round():
-    assert posting_rounds(1e-4, 2e-4, 5, 9, POSTING_BUDGET) == 9
-    assert posting_rounds(0.02, 0.04, 5, 9, POSTING_BUDGET) == 3
