@@ -504,14 +504,14 @@ class DistTransport:
         ready = torch.zeros(1, device=self.device)
         alone, between, before, after, slower = [], [], [], [], []
         own = max(own, 1e-9)
+        per_round = len(rounds_of[0])
 
         def busy(kind: str) -> float:  # as a stage is while messages come: as long as the
             # sender's 3 computes and a send per message, or longer (a send taking at most
             # one compute's time), with a margin
-            sending = len(rounds_of[0]) * 4 * senders[1 if kind == "backward" else 0]
+            sending = per_round * 4 * senders[1 if kind == "backward" else 0]
             return sum(compute() for _ in range(math.ceil(1.25 * sending / own)))
 
-        per_round = len(rounds_of[0])
         for index, mbs in enumerate(rounds_of):
             kind, timed = _ROUND_KINDS[index % len(_ROUND_KINDS)], index > 0
             dist.send(ready, sender, self._group(0, 1), _READY_TAG)
