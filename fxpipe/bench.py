@@ -30,7 +30,7 @@ from fxpipe.report import late_messages, step_time
 __all__ = [
     "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun",
     "check_stage_count_of", "first_rank_error", "format_rows", "pyplot", "rows_to_json",
-    "write_csv", "write_png",
+    "thread_capacity", "write_csv", "write_png",
 ]
 
 
@@ -57,6 +57,10 @@ class BenchRow:
     late_ms: float = float("nan")
     on_cpu: bool = True  # whether the stages computed on the CPU (else on GPUs)
     rounds: int = 0  # how many predictions predicted_ms is the median of (0: not known)
+    # stage threads beyond the cores (pipe.thread_capacity): how much of the units' work as
+    # many threads as the cores, and as the stages, got through at once against one (else nan)
+    capacity_cores: float = float("nan")
+    capacity_stages: float = float("nan")
 
     @property
     def ratio(self) -> float:
@@ -167,12 +171,31 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              statistics.fmean(found.excess for found in late) * 1e3,
                              # this process's stages (under torchrun, this rank's)
                              all(r.device.type == "cpu"
-                                 for r in pipe.executor.runners.values()), len(predictions)))
+                                 for r in pipe.executor.runners.values()), len(predictions),
+                             *_capacities(pipe)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")
         if not launched():  # a bar of its own line ends with it
             print(file=sys.stderr)
     return rows
+
+
+def _capacities(pipe) -> tuple[float, float]:
+    """The row's capacity_cores and capacity_stages from the pipeline's thread_capacity."""
+    if not pipe.thread_capacity:
+        return float("nan"), float("nan")
+    counts = sorted(pipe.thread_capacity)  # 1, the cores, the stage threads
+    return pipe.thread_capacity[counts[-2]], pipe.thread_capacity[counts[-1]]
+
+
+def thread_capacity(rows: Sequence[BenchRow], cores: int, stages: int) -> dict[int, float]:
+    """The rows' thread capacity at the cores and at the stage threads (the median over the
+    rows that measured it; empty when none did), as shared_cores_lines takes it."""
+    measured = [r for r in rows if not math.isnan(r.capacity_stages)]
+    if not measured:
+        return {}
+    return {cores: statistics.median(r.capacity_cores for r in measured),
+            stages: statistics.median(r.capacity_stages for r in measured)}
 
 
 class StealMeter:

@@ -22,6 +22,7 @@ from fxpipe.bench import (
     format_rows,
     pyplot,
     rows_to_json,
+    thread_capacity,
     write_csv,
     write_png,
 )
@@ -194,7 +195,9 @@ def _bench(args: argparse.Namespace) -> None:
     for line in _against_even(rows, args.repeats):
         print(line)
     if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
-        for line in shared_cores_lines(args.stages, usable_cores(), ranks=bool(args.nproc)):
+        cores = usable_cores()
+        for line in shared_cores_lines(args.stages, cores, ranks=bool(args.nproc),
+                                       capacity=thread_capacity(rows, cores, args.stages)):
             print(line)
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "

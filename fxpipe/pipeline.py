@@ -78,6 +78,9 @@ class CompiledPipeline(torch.nn.Module):
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
             # under torchrun: (ranks computing on this host's CPU, the CPUs they may use)
             host_cores=None,
+            # stage threads beyond this process's cores: thread count -> how much of the units'
+            # work that many threads got through at once against one (set by compile)
+            thread_capacity=None,
         )
 
     @property
@@ -281,7 +284,7 @@ class CompiledPipeline(torch.nn.Module):
         # ranks on this rank's host (which compile found out)
         if self.executor.everything_here:
             cores, on_cpu = self.cpu_sharing()
-            shared = shared_cores_lines(len(on_cpu), cores)
+            shared = shared_cores_lines(len(on_cpu), cores, capacity=self.thread_capacity)
         else:
             shared = shared_cores_lines(*self.host_cores, ranks=True) if self.host_cores else []
         # compile's prediction is of its example's micro-batches (under data parallelism a

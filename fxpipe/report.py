@@ -6,7 +6,7 @@ import bisect
 import dataclasses
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from fxpipe.inspect import format_table
 from fxpipe.schedules import Action, ActionKind
@@ -217,13 +217,17 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         + list(tail))
 
 
-def shared_cores_lines(stages: int, cores: int, ranks: bool = False) -> list[str]:
+def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
+                       capacity: Mapping[int, float] | None = None) -> list[str]:
     """What to tell a user whose `stages` stages (stage threads of one process, or with
     `ranks` one per rank under torchrun) compute on a host's CPU of `cores` cores: nothing
     when each can have a core, else that they share them, and how the prediction takes that
     in: stage threads get an even split of the cores among the ones computing at once (their
     units timed beside every other one, less the time they waited for a core); ranks run at
-    the pace of the units timed on every rank at once."""
+    the pace of the units timed on every rank at once. `capacity` (stage threads; compile's
+    `thread_capacity`): thread count -> how much of the units' work that many threads got
+    through at once against one; where `stages` threads got through less than `cores`, the
+    user learns that fewer stages per process get more done."""
     if stages <= cores:
         return []
     who = "ranks" if ranks else "stages"
@@ -234,9 +238,20 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False) -> list[str
         how = ("the units were timed with every stage thread busy, less the timing thread's "
                "waits for a core, and the prediction splits the cores evenly among the stages "
                "computing at once")
-    return [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
-            f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
-            "has one"]
+    lines = [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
+             f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
+             "has one"]
+    if capacity and stages in capacity and cores in capacity:
+        line = (f"thread capacity: {stages} threads running the units at once got through "
+                f"{capacity[stages]:.2f}x the work of one thread, {cores} "
+                f"thread{'s' if cores > 1 else ''} {capacity[cores]:.2f}x")
+        if capacity[stages] < capacity[cores]:
+            line += (": past the cores, the stage threads of this model slow each other "
+                     "(Python's interpreter lock) more than they add; at most "
+                     f"{cores} stage{'s' if cores > 1 else ''} per process, or one per rank "
+                     "under torchrun, get more work done")
+        lines.append(line)
+    return lines
 
 
 def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import re
 import statistics
@@ -295,6 +296,40 @@ def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores, on_c
            "the cores evenly")
     assert (f"shared cores: {how}" in out) == shared
     assert ("shared cores" in out) == shared
+
+
+@pytest.mark.parametrize("capacity, expected", [({1: 1.0, 2: 1.1, 4: 0.7}, (1.1, 0.7)),
+                                                 ({1: 1.0, 3: 0.9}, (1.0, 0.9))])
+def test_a_bench_row_keeps_the_capacity_at_the_cores_and_at_the_stage_threads(capacity,
+                                                                             expected):
+    """Compile measures 1, the cores and the stage threads (one core: 1 and the stages)."""
+    import types
+
+    import fxpipe.bench
+
+    pipe = types.SimpleNamespace(thread_capacity=capacity)
+    assert fxpipe.bench._capacities(pipe) == expected
+    pipe.thread_capacity = None
+    assert all(math.isnan(c) for c in fxpipe.bench._capacities(pipe))
+
+
+def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch):
+    """Rows that measured it (stage threads beyond the cores) give the capacity line their
+    median; a row without it (nan) is left out of the median, not counted as nothing."""
+    import fxpipe.cli
+
+    rows = [BenchRow("even", "gpipe", (1, 1, 1, 1), 2, 1.0, 1.0, 0.0, 0.0, (0.0,) * 4,
+                     capacity_cores=at_cores, capacity_stages=at_stages)
+            for at_cores, at_stages in [(1.0, 0.7), (1.2, 0.9), (1.1, 0.8),
+                                        (float("nan"), float("nan"))]]
+    monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: rows)
+    monkeypatch.setattr(fxpipe.cli, "usable_cores", lambda: 2)
+    assert main(["bench", "mlp", "--stages", "4", "--partitioners", "even",
+                 "--schedules", "gpipe"]) == 0
+    out = capsys.readouterr().out
+    assert ("thread capacity: 4 threads running the units at once got through 0.80x the work "
+            "of one thread, 2 threads 1.10x") in out
+    assert "at most 2 stages per process" in out
 
 
 def test_each_round_of_bench_first_runs_untimed_steps_for_the_settling_time(monkeypatch):

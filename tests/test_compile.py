@@ -270,3 +270,23 @@ def test_the_units_are_timed_beside_every_stage_thread_on_the_cpu():
     assert busy_stages(["cpu"] * 4096) == 4096
     assert busy_stages(["cpu", "cuda:0", "cpu"]) == 2
     assert busy_stages(["cuda:0", "cuda:1"]) == 1
+
+
+@pytest.mark.parametrize("cores, costs, measured", [(1, "measure", True), (2, "measure", False),
+                                                    (1, "none", False)])
+def test_compile_measures_the_thread_capacity_where_stage_threads_outnumber_the_cores(
+        monkeypatch, cores, costs, measured):
+    """Two stage threads: with one core, how much work one and two threads get through is
+    measured for the report; with a core each, or nothing timed, it is not."""
+    import importlib
+
+    front = importlib.import_module("fxpipe.compile.front")
+    monkeypatch.setattr(front, "usable_cores", lambda: cores)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, costs=costs),
+                          example_inputs=(x,), cache=False)
+    if measured:
+        assert sorted(pipe.thread_capacity) == [1, 2] and pipe.thread_capacity[1] == 1.0
+        assert pipe.thread_capacity[2] > 0
+    else:
+        assert pipe.thread_capacity is None

@@ -587,3 +587,17 @@ def test_each_stage_pays_its_own_slowdown_after_a_wait():
         assert first_compute(slowed, stage).duration == pytest.approx(
             first_compute(plain, stage).duration + figure)
     assert "1000000/2000000 us slower after a wait (per stage)" in str(pipe.link)
+
+
+@given(stages=st.integers(2, 16), cores=st.integers(1, 15), at_cores=st.floats(0.01, 16.0),
+       at_stages=st.floats(0.01, 16.0))
+def test_fewer_stages_are_advised_exactly_where_more_threads_got_less_work_done(
+        stages, cores, at_cores, at_stages):
+    assume(stages > cores)
+    capacity = {1: 1.0, cores: at_cores, stages: at_stages}
+    *_, line = shared_cores_lines(stages, cores, capacity=capacity)
+    assert line.startswith(f"thread capacity: {stages} threads running the units at once got "
+                           f"through {at_stages:.2f}x the work of one thread, {cores} thread")
+    assert f" {at_cores:.2f}x" in line
+    assert ("get more work done" in line) == (at_stages < at_cores)
+    assert shared_cores_lines(stages, cores) == shared_cores_lines(stages, cores, capacity={})

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe.affinity import usable_cores
 from fxpipe.batching import input_dims, resize
-from fxpipe.cost import CostTable, Link, fit_to_flops
+from fxpipe.cost import CostTable, Link, Partition, fit_to_flops
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.ir import ValueRef
 from fxpipe.materialize import has_meta_tensors, on_meta
@@ -29,6 +30,7 @@ from fxpipe.passes.analysis.profile import (
     default_cache_dir,
     profile_units,
     real_bytes,
+    thread_capacity,
     unit_parameters,
 )
 from fxpipe.passes.analysis.shape import annotate_shapes, record_values
@@ -42,9 +44,9 @@ from fxpipe.units import Unit, cut_units
 
 __all__ = [
     "busy_stages", "check_batched_inputs", "check_example_runs", "check_stage_count",
-    "check_whole_inputs", "example_args", "measure_costs", "output_names", "profile_cache",
-    "stage_devices", "stage_link", "threads_per_stage", "trace_and_cut", "units_of",
-    "whole_positions",
+    "check_whole_inputs", "example_args", "measure_costs", "measure_thread_capacity",
+    "output_names", "profile_cache", "stage_devices", "stage_link", "threads_per_stage",
+    "trace_and_cut", "units_of", "whole_positions",
 ]
 
 
@@ -266,6 +268,24 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
         cost = fit_to_flops(cost, flops_of_units(gm, units, flat, whole))
     return cost
+
+
+def measure_thread_capacity(gm, units, flat, partition: Partition, devices: Sequence[str],
+                            threads: int, whole: Sequence[int] = ()
+                            ) -> dict[int, float] | None:
+    """Where more stage threads compute on this process's CPU than it may use cores (and the
+    model is real): how much of the units' work as many threads get through at once, and as
+    many as the cores, against one thread (`thread_capacity`, at the partition's micro-batch
+    size), for the report to tell the user; else None."""
+    stages, cores = busy_stages(devices), usable_cores()
+    on_cpu = all(torch.device(d).type == "cpu" for d in devices)
+    if stages <= cores or not on_cpu or has_meta_tensors(gm):
+        return None
+    unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
+                                          [devices[0]] * len(units))
+    size = -(-input_dims(flat, whole).batch // partition.micro_batches)
+    return thread_capacity(unit_graph, unit_table, flat, size, (cores, stages),
+                           threads=threads, whole=whole)
 
 
 def profile_sizes(batch: int, plan: Plan) -> list[int]:

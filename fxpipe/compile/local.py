@@ -16,6 +16,7 @@ from fxpipe.compile.front import (
     check_batched_inputs,
     example_args,
     measure_costs,
+    measure_thread_capacity,
     output_names,
     profile_cache,
     stage_devices,
@@ -125,4 +126,7 @@ def compile(
     if plan.costs != "none":  # the runtime's own time, for predicting whole steps
         pipe.measure_step_overhead(*args, **kwargs)
         pipe.measure_forward_overhead(*args, **kwargs)
+        # stage threads beyond the cores: how much work they get through, for the report
+        pipe.thread_capacity = measure_thread_capacity(traced.gm, units, flat, partition,
+                                                       devices, threads, whole)
     return pipe

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -523,3 +524,81 @@ def test_this_kernel_counts_the_threads_waits_for_a_core():
     first = profile_module._core_wait()
     sum(range(10**6))
     assert profile_module._core_waits_known() and 0.0 <= first <= profile_module._core_wait()
+
+
+def _unit_runs(monkeypatch, run) -> None:
+    """Stand in `run()` for a run of the units wherever thread_capacity runs them."""
+    monkeypatch.setattr(profile_module, "_as_a_stage", lambda *args: run())
+
+
+@pytest.mark.timeout(60)
+def test_threads_that_wait_on_nothing_shared_get_through_as_many_times_the_work(
+        three_units, monkeypatch):
+    """Runs that sleep (holding no core and no lock) overlap fully: k threads get through k
+    times the work of one, whatever the machine's cores."""
+    graph, table, x = three_units
+    _unit_runs(monkeypatch, lambda: time.sleep(0.004))
+    capacity = profile_module.thread_capacity(graph, table, [x], 4, (2, 4), window=0.1)
+    assert capacity[1] == 1.0 and sorted(capacity) == [1, 2, 4]
+    assert 1.7 <= capacity[2] <= 2.3 and 3.2 <= capacity[4] <= 4.6
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:  # Python bytecode: holds the interpreter lock throughout
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_threads_that_hold_the_interpreter_lock_get_through_no_more_than_one(
+        three_units, monkeypatch):
+    """Runs of pure Python take turns on Python's interpreter lock: more threads of them get
+    through about one thread's work, not more, however many cores there are."""
+    graph, table, x = three_units
+    _unit_runs(monkeypatch, lambda: _spin(0.002))
+    capacity = profile_module.thread_capacity(graph, table, [x], 4, (3,), window=0.1)
+    assert 0.5 <= capacity[3] <= 1.3
+
+
+def test_thread_capacity_of_the_units_leaves_no_trace(three_units):
+    graph, table, x = three_units
+    before = {k: v.clone() for k, v in graph.state_dict().items()}
+    capacity = profile_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
+    assert capacity[1] == 1.0 and capacity[2] > 0
+    assert all(p.grad is None for p in graph.parameters())
+    for key, value in graph.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_a_failing_run_on_a_thread_fails_the_thread_capacity(three_units, monkeypatch):
+    graph, table, x = three_units
+    calls = []
+
+    def run():  # the warm-up runs on this thread succeed, then a worker's fails
+        calls.append(1)
+        if len(calls) > 2:
+            raise ValueError("boom")
+
+    _unit_runs(monkeypatch, run)
+    with pytest.raises(RuntimeError, match="several threads at once") as raised:
+        profile_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_thread_capacity_needs_real_units_and_counts_of_threads(three_units):
+    graph, table, x = three_units
+    with pytest.raises(ValueError, match="at least 1"):
+        profile_module.thread_capacity(graph, table, [x], 4, (0,))
+    with pytest.raises(ValueError, match="meta device"):
+        profile_module.thread_capacity(copy.deepcopy(graph).to("meta"), table, [x], 4, (2,))
+
+
+@given(duration=st.floats(1e-4, 1.0), offset=st.floats(0.0, 1.0), window=st.floats(1e-3, 5.0))
+def test_runs_back_to_back_count_as_the_window_over_their_duration(duration, offset, window):
+    """Runs of `duration` one after another, from before a window to after it: the window
+    holds window / duration of them, whatever their phase against its ends."""
+    start = -duration * (1 + offset)
+    count = int((window - start) / duration) + 2
+    spans = [(start + i * duration, start + (i + 1) * duration) for i in range(count)]
+    assert profile_module._runs_inside(spans, 0.0, window) == pytest.approx(window / duration,
+                                                                           rel=1e-6)
