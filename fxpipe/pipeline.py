@@ -267,7 +267,8 @@ class CompiledPipeline(torch.nn.Module):
         send/receive (waits for a message included) and idle shares, and the stage that bounds
         the pipeline; where more stages compute on a host's CPU than they may use cores (stage
         threads of this process, or under torchrun the ranks on rank 0's host), how the
-        prediction took that in (see shared_cores_lines); and when the last run is not the step
+        prediction took that in and, for stage threads, how much work they got through at once
+        (`thread_capacity`; see shared_cores_lines); and when the last run is not the step
         predicted: forwards only, or micro-batches of other sizes than compile's example (told
         only for compile's prediction). Printed (to `file`, default stdout; rank 0 under
         torchrun, where every rank must call it) and returned. `partition`: the stage costs to
