@@ -7,7 +7,9 @@ model into 2 stages (one per rank under torchrun, or 2 stage threads) and prints
 seconds, then the median of `--repeats` runs of each measurement: the link
 (`pipe.measure_link`, under torchrun with the sending and receiving terms measured on the
 stages' own compute), the units (`fxpipe.retime`), the runtime's own time per step and per
-forward, and one training step for scale.
+forward, and one training step for scale; in one process also what compile spends on the
+thread capacity where stage threads outnumber the cores, as for `--threads` stage threads on
+this machine's cores (`thread_capacity`, at the pipeline's micro-batch size).
 
     python benchmarks/compile_time.py --model vgg --batch 64
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
@@ -26,6 +28,9 @@ import torch.distributed as dist
 from two_stages import add_model_arguments, at_least_one, two_stages
 
 import fxpipe
+from fxpipe.affinity import usable_cores
+from fxpipe.passes.analysis.profile import thread_capacity
+from fxpipe.passes.rewrite.stages import split_stages
 
 
 def seconds(work: Callable[[], Any], distributed: bool) -> float:
@@ -41,6 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "vgg", schedule=True)
     parser.add_argument("--repeats", type=at_least_one, default=3)
+    parser.add_argument("--threads", type=at_least_one, default=4,
+                        help="stage threads whose thread capacity is timed (one process)")
     args = parser.parse_args()
     start = time.perf_counter()
     setup = two_stages(args, schedule=args.schedule)  # builds the model and compiles it
@@ -53,6 +60,12 @@ def main() -> None:
         "pipe.measure_forward_overhead(x)": lambda: pipe.measure_forward_overhead(x),
         "pipe.step(x, y)": lambda: pipe.step(x, y),
     }
+    if not setup.distributed:
+        k = len(pipe.units)
+        graph, table = split_stages(pipe.traced.gm, pipe.units, range(1, k + 1), ["cpu"] * k)
+        size = -(-args.batch // args.micro_batches)
+        measurements[f"thread capacity, {args.threads} threads"] = lambda: thread_capacity(
+            graph, table, [x], size, (usable_cores(), args.threads))
     medians = {name: statistics.median(seconds(work, setup.distributed)
                                        for _ in range(args.repeats))
                for name, work in measurements.items()}

@@ -24,13 +24,24 @@ from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.passes.analysis.memory import PeakMemory
+from fxpipe.passes.analysis.profile import ThreadCapacity
 from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
 
 __all__ = [
-    "BenchRow", "StealMeter", "bench", "bench_plans", "bench_under_torchrun",
-    "check_stage_count_of", "first_rank_error", "format_rows", "pyplot", "rows_to_json",
-    "thread_capacity", "write_csv", "write_png",
+    "BenchRow",
+    "StealMeter",
+    "bench",
+    "bench_plans",
+    "bench_under_torchrun",
+    "check_stage_count_of",
+    "first_rank_error",
+    "format_rows",
+    "median_thread_capacity",
+    "pyplot",
+    "rows_to_json",
+    "write_csv",
+    "write_png",
 ]
 
 
@@ -172,7 +183,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              # this process's stages (under torchrun, this rank's)
                              all(r.device.type == "cpu"
                                  for r in pipe.executor.runners.values()), len(predictions),
-                             *_capacities(pipe)))
+                             **_capacities(pipe)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")
         if not launched():  # a bar of its own line ends with it
@@ -180,22 +191,23 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     return rows
 
 
-def _capacities(pipe) -> tuple[float, float]:
-    """The row's capacity_cores and capacity_stages from the pipeline's thread_capacity."""
-    if not pipe.thread_capacity:
-        return float("nan"), float("nan")
-    counts = sorted(pipe.thread_capacity)  # 1, the cores, the stage threads
-    return pipe.thread_capacity[counts[-2]], pipe.thread_capacity[counts[-1]]
+def _capacities(pipe) -> dict[str, float]:
+    """The row's capacity_cores and capacity_stages, from the pipeline's thread_capacity."""
+    capacity = pipe.thread_capacity
+    if capacity is None:
+        return {}
+    return {"capacity_cores": capacity.at_cores, "capacity_stages": capacity.at_stages}
 
 
-def thread_capacity(rows: Sequence[BenchRow], cores: int, stages: int) -> dict[int, float]:
-    """The rows' thread capacity at the cores and at the stage threads (the median over the
-    rows that measured it; empty when none did), as shared_cores_lines takes it."""
+def median_thread_capacity(rows: Sequence[BenchRow], cores: int, stages: int
+                           ) -> ThreadCapacity | None:
+    """The rows' thread capacity, with as many threads as `cores` and as `stages` (the median
+    over the rows that measured it; None when none did), as shared_cores_lines takes it."""
     measured = [r for r in rows if not math.isnan(r.capacity_stages)]
     if not measured:
-        return {}
-    return {cores: statistics.median(r.capacity_cores for r in measured),
-            stages: statistics.median(r.capacity_stages for r in measured)}
+        return None
+    return ThreadCapacity(cores, stages, statistics.median(r.capacity_cores for r in measured),
+                          statistics.median(r.capacity_stages for r in measured))
 
 
 class StealMeter:
@@ -257,9 +269,7 @@ def bench_under_torchrun(nproc: int, args: Sequence[str]) -> list[BenchRow]:
             # the launcher's own report of a failed rank alone takes about 2000 characters:
             # keep enough before it for the rank's message
             raise FxpipeError(f"the torchrun benchmark failed:\n{errors[-8000:]}")
-        with open(out) as handle:
-            return [BenchRow(**{**row, "sizes": tuple(row["sizes"]),
-                                "memory": tuple(row["memory"])}) for row in json.load(handle)]
+        return rows_from_json(out)
 
 
 def first_rank_error(stderr: str, ranks: int) -> str | None:
@@ -341,6 +351,13 @@ def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
 def rows_to_json(path: str, rows: Sequence[BenchRow]) -> None:
     with open(path, "w") as handle:
         json.dump([dataclasses.asdict(r) for r in rows], handle)
+
+
+def rows_from_json(path: str) -> list[BenchRow]:
+    """The rows rows_to_json wrote."""
+    with open(path) as handle:
+        return [BenchRow(**{**row, "sizes": tuple(row["sizes"]), "memory": tuple(row["memory"])})
+                for row in json.load(handle)]
 
 
 def _rank_peaks(pipe: torch.nn.Module, x: Any, y: Any) -> tuple[float, ...]:

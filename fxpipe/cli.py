@@ -20,9 +20,9 @@ from fxpipe.bench import (
     bench_under_torchrun,
     check_stage_count_of,
     format_rows,
+    median_thread_capacity,
     pyplot,
     rows_to_json,
-    thread_capacity,
     write_csv,
     write_png,
 )
@@ -197,7 +197,7 @@ def _bench(args: argparse.Namespace) -> None:
     if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
         cores = usable_cores()
         for line in shared_cores_lines(args.stages, cores, ranks=bool(args.nproc),
-                                       capacity=thread_capacity(rows, cores, args.stages)):
+                                       capacity=median_thread_capacity(rows, cores, args.stages)):
             print(line)
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "

@@ -6,15 +6,19 @@ import bisect
 import dataclasses
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from fxpipe.inspect import format_table
 from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
-__all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime", "StepTime", "format_report",
-           "interference", "late_messages", "receive_waits", "shared_cores_lines", "step_time",
-           "unlike_prediction_lines"]
+if TYPE_CHECKING:
+    from fxpipe.passes.analysis.profile import ThreadCapacity
+
+__all__ = ["FEWER_THREADS_BELOW", "LATE_AFTER", "Interference", "LateMessages", "StageTime",
+           "StepTime", "format_report", "interference", "late_messages", "receive_waits",
+           "shared_cores_lines", "step_time", "unlike_prediction_lines"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
@@ -217,17 +221,23 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         + list(tail))
 
 
+# fewer stage threads are advised where as many as the stages got through at most this share of
+# the work as many as the cores did (the measurement moves by a few percent from run to run)
+FEWER_THREADS_BELOW = 0.9
+
+
 def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
-                       capacity: Mapping[int, float] | None = None) -> list[str]:
+                       capacity: ThreadCapacity | None = None) -> list[str]:
     """What to tell a user whose `stages` stages (stage threads of one process, or with
     `ranks` one per rank under torchrun) compute on a host's CPU of `cores` cores: nothing
     when each can have a core, else that they share them, and how the prediction takes that
     in: stage threads get an even split of the cores among the ones computing at once (their
     units timed beside every other one, less the time they waited for a core); ranks run at
-    the pace of the units timed on every rank at once. `capacity` (stage threads; compile's
-    `thread_capacity`): thread count -> how much of the units' work that many threads got
-    through at once against one; where `stages` threads got through less than `cores`, the
-    user learns that fewer stages per process get more done."""
+    the pace of the units timed on every rank at once. `capacity` (stage threads: compile's
+    `thread_capacity`): how much of the units' work threads as many as its stages and as its
+    cores got through at once, against one; where the former got through under
+    FEWER_THREADS_BELOW of the latter, the user learns that fewer stages per process are
+    likely faster."""
     if stages <= cores:
         return []
     who = "ranks" if ranks else "stages"
@@ -241,15 +251,17 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
     lines = [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
              f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
              "has one"]
-    if capacity and stages in capacity and cores in capacity:
-        line = (f"thread capacity: {stages} threads running the units at once got through "
-                f"{capacity[stages]:.2f}x the work of one thread, {cores} "
-                f"thread{'s' if cores > 1 else ''} {capacity[cores]:.2f}x")
-        if capacity[stages] < capacity[cores]:
-            line += (": past the cores, the stage threads of this model slow each other "
-                     "(Python's interpreter lock) more than they add; at most "
-                     f"{cores} stage{'s' if cores > 1 else ''} per process, or one per rank "
-                     "under torchrun, get more work done")
+    if capacity is not None:
+        line = (f"thread capacity: {capacity.stages} threads, each running all the model's "
+                f"units, got through {capacity.at_stages:.2f}x the work of one thread at once, "
+                f"{capacity.cores} thread{'s' if capacity.cores > 1 else ''} "
+                f"{capacity.at_cores:.2f}x")
+        if capacity.at_stages < FEWER_THREADS_BELOW * capacity.at_cores:
+            line += (": past the cores, more threads got less done here (they share the "
+                     "cores, their caches and Python's interpreter lock), so at most "
+                     f"{capacity.cores} stage{'s' if capacity.cores > 1 else ''} per process, "
+                     "or the stages spread over torchrun ranks with a core each, are likely "
+                     "to step faster")
         lines.append(line)
     return lines
 

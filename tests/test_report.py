@@ -304,14 +304,19 @@ def test_stages_sharing_cores_are_named_exactly_when_there_are_more_than_cores(s
 def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, cores, device):
     """The 3 stage threads of `trained` on 2 cores, then on 3; stages on GPUs share none."""
     import fxpipe.pipeline
+    from fxpipe.passes.analysis.profile import ThreadCapacity
 
     monkeypatch.setattr(fxpipe.pipeline, "usable_cores", lambda: cores)
     for runner in trained.executor.runners.values():
         monkeypatch.setattr(runner, "device", torch.device(device))
+    # as compile measured it on 2 cores
+    monkeypatch.setitem(vars(trained), "thread_capacity", ThreadCapacity(2, 3, 1.5, 0.75))
     text = trained.report()
     shared = cores == 2 and device == "cpu"
     assert ("shared cores: 3 stages compute on this host's 2 CPU cores" in text) == shared
     assert ("shared cores" in text) == shared
+    assert ("thread capacity: 3 threads, each running all the model's units, got through "
+            "0.75x the work of one thread at once, 2 threads 1.50x" in text) == shared
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -591,13 +596,18 @@ def test_each_stage_pays_its_own_slowdown_after_a_wait():
 
 @given(stages=st.integers(2, 16), cores=st.integers(1, 15), at_cores=st.floats(0.01, 16.0),
        at_stages=st.floats(0.01, 16.0))
-def test_fewer_stages_are_advised_exactly_where_more_threads_got_less_work_done(
+def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_done(
         stages, cores, at_cores, at_stages):
+    from fxpipe.passes.analysis.profile import ThreadCapacity
+    from fxpipe.report import FEWER_THREADS_BELOW
+
     assume(stages > cores)
-    capacity = {1: 1.0, cores: at_cores, stages: at_stages}
+    capacity = ThreadCapacity(cores, stages, at_cores, at_stages)
     *_, line = shared_cores_lines(stages, cores, capacity=capacity)
-    assert line.startswith(f"thread capacity: {stages} threads running the units at once got "
-                           f"through {at_stages:.2f}x the work of one thread, {cores} thread")
-    assert f" {at_cores:.2f}x" in line
-    assert ("get more work done" in line) == (at_stages < at_cores)
-    assert shared_cores_lines(stages, cores) == shared_cores_lines(stages, cores, capacity={})
+    assert line.startswith(f"thread capacity: {stages} threads, each running all the model's "
+                           f"units, got through {at_stages:.2f}x the work of one thread at "
+                           f"once, {cores} thread")
+    assert line.split(": ")[1].endswith(f" {at_cores:.2f}x")
+    assert ("step faster" in line) == (at_stages < FEWER_THREADS_BELOW * at_cores)
+    assert shared_cores_lines(stages, cores) == shared_cores_lines(stages, cores,
+                                                                    capacity=None)[:1]

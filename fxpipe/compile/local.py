@@ -53,9 +53,10 @@ def compile(
     arguments); it fixes the shapes, and the units are timed on slices of it. The model's
     parameters stay the same objects: the compiled module and the model train the same weights.
     `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path; False: off).
-    Where more stage threads compute on this process's CPU than it may use cores, it also
-    measures how much of the units' work that many threads, and as many as the cores, get
-    through at once against one (`pipe.thread_capacity`, which `pipe.report()` prints).
+    Where more stage threads compute on this process's CPU than it may use cores (every stage
+    on the CPU, and the costs measured), it also measures how much of the units' work that
+    many threads, and as many as the cores, get through at once against one, in under a
+    second for a small model (`pipe.thread_capacity`, which `pipe.report()` prints).
 
     A model built on the meta device (`with torch.device("meta"): model = Net()`) has each
     stage made real only on its own device (under torchrun: only this rank's stage), its

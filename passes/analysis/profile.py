@@ -58,6 +58,7 @@ __all__ = [
     "MIN_TIMED",
     "MOST_REPEATS",
     "ProfileCache",
+    "ThreadCapacity",
     "UnitProfile",
     "UnitTiming",
     "annotate_profile",
@@ -370,21 +371,31 @@ class _Load:
                 from self.errors[0]
 
 
+class ThreadCapacity(NamedTuple):
+    """How much of the units' work as many threads as the cores, and as the stage threads, got
+    through at once, each against one thread alone (`thread_capacity`)."""
+
+    cores: int
+    stages: int
+    at_cores: float
+    at_stages: float
+
+
 def thread_capacity(graph: fx.GraphModule, table: CommTable, flat_inputs: Sequence[Any],
                     size: int, counts: Sequence[int], *, threads: int = 1,
                     whole: Sequence[int] = (), window: float = 0.1) -> dict[int, float]:
     """For each k of `counts`: how much of the units' work k threads of this process get
     through at once, against one thread alone (1.0 for k = 1).
 
-    Each thread runs the units as a pipeline stage does (the forwards of a micro-batch of
-    `size` samples, then one backward), again and again, with `threads` intra-op threads; k
-    threads' rate is the runs they finish in a `window` of seconds (at least five runs of one
-    thread alone), a run that straddles an end of it counted for its share inside. Every k is
-    measured twice, in rising and then falling order, and the median counts, so a drift of the
-    machine's speed meets both ends. Stage threads of one process share the cores and Python's
-    interpreter lock: past the cores, more of them can get through less work than fewer. A
-    real model on the CPU only (a meta model would need a real copy per thread). Leaves no
-    gradient, buffer or random number generator changed."""
+    Each thread runs all the units as a pipeline stage runs its own (their forwards on a
+    micro-batch of `size` samples, then one backward), again and again, on the same modules,
+    with `threads` intra-op threads; k threads' rate is the runs they finish in a `window` of
+    seconds (at least two runs of one thread alone), a run that straddles an end of it
+    counted for its share inside. Every k is measured twice, in rising and then falling order,
+    and the median counts, so a drift of the machine's speed meets both ends. Threads of one
+    process share its cores, their caches and Python's interpreter lock: past the cores, more
+    of them can get through less work than fewer. The units must be real (not on the meta
+    device). Leaves no gradient, buffer or random number generator changed."""
     if has_meta_tensors(graph):
         raise ValueError("thread_capacity runs the units themselves: make the model real "
                          "first (its tensors are on the meta device)")
@@ -403,7 +414,7 @@ def thread_capacity(graph: fx.GraphModule, table: CommTable, flat_inputs: Sequen
             started = time.perf_counter()
             for _ in range(2):  # warm-up runs, and how long one takes alone
                 _as_a_stage(table, modules, values, needs_grad)
-            window = max(window, 5 * (time.perf_counter() - started) / 2)
+            window = max(window, 2 * (time.perf_counter() - started) / 2)
             for k in [*counts, *reversed(counts)]:
                 rates[k].append(_runs_per_second(k, window, table, modules, values,
                                                  needs_grad, threads))
@@ -433,15 +444,21 @@ def _runs_per_second(k: int, window: float, table, modules, values, needs_grad,
 
     workers = [threading.Thread(target=work, args=(mine,), daemon=True) for mine in spans]
     begin = time.perf_counter() + window / 5
-    for worker in workers:
-        worker.start()
-    time.sleep(max(begin + window - time.perf_counter(), 0.0))
-    stop.set()
-    for worker in workers:
-        worker.join()
+    try:
+        for worker in workers:
+            worker.start()
+        time.sleep(max(begin + window - time.perf_counter(), 0.0))
+    finally:  # an interrupted measurement leaves no thread running on the model
+        stop.set()
+        for worker in workers:
+            if worker.is_alive():
+                worker.join()
     if errors:
-        raise RuntimeError("running the units on several threads at once failed") \
-            from errors[0]
+        raise RuntimeError(
+            f"running the model's units on {k} thread{'s' if k > 1 else ''} at once, on the "
+            "same modules, failed (the error above): stage threads of one process run their "
+            "stages at once in every step too; run one stage per process under torchrun, or "
+            "compile with Plan(costs='none') to time nothing") from errors[0]
     return sum(_runs_inside(mine, begin, begin + window) for mine in spans) / window
 
 

@@ -560,14 +560,35 @@ def test_threads_that_hold_the_interpreter_lock_get_through_no_more_than_one(
     assert 0.5 <= capacity[3] <= 1.3
 
 
-def test_thread_capacity_of_the_units_leaves_no_trace(three_units):
-    graph, table, x = three_units
+def test_thread_capacity_of_the_units_leaves_no_trace():
+    """Gradients, buffers (a batch norm's running statistics) and the random number generator
+    (dropout draws from it) are as they were."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model.train()
+    x = torch.randn(16, 8)
+    _, graph, table = _per_unit(model, x)
     before = {k: v.clone() for k, v in graph.state_dict().items()}
+    generator = torch.get_rng_state()
     capacity = profile_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
     assert capacity[1] == 1.0 and capacity[2] > 0
+    assert torch.equal(torch.get_rng_state(), generator)
     assert all(p.grad is None for p in graph.parameters())
     for key, value in graph.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_an_interrupted_thread_capacity_leaves_no_thread_running(three_units, monkeypatch):
+    graph, table, x = three_units
+    _unit_runs(monkeypatch, lambda: _spin(0.001))
+    running = set(threading.enumerate())
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profile_module.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        profile_module.thread_capacity(graph, table, [x], 4, (3,), window=0.02)
+    assert set(threading.enumerate()) == running
 
 
 def test_a_failing_run_on_a_thread_fails_the_thread_capacity(three_units, monkeypatch):
@@ -580,7 +601,8 @@ def test_a_failing_run_on_a_thread_fails_the_thread_capacity(three_units, monkey
             raise ValueError("boom")
 
     _unit_runs(monkeypatch, run)
-    with pytest.raises(RuntimeError, match="several threads at once") as raised:
+    with pytest.raises(RuntimeError, match=r"units on 1 thread at once, on the same modules, "
+                       r"failed .*Plan\(costs='none'\)") as raised:
         profile_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
     assert isinstance(raised.value.__cause__, ValueError)
 
