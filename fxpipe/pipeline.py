@@ -78,8 +78,9 @@ class CompiledPipeline(torch.nn.Module):
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
             # under torchrun: (ranks computing on this host's CPU, the CPUs they may use)
             host_cores=None,
-            # stage threads beyond this process's cores: thread count -> how much of the units'
-            # work that many threads got through at once against one (set by compile)
+            # stage threads beyond this process's cores: how much of the units' work as many
+            # threads as the stages and as the cores got through at once (a ThreadCapacity,
+            # set by compile)
             thread_capacity=None,
         )
 

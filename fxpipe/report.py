@@ -221,8 +221,9 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         + list(tail))
 
 
-# fewer stage threads are advised where as many as the stages got through at most this share of
-# the work as many as the cores did (the measurement moves by a few percent from run to run)
+# fewer stage threads are advised where as many threads as the stages got through less than
+# this share of the work as many as the cores did (the measurement moves by a few percent from
+# run to run)
 FEWER_THREADS_BELOW = 0.9
 
 
