@@ -16,6 +16,9 @@ timed while a second thread runs one of these:
 
 Under 1F1B a stage's backward runs beside the other stage's forward, and a forward beside a
 backward. Under GPipe forwards mostly run beside forwards, and backwards beside backwards.
+Beside the other stage, the figures for a model of short actions such as the MLP move a lot
+from one run to the next: where the OS puts the two threads, and how the lock passes between
+them. Run it a few times before reading much into one run.
 
     python benchmarks/neighbour_kinds.py --model mlp
     python benchmarks/neighbour_kinds.py --model gpt --repeats 100
@@ -38,8 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "mlp")
     parser.add_argument("--repeats", type=at_least_one, default=200)
+    parser.add_argument("--partitioner", default="even")
     args = parser.parse_args()
-    setup = two_stages(args)
+    setup = two_stages(args, partitioner=args.partitioner)
     if setup.distributed:
         parser.error("stage threads share a process only without torchrun: run it with python")
     pipe = setup.pipe
