@@ -53,8 +53,9 @@ def main() -> None:
     def backward_of(module: torch.nn.Module, args: list[Any]) -> Callable[[], float]:
         def timed() -> float:
             outputs = _grad_outputs(module(*args))
+            ones = [torch.ones_like(o) for o in outputs]
             start = time.perf_counter()
-            torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+            torch.autograd.backward(outputs, ones)
             return time.perf_counter() - start
         return timed
 
