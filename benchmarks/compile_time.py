@@ -29,7 +29,7 @@ from two_stages import add_model_arguments, at_least_one, two_stages
 
 import fxpipe
 from fxpipe.affinity import usable_cores
-from fxpipe.passes.analysis.profile import thread_capacity
+from fxpipe.passes.analysis.capacity import thread_capacity
 from fxpipe.passes.rewrite.stages import split_stages
 
 

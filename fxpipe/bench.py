@@ -23,8 +23,8 @@ from fxpipe.compile.front import check_stage_count
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
+from fxpipe.passes.analysis.capacity import ThreadCapacity
 from fxpipe.passes.analysis.memory import PeakMemory
-from fxpipe.passes.analysis.profile import ThreadCapacity
 from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
 

@@ -14,7 +14,7 @@ from fxpipe.schedules import Action, ActionKind
 from fxpipe.simulate import Event
 
 if TYPE_CHECKING:
-    from fxpipe.passes.analysis.profile import ThreadCapacity
+    from fxpipe.passes.analysis.capacity import ThreadCapacity
 
 __all__ = ["FEWER_THREADS_BELOW", "LATE_AFTER", "Interference", "LateMessages", "StageTime",
            "StepTime", "format_report", "interference", "late_messages", "receive_waits",

@@ -304,7 +304,7 @@ def test_stages_sharing_cores_are_named_exactly_when_there_are_more_than_cores(s
 def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, cores, device):
     """The 3 stage threads of `trained` on 2 cores, then on 3; stages on GPUs share none."""
     import fxpipe.pipeline
-    from fxpipe.passes.analysis.profile import ThreadCapacity
+    from fxpipe.passes.analysis.capacity import ThreadCapacity
 
     monkeypatch.setattr(fxpipe.pipeline, "usable_cores", lambda: cores)
     for runner in trained.executor.runners.values():
@@ -598,7 +598,7 @@ def test_each_stage_pays_its_own_slowdown_after_a_wait():
        at_stages=st.floats(0.01, 16.0))
 def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_done(
         stages, cores, at_cores, at_stages):
-    from fxpipe.passes.analysis.profile import ThreadCapacity
+    from fxpipe.passes.analysis.capacity import ThreadCapacity
     from fxpipe.report import FEWER_THREADS_BELOW
 
     assume(stages > cores)

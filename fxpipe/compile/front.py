@@ -20,18 +20,17 @@ from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
 from fxpipe.ir import ValueRef
 from fxpipe.materialize import has_meta_tensors, on_meta
 from fxpipe.meta import SHAPE, ValueInfo
+from fxpipe.passes.analysis.capacity import ThreadCapacity, thread_capacity
 from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
     DEFAULT_LOAD,
     MIN_TIMED,
     ProfileCache,
-    ThreadCapacity,
     annotate_profile,
     default_cache_dir,
     profile_units,
     real_bytes,
-    thread_capacity,
     unit_parameters,
 )
 from fxpipe.passes.analysis.shape import annotate_shapes, record_values

@@ -17,6 +17,7 @@ from torch import fx, nn
 
 import fxpipe
 from fxpipe.models import GPT, VGG
+from fxpipe.passes.analysis import capacity as capacity_module
 from fxpipe.passes.analysis import profile as profile_module
 from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.costs import cost_table
@@ -528,7 +529,7 @@ def test_this_kernel_counts_the_threads_waits_for_a_core():
 
 def _unit_runs(monkeypatch, run) -> None:
     """Stand in `run()` for a run of the units wherever thread_capacity runs them."""
-    monkeypatch.setattr(profile_module, "_as_a_stage", lambda *args: run())
+    monkeypatch.setattr(capacity_module, "_as_a_stage", lambda *args: run())
 
 
 @pytest.mark.timeout(60)
@@ -538,7 +539,7 @@ def test_threads_that_wait_on_nothing_shared_get_through_as_many_times_the_work(
     times the work of one, whatever the machine's cores."""
     graph, table, x = three_units
     _unit_runs(monkeypatch, lambda: time.sleep(0.004))
-    capacity = profile_module.thread_capacity(graph, table, [x], 4, (2, 4), window=0.1)
+    capacity = capacity_module.thread_capacity(graph, table, [x], 4, (2, 4), window=0.1)
     assert capacity[1] == 1.0 and sorted(capacity) == [1, 2, 4]
     assert 1.7 <= capacity[2] <= 2.3 and 3.2 <= capacity[4] <= 4.6
 
@@ -556,7 +557,7 @@ def test_threads_that_hold_the_interpreter_lock_get_through_no_more_than_one(
     through about one thread's work, not more, however many cores there are."""
     graph, table, x = three_units
     _unit_runs(monkeypatch, lambda: _spin(0.002))
-    capacity = profile_module.thread_capacity(graph, table, [x], 4, (3,), window=0.1)
+    capacity = capacity_module.thread_capacity(graph, table, [x], 4, (3,), window=0.1)
     assert 0.5 <= capacity[3] <= 1.3
 
 
@@ -569,7 +570,7 @@ def test_thread_capacity_of_the_units_leaves_no_trace():
     _, graph, table = _per_unit(model, x)
     before = {k: v.clone() for k, v in graph.state_dict().items()}
     generator = torch.get_rng_state()
-    capacity = profile_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
+    capacity = capacity_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
     assert capacity[1] == 1.0 and capacity[2] > 0
     assert torch.equal(torch.get_rng_state(), generator)
     assert all(p.grad is None for p in graph.parameters())
@@ -585,9 +586,9 @@ def test_an_interrupted_thread_capacity_leaves_no_thread_running(three_units, mo
     def interrupted(seconds):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profile_module.time, "sleep", interrupted)
+    monkeypatch.setattr(capacity_module.time, "sleep", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        profile_module.thread_capacity(graph, table, [x], 4, (3,), window=0.02)
+        capacity_module.thread_capacity(graph, table, [x], 4, (3,), window=0.02)
     assert set(threading.enumerate()) == running
 
 
@@ -603,16 +604,16 @@ def test_a_failing_run_on_a_thread_fails_the_thread_capacity(three_units, monkey
     _unit_runs(monkeypatch, run)
     with pytest.raises(RuntimeError, match=r"units on 1 thread at once, on the same modules, "
                        r"failed .*Plan\(costs='none'\)") as raised:
-        profile_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
+        capacity_module.thread_capacity(graph, table, [x], 4, (2,), window=0.02)
     assert isinstance(raised.value.__cause__, ValueError)
 
 
 def test_thread_capacity_needs_real_units_and_counts_of_threads(three_units):
     graph, table, x = three_units
     with pytest.raises(ValueError, match="at least 1"):
-        profile_module.thread_capacity(graph, table, [x], 4, (0,))
+        capacity_module.thread_capacity(graph, table, [x], 4, (0,))
     with pytest.raises(ValueError, match="meta device"):
-        profile_module.thread_capacity(copy.deepcopy(graph).to("meta"), table, [x], 4, (2,))
+        capacity_module.thread_capacity(copy.deepcopy(graph).to("meta"), table, [x], 4, (2,))
 
 
 @given(duration=st.floats(1e-4, 1.0), offset=st.floats(0.0, 1.0), window=st.floats(1e-3, 5.0))
@@ -622,5 +623,5 @@ def test_runs_back_to_back_count_as_the_window_over_their_duration(duration, off
     start = -duration * (1 + offset)
     count = int((window - start) / duration) + 2
     spans = [(start + i * duration, start + (i + 1) * duration) for i in range(count)]
-    assert profile_module._runs_inside(spans, 0.0, window) == pytest.approx(window / duration,
+    assert capacity_module._runs_inside(spans, 0.0, window) == pytest.approx(window / duration,
                                                                            rel=1e-6)
