@@ -9,7 +9,7 @@ seconds, then the median of `--repeats` runs of each measurement: the link
 stages' own compute), the units (`fxpipe.retime`), the runtime's own time per step and per
 forward, and one training step for scale; in one process also what compile spends on the
 thread capacity where stage threads outnumber the cores, as for `--threads` stage threads on
-this machine's cores (`thread_capacity`, at the pipeline's micro-batch size).
+this machine's cores (`measure_thread_capacity`; nothing where they do not outnumber them).
 
     python benchmarks/compile_time.py --model vgg --batch 64
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
@@ -28,9 +28,7 @@ import torch.distributed as dist
 from two_stages import add_model_arguments, at_least_one, two_stages
 
 import fxpipe
-from fxpipe.affinity import usable_cores
-from fxpipe.passes.analysis.capacity import thread_capacity
-from fxpipe.passes.rewrite.stages import split_stages
+from fxpipe.compile.front import measure_thread_capacity
 
 
 def seconds(work: Callable[[], Any], distributed: bool) -> float:
@@ -60,12 +58,11 @@ def main() -> None:
         "pipe.measure_forward_overhead(x)": lambda: pipe.measure_forward_overhead(x),
         "pipe.step(x, y)": lambda: pipe.step(x, y),
     }
-    if not setup.distributed:
-        k = len(pipe.units)
-        graph, table = split_stages(pipe.traced.gm, pipe.units, range(1, k + 1), ["cpu"] * k)
-        size = -(-args.batch // args.micro_batches)
-        measurements[f"thread capacity, {args.threads} threads"] = lambda: thread_capacity(
-            graph, table, [x], size, (usable_cores(), args.threads))
+    if not setup.distributed:  # as compile measures it for --threads stage threads
+        flat = pipe.traced.bind((x,), {})
+        measurements[f"thread capacity, {args.threads} threads"] = (
+            lambda: measure_thread_capacity(pipe.traced.gm, pipe.units, flat, pipe.partition,
+                                            ["cpu"] * args.threads, 1, pipe.executor.whole))
     medians = {name: statistics.median(seconds(work, setup.distributed)
                                        for _ in range(args.repeats))
                for name, work in measurements.items()}

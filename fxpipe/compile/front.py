@@ -277,7 +277,7 @@ def measure_thread_capacity(gm: torch.fx.GraphModule, units: Sequence[Unit],
     """Where more stage threads compute on this process's CPU than it may use cores, every
     stage on the CPU: how much of the units' work as many threads as the stages, and as the
     cores, get through at once against one thread (`thread_capacity`, at the partition's
-    micro-batch size), for the report to tell the user; else None. It takes 0.73 to 0.79 s for
+    micro-batch size), for the report to tell the user; else None. It takes 0.73 to 0.81 s for
     the bundled MLP, GPT and VGG with 4 stage threads on 2 cores (`benchmarks/compile_time.py`),
     and about 16 times a run of all the units alone where a run takes over 0.05 s. A model
     built on the meta device is measured once its stages are real (compile makes them real
