@@ -48,9 +48,9 @@ def main() -> None:
           f"predicted and measured, and the measured gap since the stage's action before "
           f"(medians of {args.steps} steps)")
     print(f"link: {pipe.link}")
-    print("stage costs (units' forward + the runtime's own per forward / backward): " + ", ".join(
-        f"{(s.f + o) * 1e6:.0f} / {s.b * 1e6:.0f}"
-        for s, o in zip(run.partition.stages, pipe.forward_overhead)))
+    print("stage costs (units' + the runtime's own, per forward / backward): " + ", ".join(
+        f"{(s.f + f) * 1e6:.0f} / {(s.b + b) * 1e6:.0f}" for s, f, b in
+        zip(run.partition.stages, pipe.forward_overhead, pipe.backward_overhead)))
     for e in sorted(run.predicted.events, key=lambda e: (e.stage, e.start)):
         measured = spans.get(str(e.action))
         shown = ("  ".join(f"{statistics.median(column) * 1e6:{width}.0f}"

@@ -55,7 +55,7 @@ def main() -> None:
         "pipe.measure_link(x)": lambda: pipe.measure_link(x),
         "fxpipe.retime(pipe, x, target=y)": lambda: fxpipe.retime(pipe, x, target=y),
         "pipe.measure_step_overhead(x)": lambda: pipe.measure_step_overhead(x),
-        "pipe.measure_forward_overhead(x)": lambda: pipe.measure_forward_overhead(x),
+        "pipe.measure_action_overhead(x)": lambda: pipe.measure_action_overhead(x),
         "pipe.step(x, y)": lambda: pipe.step(x, y),
     }
     if not setup.distributed:  # as compile measures it for --threads stage threads

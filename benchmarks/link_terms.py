@@ -51,7 +51,7 @@ def main() -> None:
     for _ in range(args.rounds):
         fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1, repeats=5)
         overhead = pipe.measure_step_overhead(x)
-        pipe.measure_forward_overhead(x)  # which the predicted timeline adds
+        pipe.measure_action_overhead(x)  # which the predicted timeline adds
         setup.warm_up(20)  # the cores settle after the timing (benchmarks/after_pause.py)
         walls = [setup.timed_step() for _ in range(args.steps)]
         predicted = []

@@ -53,7 +53,7 @@ def main() -> None:
     for r in range(args.rounds):
         pipe.measure_link(x)
         overhead = pipe.measure_step_overhead(x)
-        pipe.measure_forward_overhead(x)
+        pipe.measure_action_overhead(x)
         for load in loads[r % len(loads):] + loads[:r % len(loads)]:
             pipe.timing = dataclasses.replace(compiled, load=load)
             fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1)

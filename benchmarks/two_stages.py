@@ -88,7 +88,7 @@ class TwoStages:
         from them; then, once the cores settled (benchmarks/after_pause.py), run `steps` timed
         steps."""
         fresh = fxpipe.retime(self.pipe, (self.x,), target=self.y, warmup=1, repeats=5)
-        self.pipe.measure_forward_overhead(self.x)  # which the predicted timeline adds
+        self.pipe.measure_action_overhead(self.x)  # which the predicted timeline adds
         predicted = self.pipe.predicted_timeline(fresh)
         self.warm_up(50)
         walls, kept = [], []

@@ -117,8 +117,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     timings it was made from. So the `repeats` timed steps are split into `rounds`, each right
     after the link between the stages is measured again (`pipe.measure_link`), the units and
     the loss are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's own time per
-    step and per forward is measured (`pipe.measure_step_overhead`,
-    `pipe.measure_forward_overhead`): the prediction
+    step and per forward and backward action is measured (`pipe.measure_step_overhead`,
+    `pipe.measure_action_overhead`): the prediction
     (the simulated schedule plus that time) is the median of the rounds' predictions, the
     measurement the median of all timed steps, and both sample the machine over the same
     stretch of time.
@@ -147,7 +147,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
             overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
-            pipe.measure_forward_overhead(x)  # and per forward, which the timeline adds
+            pipe.measure_action_overhead(x)  # and per action, which the timeline adds
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
             settling, kept = _settling_steps(warmup, settle, timeline.makespan + overhead), []

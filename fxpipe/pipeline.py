@@ -75,6 +75,7 @@ class CompiledPipeline(torch.nn.Module):
             link=link, executor=None, intra_layer=[], timing=None,  # timing: set by compile
             step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
             forward_overhead=(0.0,) * plan.stages,  # per stage: the runtime's own per forward
+            backward_overhead=(0.0,) * plan.stages,  # and per backward
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
             # under torchrun: (ranks computing on this host's CPU, the CPUs they may use)
             host_cores=None,
@@ -166,7 +167,8 @@ class CompiledPipeline(torch.nn.Module):
     def predicted_timeline(self, partition: Partition | None = None) -> Timeline:
         """The event simulator's timeline of the last run's schedule (or the plan's), with the
         stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`),
-        every forward also taking the runtime's own time per forward (`forward_overhead`)."""
+        every forward and backward also taking the runtime's own time per forward and per
+        backward (`forward_overhead`, `backward_overhead`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
         post_f, post_b = self._posting(self.link.post, self.link.posting_back)
@@ -180,7 +182,8 @@ class CompiledPipeline(torch.nn.Module):
         after_post_f, after_post_b = self._by_receiver(schedule, 0.0, self.link.after_post)
         forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
         cores, sharing = self.cpu_sharing()
-        return simulate(schedule, forward, [s.b for s in stages],
+        backward = [s.b + overhead for s, overhead in zip(stages, self.backward_overhead)]
+        return simulate(schedule, forward, backward,
                         [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
                         recv_post_b=recv_post_b, resume=self.link.resume,
@@ -239,14 +242,17 @@ class CompiledPipeline(torch.nn.Module):
         vars(self)["step_overhead"] = self.executor.step_overhead(flat)
         return self.step_overhead
 
-    def measure_forward_overhead(self, *inputs: Any, **kwargs: Any) -> tuple[float, ...]:
-        """Per stage, the runtime's own seconds per forward action beyond its units' compute
-        (see PipelineExecutor.forward_overhead), measured now on `inputs` (a mini-batch) and
-        kept as `forward_overhead`, which `predicted_timeline` adds to every forward. Under
-        torchrun every rank of the pipeline must call it."""
+    def measure_action_overhead(self, *inputs: Any, **kwargs: Any
+                                ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per stage, the runtime's own seconds per forward action beyond its units' compute,
+        and per backward action (see PipelineExecutor.action_overhead), measured now on
+        `inputs` (a mini-batch) and kept as `forward_overhead` and `backward_overhead`, which
+        `predicted_timeline` adds to every forward and every backward. Under torchrun every
+        rank of the pipeline must call it."""
         flat = self.traced.bind(inputs, kwargs)
-        vars(self)["forward_overhead"] = tuple(self.executor.forward_overhead(flat))
-        return self.forward_overhead
+        forward, backward = self.executor.action_overhead(flat)
+        vars(self).update(forward_overhead=tuple(forward), backward_overhead=tuple(backward))
+        return self.forward_overhead, self.backward_overhead
 
     def measure_link(self, *inputs: Any, **kwargs: Any) -> Link:
         """The link between the stages measured now as compile measured it (the plan's figures

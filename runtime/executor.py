@@ -402,22 +402,25 @@ class PipelineExecutor:
         finally:
             runner.discard("resume")  # what a failed run left in flight
 
-    def forward_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 30
-                         ) -> list[float]:
+    def action_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 30
+                        ) -> tuple[list[float], list[float]]:
         """Per stage, the runtime's own seconds per forward action beyond its stage module's
-        call (which the units' timings hold): detaching the inputs, the value dicts, the
-        in-flight bookkeeping. Each stage held here runs forward and backward `repeats` times on
-        the values a forward of `flat_inputs` hands it, every stage at once on its worker as in
-        a step (stage threads in one process contend for the interpreter lock, which makes this
-        work slower than alone); the median of the call's time less the module's counts. 0 on
-        a GPU, whose host prepares an action while the device computes the one before. Leaves
-        no gradient, buffer or random number generator changed. Every rank of the pipeline
-        must call it."""
+        call, and per backward action beyond its autograd call (which the units' timings
+        hold): detaching the inputs, the value dicts, the in-flight bookkeeping; gathering the
+        output gradients, firing the stage's hook, handing the input gradients back. Each stage
+        held here runs forward and backward `repeats` times on the values a forward of
+        `flat_inputs` hands it, every stage at once on its worker as in a step (stage threads
+        in one process contend for the interpreter lock, which makes this work slower than
+        alone); the medians of the actions' time less the module's call, and less the autograd
+        call, count. 0 on a GPU, whose host prepares an action while the device computes the
+        one before. Leaves no gradient, buffer or random number generator changed. Every rank
+        of the pipeline must call it."""
         with self._timing_the_stages():
             inputs = self._stage_inputs(flat_inputs)
             mine = self.driver.on_stage_workers(
-                lambda s: _own_time_per_forward(self.runners[s], inputs[s], repeats))
-        return self.coordinator.per_stage(mine)
+                lambda s: _own_time_per_action(self.runners[s], inputs[s], repeats))
+        return (self.coordinator.per_stage({s: f for s, (f, _) in mine.items()}),
+                self.coordinator.per_stage({s: b for s, (_, b) in mine.items()}))
 
     def _stage_inputs(self, flat_inputs: Sequence[Any] | None) -> dict[int, dict[str, Any]]:
         """Per stage held here, its first micro-batch's inputs, as one forward of `flat_inputs`
@@ -605,28 +608,46 @@ def _without_policies(runners: Iterable[StageRunner]) -> Iterator[None]:
             runner.policy = policy
 
 
-def _own_time_per_forward(runner: StageRunner, values: Mapping[str, Any], repeats: int
-                          ) -> float:
-    """The median of `repeats` forwards' time in `runner.forward` outside its stage module's
-    call, each forward followed by its backward, as a stage runs (0 on a GPU)."""
+def _own_time_per_action(runner: StageRunner, values: Mapping[str, Any], repeats: int
+                         ) -> tuple[float, float]:
+    """The medians of `repeats` forwards' time in `runner.forward` outside its stage module's
+    call, and of their backwards' time in `runner.backward` outside its autograd call, each
+    forward followed by its backward, as a stage runs ((0, 0) on a GPU)."""
     if runner.device.type != "cpu":
-        return 0.0
-    module, began, spans, overheads = runner.stage.module, [0.0], [], []
+        return 0.0, 0.0
+    module, began, spans = runner.stage.module, [0.0], []
+    forwards: list[float] = []
+    backwards: list[float] = []
     hooks = [module.register_forward_pre_hook(lambda *_: began.__setitem__(0, time.perf_counter())),
              module.register_forward_hook(lambda *_: spans.append(time.perf_counter() - began[0]))]
+    backpropagate, own = runner.backpropagate, vars(runner).get("backpropagate")
+
+    def timed_backpropagate(*args: Any) -> None:
+        start = time.perf_counter()
+        backpropagate(*args)
+        spans.append(time.perf_counter() - start)
+
+    runner.backpropagate = timed_backpropagate  # type: ignore[method-assign]
     try:
         with torch.enable_grad():  # a worker thread keeps the last run's grad mode
             for i in range(repeats):
                 key = ("overhead", i)
                 start = time.perf_counter()
                 outputs = runner.forward(key, values)
-                overheads.append(time.perf_counter() - start - spans[-1])
-                runner.backward(key, _ones_for(runner, outputs))
+                forwards.append(time.perf_counter() - start - spans[-1])
+                grads = _ones_for(runner, outputs)
+                spans.append(0.0)  # no autograd call where no output needs a gradient
+                start = time.perf_counter()
+                runner.backward(key, grads)
+                backwards.append(time.perf_counter() - start - spans[-1])
     finally:
+        del runner.backpropagate
+        if own is not None:  # one set on the instance before, put back
+            runner.backpropagate = own  # type: ignore[method-assign]
         runner.discard("overhead")
         for hook in hooks:
             hook.remove()
-    return max(statistics.median(overheads), 0.0)
+    return max(statistics.median(forwards), 0.0), max(statistics.median(backwards), 0.0)
 
 
 def _stage_timers(runner: StageRunner, values: Mapping[str, Any]

@@ -81,7 +81,7 @@ class StageRunner:
                 tensors.append(output)
                 grad_tensors.append(grad)
         if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
+            self.backpropagate(tensors, grad_tensors)
         if self.policy is not None:
             self.policy.after_backward(mb)
         self.hook.finishing = last
@@ -97,6 +97,11 @@ class StageRunner:
                 grad = direct if grad is None else grad + direct
             result[name] = grad
         return result
+
+    def backpropagate(self, tensors: list[torch.Tensor], grad_tensors: list[Any]) -> None:
+        """The autograd call of `backward`, apart so the runtime's own time around it can be
+        told from it (PipelineExecutor.action_overhead)."""
+        torch.autograd.backward(tensors, grad_tensors)
 
     def step(self) -> None:
         """The stage's optimizer step, inside an asynchronous schedule."""

@@ -262,8 +262,8 @@ def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
 
     monkeypatch.setattr(fxpipe.bench, "retime", retime)
     monkeypatch.setattr(CompiledPipeline, "measure_step_overhead", lambda self, x: 0.0)
-    monkeypatch.setattr(CompiledPipeline, "measure_forward_overhead",  # compile's, kept
-                        lambda self, x: self.forward_overhead)
+    monkeypatch.setattr(CompiledPipeline, "measure_action_overhead",  # compile's, kept
+                        lambda self, x: (self.forward_overhead, self.backward_overhead))
 
     def build():
         x, y = spec.batch(8, torch.Generator().manual_seed(0))

@@ -445,57 +445,79 @@ def test_the_step_overhead_counts_what_the_others_messages_cost_the_first_stages
     assert overheads[1] - overheads[0] == pytest.approx(0.002, abs=5e-4)
 
 
-def test_compile_measures_the_runtimes_own_time_per_forward_without_touching_gradients():
+def test_compile_measures_the_runtimes_own_time_per_action_without_touching_gradients():
     torch.manual_seed(0)
     model = fxpipe.models.GPT(layers=2)  # a weight tied across the stages, timed at once
     idx = torch.randint(0, 128, (8, 16))
     plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=lambda out, t: out.mean())
     pipe = fxpipe.compile(model, plan, example_inputs=(idx,), cache=False)
-    assert len(pipe.forward_overhead) == 2
-    assert all(0 < figure < 0.05 for figure in pipe.forward_overhead)  # no compute in it
+    for overhead in (pipe.forward_overhead, pipe.backward_overhead):
+        assert len(overhead) == 2
+        assert all(0 < figure < 0.05 for figure in overhead)  # no compute in it
     assert all(p.grad is None for p in pipe.parameters())
     assert all(runner.in_flight == 0 for runner in pipe.executor.runners.values())
+    assert all("backpropagate" not in vars(runner) for runner in pipe.executor.runners.values())
     none = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,))
-    assert none.forward_overhead == (0.0, 0.0)  # not measured without costs
+    assert none.forward_overhead == none.backward_overhead == (0.0, 0.0)  # not measured
 
 
-def test_the_forward_overhead_is_the_runtimes_work_beside_the_module_call(monkeypatch):
-    # 2 ms more of the runner's own work per forward makes the figure 2 ms larger; 2 ms more
-    # in the stage module's call (which the units' timings hold) leaves it as it was
+def _slowed(monkeypatch, obj, name: str, seconds: float = 0.002):
+    """obj.name, on this instance only, taking `seconds` longer per call."""
+    method = getattr(obj, name)
+
+    def slower(*args, **kwargs):
+        time.sleep(seconds)
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, slower)
+
+
+def test_the_action_overhead_is_the_runtimes_work_beside_the_module_and_autograd_calls(
+        monkeypatch):
+    # 2 ms more of the runner's own work per forward (per backward) makes that figure 2 ms
+    # larger; 2 ms more in the stage module's call or in the autograd call (which the units'
+    # timings hold) leaves it as it was
     pipe = fxpipe.compile(fxpipe.models.MLP(), fxpipe.Plan(stages=2, micro_batches=2),
                           example_inputs=(torch.randn(4, 32),), cache=False)
     x = torch.randn(4, 32)
     runner = pipe.executor.runners[1]
-    plain = pipe.measure_forward_overhead(x)
-    leaf = type(runner)._leaf
-
-    def slower_leaf(self, *args):
-        time.sleep(0.002)
-        return leaf(self, *args)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(runner, "_leaf", slower_leaf.__get__(runner))
-        slower = pipe.measure_forward_overhead(x)
-    assert slower[1] - plain[1] == pytest.approx(0.002, abs=1e-3)
-    assert slower[0] == pytest.approx(plain[0], abs=1e-3)
+    plain_f, plain_b = pipe.measure_action_overhead(x)
+    plain = (plain_f, plain_b)
+    # the runner detaching each input of a forward; its hook, fired after each backward's
+    # autograd call: (what is slowed, the kind of action it slows, the other kind)
+    for owner, name, changed, same in ((runner, "_leaf", 0, 1), (runner.hook, "fire", 1, 0)):
+        with monkeypatch.context() as patch:
+            _slowed(patch, owner, name)
+            slower = pipe.measure_action_overhead(x)
+        assert slower[changed][1] - plain[changed][1] == pytest.approx(0.002, abs=1e-3)
+        assert slower[same][1] == pytest.approx(plain[same][1], abs=1e-3)
+        assert slower[changed][0] == pytest.approx(plain[changed][0], abs=1e-3)
     hook = runner.stage.module.register_forward_hook(lambda *_: time.sleep(0.002))
     try:
-        in_module = pipe.measure_forward_overhead(x)
+        with monkeypatch.context() as patch:
+            _slowed(patch, runner, "backpropagate")
+            in_calls = pipe.measure_action_overhead(x)
     finally:
         hook.remove()
-    assert in_module[1] == pytest.approx(plain[1], abs=1e-3)
+    assert in_calls[0][1] == pytest.approx(plain_f[1], abs=1e-3)
+    assert in_calls[1][1] == pytest.approx(plain_b[1], abs=1e-3)
+    assert runner.backpropagate.__func__ is type(runner).backpropagate  # put back
 
 
-def test_the_predicted_timeline_adds_the_forward_overhead_to_every_forward():
+def test_the_predicted_timeline_adds_the_action_overhead_to_every_forward_and_backward():
     plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9))  # no per-message terms
     pipe = fxpipe.compile(fxpipe.models.MLP(), plan, example_inputs=(torch.randn(6, 32),),
                           cache=False)
-    vars(pipe)["forward_overhead"] = (0.001, 0.003)
+    vars(pipe).update(forward_overhead=(0.001, 0.003), backward_overhead=(0.002, 0.004))
     stages = pipe.partition.stages
-    forwards = [e for e in pipe.predicted_timeline().events if e.action.kind is ActionKind.F]
-    assert len(forwards) == 6
+    events = pipe.predicted_timeline().events
+    forwards = [e for e in events if e.action.kind is ActionKind.F]
+    backwards = [e for e in events if e.action.kind is ActionKind.B]
+    assert len(forwards) == len(backwards) == 6
     for e in forwards:
         assert e.duration == pytest.approx(stages[e.stage].f + (0.001, 0.003)[e.stage])
+    for e in backwards:
+        assert e.duration == pytest.approx(stages[e.stage].b + (0.002, 0.004)[e.stage])
 
 
 def test_measure_link_measures_the_link_again_and_keeps_it():

@@ -112,7 +112,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     if plan.costs != "none":  # what predicting whole steps takes, measured on the stages
         vars(pipe)["link"] = _with_stage_terms(pipe, link, layout, traced.bind(args, kwargs))
         pipe.measure_step_overhead(*args, **kwargs)  # the runtime's own time per step
-        pipe.measure_forward_overhead(*args, **kwargs)  # and per forward
+        pipe.measure_action_overhead(*args, **kwargs)  # and per action
     return pipe
 
 

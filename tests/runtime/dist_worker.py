@@ -162,10 +162,11 @@ def train(name, stages, schedule, micro_batches, out):
         overheads: list = [None] * dist.get_world_size()  # the first stage's, on every rank
         dist.all_gather_object(overheads, pipe.step_overhead)
         assert overheads == [pipe.step_overhead] * len(overheads)
-        forwards = pipe.measure_forward_overhead(data[0][0])  # one per stage, on every rank
-        assert len(forwards) == stages and all(0 <= figure < 0.05 for figure in forwards)
-        dist.all_gather_object(overheads, forwards)
-        assert overheads == [forwards] * len(overheads)
+        actions = pipe.measure_action_overhead(data[0][0])  # one per stage, on every rank
+        assert all(len(kind) == stages and all(0 <= figure < 0.05 for figure in kind)
+                   for kind in actions)
+        dist.all_gather_object(overheads, actions)
+        assert overheads == [actions] * len(overheads)
         assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
         coordinator = pipe.executor.coordinator
         coordinator.expect(1)  # a rehearsal touches no gradient
@@ -188,7 +189,7 @@ def train(name, stages, schedule, micro_batches, out):
         pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
         # nothing is predicted, so compile measures nothing on the stages
         assert pipe.link.resume == 0.0 and pipe.step_overhead == 0.0
-        assert pipe.forward_overhead == (0.0,) * stages
+        assert pipe.forward_overhead == pipe.backward_overhead == (0.0,) * stages
         losses = train_pipelined(pipe, data)
     held = {id(p) for p in pipe.parameters()}  # each tied weight by its one name, if held
     tied = {name: p.detach().clone() for name, p, _ in pipe.shared_parameter_objects()
