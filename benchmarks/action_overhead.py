@@ -69,14 +69,14 @@ def main() -> None:
             action = statistics.median(actions[s, kind]) * 1e6
             call = statistics.median(calls[s, kind]) * 1e6
             note = "  (includes the loss)" if s == 1 and kind is ActionKind.F else ""
-            lines.append(f"{s:5d}  {kind.value:4s}  {action:6.0f}  {call:4.0f}  "
+            lines.append(f"{s:5d}  {kind.value:4s}  {action:6.0f}  {call:11.0f}  "
                          f"{action - call:10.0f}  {own[s] * 1e6:13.0f}{note}")
     lines = setup.everyones(lines)
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where} {list(pipe.partition.sizes)}, batch {args.batch}, "
           f"4 micro-batches, {args.schedule}; medians over {args.steps} steps, in µs")
-    print("stage  kind  action  call  difference  compile's own")
+    print("stage  kind  action         call  difference  compile's own")
     print("\n".join(lines))
 
 

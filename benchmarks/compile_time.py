@@ -1,15 +1,16 @@
 """Benchmark: how long compile takes, and each measurement it makes.
 
 compile traces the model, times its units, plans, and measures the link between the stages and
-the runtime's own time per step and per forward. Each of those can be asked for again on a
+the runtime's own time per step and per action. Each of those can be asked for again on a
 compiled pipeline, and `fxpipe bench` does so in every round. This script compiles a bundled
 model into 2 stages (one per rank under torchrun, or 2 stage threads) and prints compile's
 seconds, then the median of `--repeats` runs of each measurement: the link
 (`pipe.measure_link`, under torchrun with the sending and receiving terms measured on the
 stages' own compute), the units (`fxpipe.retime`), the runtime's own time per step and per
-forward, and one training step for scale; in one process also what compile spends on the
-thread capacity where stage threads outnumber the cores, as for `--threads` stage threads on
-this machine's cores (`measure_thread_capacity`; nothing where they do not outnumber them).
+forward and backward action, and one training step for scale; in one process also what
+compile spends on the thread capacity where stage threads outnumber the cores, as for
+`--threads` stage threads on this machine's cores (`measure_thread_capacity`; nothing where
+they do not outnumber them).
 
     python benchmarks/compile_time.py --model vgg --batch 64
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\

@@ -5,11 +5,11 @@ Stage threads of one process slow each other, so compile times the units beside 
 neighbour, and what that neighbour runs (profile_units' `load`) shapes the prediction. This
 script compiles a bundled model into 2 stage threads, then alternates, round by round: for each
 load, re-time the units with it (`fxpipe.retime`, the target's loss too) and predict the step
-as `fxpipe bench` does (the schedule plus the runtime's time per step and per forward, measured
-once per round); then run untimed steps for 0.2 s and a few timed ones. The load that goes
-first rotates from round to round. It prints, per load, the median measured step over the
-median predicted one, and how far the rounds' predictions spread (max / min): ratios measured
-side by side, against the same steps.
+as `fxpipe bench` does (the schedule plus the runtime's time per step, per forward and per
+backward, measured once per round); then run untimed steps for 0.2 s and a few timed ones. The
+load that goes first rotates from round to round. It prints, per load, the median measured step
+over the median predicted one, and how far the rounds' predictions spread (max / min): ratios
+measured side by side, against the same steps.
 
     python benchmarks/profile_loads.py --model mlp --schedule 1f1b
     python benchmarks/profile_loads.py --model gpt --schedule gpipe --rounds 6

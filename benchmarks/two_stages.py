@@ -84,7 +84,7 @@ class TwoStages:
         return statistics.median(self.timed_step() for _ in range(steps))
 
     def predicted_then_run(self, steps: int) -> PredictedRun:
-        """Time the units and the runtime's own work per forward afresh and predict a step
+        """Time the units and the runtime's own work per action afresh and predict a step
         from them; then, once the cores settled (benchmarks/after_pause.py), run `steps` timed
         steps."""
         fresh = fxpipe.retime(self.pipe, (self.x,), target=self.y, warmup=1, repeats=5)

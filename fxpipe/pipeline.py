@@ -181,8 +181,8 @@ class CompiledPipeline(torch.nn.Module):
         # a forwards-first stage's work on its receives goes on while it waits at the start
         after_post_f, after_post_b = self._by_receiver(schedule, 0.0, self.link.after_post)
         forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
-        cores, sharing = self.cpu_sharing()
         backward = [s.b + overhead for s, overhead in zip(stages, self.backward_overhead)]
+        cores, sharing = self.cpu_sharing()
         return simulate(schedule, forward, backward,
                         [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,

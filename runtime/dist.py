@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import sympy
 import torch
@@ -35,6 +35,7 @@ from fxpipe.simulate import Event
 
 __all__ = ["DistCoordinator", "DistTransport", "ErrorBoard", "Posting"]
 
+T = TypeVar("T")
 _ERROR_KEY = "fxpipe/error"
 _AFTER_SEND_BURSTS = 3  # measure_posting's default compute: bursts per call
 _ROUND_KINDS = ("forward", "backward", "wake")  # measure_posting's rounds, in turn
@@ -248,7 +249,7 @@ class DistCoordinator:
         return self.per_stage({me: max(statistics.median(resumed)
                                        - statistics.median(back_to_back), 0.0)})
 
-    def per_stage(self, figures: Mapping[int, float]) -> list[float]:
+    def per_stage(self, figures: Mapping[int, T]) -> list[T]:
         everyone: list[Any] = [None] * len(self.ranks)
         dist.all_gather_object(everyone, dict(figures), group=self.group)
         return [figure for _, figure in sorted(f for share in everyone for f in share.items())]

@@ -16,7 +16,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -49,6 +49,8 @@ __all__ = ["Coordinator", "LocalCoordinator", "PipelineExecutor", "lowered_sched
 K = ActionKind
 _FORWARD = (K.RECV_F, K.F, K.SEND_F)
 _BACKWARD = (K.RECV_B, K.B, K.SEND_B)
+
+T = TypeVar("T")
 
 
 class Coordinator(Protocol):
@@ -97,7 +99,7 @@ class Coordinator(Protocol):
         the same list on every rank (None in one process, where no stage blocks in a
         receive)."""
 
-    def per_stage(self, figures: Mapping[int, float]) -> list[float]:
+    def per_stage(self, figures: Mapping[int, T]) -> list[T]:
         """One figure per stage of the pipeline, in stage order, from `figures` (this process's
         stages' own, by stage); the same list on every rank."""
 
@@ -419,8 +421,8 @@ class PipelineExecutor:
             inputs = self._stage_inputs(flat_inputs)
             mine = self.driver.on_stage_workers(
                 lambda s: _own_time_per_action(self.runners[s], inputs[s], repeats))
-        return (self.coordinator.per_stage({s: f for s, (f, _) in mine.items()}),
-                self.coordinator.per_stage({s: b for s, (_, b) in mine.items()}))
+        forward, backward = zip(*self.coordinator.per_stage(mine))
+        return list(forward), list(backward)
 
     def _stage_inputs(self, flat_inputs: Sequence[Any] | None) -> dict[int, dict[str, Any]]:
         """Per stage held here, its first micro-batch's inputs, as one forward of `flat_inputs`
@@ -436,15 +438,12 @@ class PipelineExecutor:
                 return type(runner).forward(runner, mb, values)
             return forward
 
-        for s, runner in self.runners.items():  # seen for this run only
-            runner.forward = watching(s, runner)  # type: ignore[method-assign]
-        try:
+        with contextlib.ExitStack() as watched:  # for this run only
+            for s, runner in self.runners.items():
+                watched.enter_context(_replaced(runner, "forward", watching(s, runner)))
             self.transport.prepare(call.key, call.sizes, call.seq)
             with torch.no_grad():
                 self.driver.run(programs, Run(call.feeds, grad_enabled=False), call.key)
-        finally:
-            for runner in self.runners.values():
-                del runner.forward
         return seen
 
     @contextlib.contextmanager
@@ -615,39 +614,55 @@ def _own_time_per_action(runner: StageRunner, values: Mapping[str, Any], repeats
     forward followed by its backward, as a stage runs ((0, 0) on a GPU)."""
     if runner.device.type != "cpu":
         return 0.0, 0.0
-    module, began, spans = runner.stage.module, [0.0], []
+    module, began = runner.stage.module, [0.0]
+    spans: list[float] = []  # the last module call's or autograd call's seconds
     forwards: list[float] = []
     backwards: list[float] = []
-    hooks = [module.register_forward_pre_hook(lambda *_: began.__setitem__(0, time.perf_counter())),
-             module.register_forward_hook(lambda *_: spans.append(time.perf_counter() - began[0]))]
-    backpropagate, own = runner.backpropagate, vars(runner).get("backpropagate")
+    backpropagate = runner.backpropagate
 
     def timed_backpropagate(*args: Any) -> None:
         start = time.perf_counter()
         backpropagate(*args)
         spans.append(time.perf_counter() - start)
 
-    runner.backpropagate = timed_backpropagate  # type: ignore[method-assign]
-    try:
-        with torch.enable_grad():  # a worker thread keeps the last run's grad mode
-            for i in range(repeats):
-                key = ("overhead", i)
-                start = time.perf_counter()
-                outputs = runner.forward(key, values)
-                forwards.append(time.perf_counter() - start - spans[-1])
-                grads = _ones_for(runner, outputs)
-                spans.append(0.0)  # no autograd call where no output needs a gradient
-                start = time.perf_counter()
-                runner.backward(key, grads)
-                backwards.append(time.perf_counter() - start - spans[-1])
-    finally:
-        del runner.backpropagate
-        if own is not None:  # one set on the instance before, put back
-            runner.backpropagate = own  # type: ignore[method-assign]
-        runner.discard("overhead")
-        for hook in hooks:
-            hook.remove()
+    with contextlib.ExitStack() as undo, torch.enable_grad():  # a worker keeps its grad mode
+        for hook in (
+                module.register_forward_pre_hook(
+                    lambda *_: began.__setitem__(0, time.perf_counter())),
+                module.register_forward_hook(
+                    lambda *_: spans.append(time.perf_counter() - began[0]))):
+            undo.callback(hook.remove)
+        undo.callback(runner.discard, "overhead")
+        undo.enter_context(_replaced(runner, "backpropagate", timed_backpropagate))
+        for i in range(repeats):
+            key = ("overhead", i)
+            start = time.perf_counter()
+            outputs = runner.forward(key, values)
+            forwards.append(time.perf_counter() - start - spans[-1])
+            grads = _ones_for(runner, outputs)
+            spans.append(0.0)  # no autograd call where no output needs a gradient
+            start = time.perf_counter()
+            runner.backward(key, grads)
+            backwards.append(time.perf_counter() - start - spans[-1])
     return max(statistics.median(forwards), 0.0), max(statistics.median(backwards), 0.0)
+
+
+_NOTHING = object()
+
+
+@contextlib.contextmanager
+def _replaced(obj: Any, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """`obj.name` is `replacement` on this instance meanwhile; after, whatever the instance had
+    before again (its class's method, or an attribute of its own)."""
+    own = vars(obj).get(name, _NOTHING)
+    setattr(obj, name, replacement)
+    try:
+        yield
+    finally:
+        if own is _NOTHING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
 
 
 def _stage_timers(runner: StageRunner, values: Mapping[str, Any]

@@ -74,7 +74,8 @@ class StageRunner:
         `last`: this is the stage's last backward of the mini-batch (its hook callbacks read
         `hook.finishing`, e.g. to start the gradient all-reduce)."""
         inputs, outputs, roots = self._in_flight.pop(mb)
-        tensors, grad_tensors = list(roots), [None] * len(roots)
+        tensors = list(roots)
+        grad_tensors: list[torch.Tensor | None] = [None] * len(roots)
         for name, output in zip(self.io.outputs, outputs):
             grad = grads.get(name)
             if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
@@ -98,7 +99,8 @@ class StageRunner:
             result[name] = grad
         return result
 
-    def backpropagate(self, tensors: list[torch.Tensor], grad_tensors: list[Any]) -> None:
+    def backpropagate(self, tensors: list[torch.Tensor],
+                      grad_tensors: list[torch.Tensor | None]) -> None:
         """The autograd call of `backward`, apart so the runtime's own time around it can be
         told from it (PipelineExecutor.action_overhead)."""
         torch.autograd.backward(tensors, grad_tensors)

@@ -472,6 +472,9 @@ def _slowed(monkeypatch, obj, name: str, seconds: float = 0.002):
     monkeypatch.setattr(obj, name, slower)
 
 
+FORWARDS, BACKWARDS = 0, 1  # measure_action_overhead's two per-stage tuples
+
+
 def test_the_action_overhead_is_the_runtimes_work_beside_the_module_and_autograd_calls(
         monkeypatch):
     # 2 ms more of the runner's own work per forward (per backward) makes that figure 2 ms
@@ -480,28 +483,49 @@ def test_the_action_overhead_is_the_runtimes_work_beside_the_module_and_autograd
     pipe = fxpipe.compile(fxpipe.models.MLP(), fxpipe.Plan(stages=2, micro_batches=2),
                           example_inputs=(torch.randn(4, 32),), cache=False)
     x = torch.randn(4, 32)
-    runner = pipe.executor.runners[1]
-    plain_f, plain_b = pipe.measure_action_overhead(x)
-    plain = (plain_f, plain_b)
-    # the runner detaching each input of a forward; its hook, fired after each backward's
-    # autograd call: (what is slowed, the kind of action it slows, the other kind)
-    for owner, name, changed, same in ((runner, "_leaf", 0, 1), (runner.hook, "fire", 1, 0)):
+    last = 1
+    runner = pipe.executor.runners[last]
+    plain = pipe.measure_action_overhead(x)
+    # the runner detaching each input of a forward, and its hook, fired after each backward's
+    # autograd call: what is slowed, on what, the kind of action it slows and the other kind
+    for owner, name, slowed, other in ((runner, "_leaf", FORWARDS, BACKWARDS),
+                                       (runner.hook, "fire", BACKWARDS, FORWARDS)):
         with monkeypatch.context() as patch:
             _slowed(patch, owner, name)
             slower = pipe.measure_action_overhead(x)
-        assert slower[changed][1] - plain[changed][1] == pytest.approx(0.002, abs=1e-3)
-        assert slower[same][1] == pytest.approx(plain[same][1], abs=1e-3)
-        assert slower[changed][0] == pytest.approx(plain[changed][0], abs=1e-3)
+        assert slower[slowed][last] - plain[slowed][last] == pytest.approx(0.002, abs=1e-3)
+        assert slower[other][last] == pytest.approx(plain[other][last], abs=1e-3)
+        assert slower[slowed][0] == pytest.approx(plain[slowed][0], abs=1e-3)
     hook = runner.stage.module.register_forward_hook(lambda *_: time.sleep(0.002))
     try:
         with monkeypatch.context() as patch:
             _slowed(patch, runner, "backpropagate")
+            own = runner.backpropagate
             in_calls = pipe.measure_action_overhead(x)
+            assert runner.backpropagate is own  # the instance's own, put back
     finally:
         hook.remove()
-    assert in_calls[0][1] == pytest.approx(plain_f[1], abs=1e-3)
-    assert in_calls[1][1] == pytest.approx(plain_b[1], abs=1e-3)
-    assert runner.backpropagate.__func__ is type(runner).backpropagate  # put back
+    assert "backpropagate" not in vars(runner)
+    assert in_calls[FORWARDS][last] == pytest.approx(plain[FORWARDS][last], abs=1e-3)
+    assert in_calls[BACKWARDS][last] == pytest.approx(plain[BACKWARDS][last], abs=1e-3)
+
+
+def test_a_backward_with_no_autograd_call_is_the_runtimes_own_work_alone(monkeypatch):
+    # the first stage's weights frozen: its outputs need no gradient, so its backward makes no
+    # autograd call, and the module call before it counts for nothing in the figure
+    model = fxpipe.models.MLP()
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2),
+                          example_inputs=(torch.randn(4, 32),), cache=False)
+    runner = pipe.executor.runners[0]
+    for param in runner.stage.module.parameters():
+        param.requires_grad_(False)
+    hook = runner.stage.module.register_forward_hook(lambda *_: time.sleep(0.005))
+    try:
+        _slowed(monkeypatch, runner.hook, "fire")
+        _, backwards = pipe.measure_action_overhead(torch.randn(4, 32))
+    finally:
+        hook.remove()
+    assert backwards[0] == pytest.approx(0.002, abs=1e-3)
 
 
 def test_the_predicted_timeline_adds_the_action_overhead_to_every_forward_and_backward():
