@@ -62,6 +62,9 @@ class BenchRow:
     # the smallest and largest of the rounds' predictions (predicted_ms is their median)
     predicted_low_ms: float = float("nan")
     predicted_high_ms: float = float("nan")
+    # the smallest and largest of the rounds' median steps (measured_ms: all steps' median)
+    measured_low_ms: float = float("nan")
+    measured_high_ms: float = float("nan")
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
     late_steps: float = float("nan")
     # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
@@ -81,9 +84,21 @@ class BenchRow:
     def predicted_spread(self) -> float:
         """How far the rounds' predictions spread (largest / smallest - 1). Each round times
         the units afresh, so this is how much the machine's speed moved during the row."""
-        if not self.predicted_low_ms > 0 or self.rounds == 1:  # one round: no spread to tell
-            return float("nan")
-        return self.predicted_high_ms / self.predicted_low_ms - 1
+        return _spread(self.predicted_low_ms, self.predicted_high_ms, self.rounds)
+
+    @property
+    def measured_spread(self) -> float:
+        """How far the rounds' median steps spread (largest / smallest - 1): how much the
+        steps themselves moved during the row, which no prediction made before them can
+        follow."""
+        return _spread(self.measured_low_ms, self.measured_high_ms, self.rounds)
+
+
+def _spread(low: float, high: float, rounds: int) -> float:
+    """high / low - 1, or nan where it is not known or there was one round to compare."""
+    if not low > 0 or rounds == 1:
+        return float("nan")
+    return high / low - 1
 
 
 def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[str],
@@ -142,7 +157,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             torch.cuda.reset_peak_memory_stats()
         plan = dataclasses.replace(plan, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
-        predictions, times, late = [], [], []
+        predictions, times, late, round_steps = [], [], [], []
         for steps in _split(repeats, rounds):
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
@@ -163,6 +178,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
             # gathered after the round, so that only the barrier comes between its steps
             late += [late_messages(pipe.executor.full_trace(k), timeline.events) for k in kept]
+            round_steps.append(statistics.median(times[-steps:]))
         totals = sorted((timeline.makespan + overhead, i)
                         for i, (timeline, overhead) in enumerate(predictions))
         predicted, overhead = predictions[totals[(len(totals) - 1) // 2][1]]
@@ -178,6 +194,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                              (predicted.makespan + overhead) * 1e3,
                              statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
                              memory, kind, totals[0][0] * 1e3, totals[-1][0] * 1e3,
+                             min(round_steps) * 1e3, max(round_steps) * 1e3,
                              statistics.fmean(found.late > 0 for found in late),
                              statistics.fmean(found.excess for found in late) * 1e3,
                              # this process's stages (under torchrun, this rank's)
@@ -286,11 +303,12 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
               frozenset({"estimate"}): "memory per stage (estimate)"}.get(
         frozenset(kinds), "memory per stage (peak or estimate)")
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
-              "meas/pred", "pred spread", "late steps", "late ms", "bubble pred", "bubble meas",
-              memory]
+              "meas/pred", "pred spread", "meas spread", "late steps", "late ms", "bubble pred",
+              "bubble meas", memory]
     table = [[r.partitioner, r.schedule, format_sizes(r.sizes), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
-              _percent(r.predicted_spread), f"{r.late_steps:.0%}", f"{r.late_ms:.1f}",
+              _percent(r.predicted_spread), _percent(r.measured_spread), f"{r.late_steps:.0%}",
+              f"{r.late_ms:.1f}",
               f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
               " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
     return format_table(header, table)
@@ -305,11 +323,11 @@ def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow([f.name for f in dataclasses.fields(BenchRow)]
-                        + ["ratio", "predicted_spread"])
+                        + ["ratio", "predicted_spread", "measured_spread"])
         for r in rows:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),  # as the table
                      "memory": " ".join(f"{m:.0f}" for m in r.memory)}  # bytes per stage
-            writer.writerow([*cells.values(), r.ratio, r.predicted_spread])
+            writer.writerow([*cells.values(), r.ratio, r.predicted_spread, r.measured_spread])
 
 
 def pyplot() -> Any:
@@ -328,24 +346,34 @@ def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
     labels = [f"{r.partitioner}\n{r.schedule}" for r in rows]
     positions = range(len(rows))
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
-    # the whisker spans the rounds' predictions: how far the machine's speed moved meanwhile
-    spans = [[r.predicted_ms - r.predicted_low_ms for r in rows],
-             [r.predicted_high_ms - r.predicted_ms for r in rows]]
+    # the whiskers span the rounds' predictions and median steps: how far the machine's
+    # speed moved meanwhile
     axis.bar([i - 0.2 for i in positions], [r.predicted_ms for r in rows], 0.4,
-             yerr=spans, capsize=3, ecolor="#636363",
-             label="predicted (median; whisker: the rounds' range)", color="#9ecae1")
+             yerr=_whiskers(rows, "predicted"), capsize=3, ecolor="#636363",
+             label="predicted (median; whisker: the rounds' predictions)", color="#9ecae1")
     axis.bar([i + 0.2 for i in positions], [r.measured_ms for r in rows], 0.4,
-             label="measured (median)", color="#3182bd")
+             yerr=_whiskers(rows, "measured"), capsize=3, ecolor="#636363",
+             label="measured (median; whisker: the rounds' median steps)", color="#3182bd")
     axis.set_xticks(list(positions), labels, fontsize=8)
     axis.set_ylabel("step time (ms)")
     axis.set_title(title, fontsize=10)
-    tallest = max((v for r in rows for v in (r.predicted_high_ms, r.predicted_ms, r.measured_ms)
+    tallest = max((v for r in rows for v in (r.predicted_high_ms, r.predicted_ms,
+                                             r.measured_high_ms, r.measured_ms)
                    if math.isfinite(v)), default=1.0)
-    axis.set_ylim(0, 1.3 * tallest)  # room above the bars for the legend
-    axis.legend(loc="upper left", ncol=2)
+    axis.set_ylim(0, 1.45 * tallest)  # room above the bars for the legend
+    axis.legend(loc="upper left", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _whiskers(rows: Sequence[BenchRow], kind: str) -> list[list[float]]:
+    """How far below and above each row's `kind` ("predicted" or "measured") ms its rounds'
+    lowest and highest went (nan, drawn as nothing, where not known)."""
+    values = [(getattr(r, f"{kind}_low_ms"), getattr(r, f"{kind}_ms"),
+               getattr(r, f"{kind}_high_ms")) for r in rows]
+    return [[max(mid - low, 0.0) for low, mid, _ in values],
+            [max(high - mid, 0.0) for _, mid, high in values]]
 
 
 def rows_to_json(path: str, rows: Sequence[BenchRow]) -> None:

@@ -11,6 +11,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import hypothesis.strategies as st
 import pytest
@@ -213,6 +214,7 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert all(float(r["predicted_low_ms"]) <= float(r["predicted_ms"])
                <= float(r["predicted_high_ms"]) for r in rows)
     assert "pred spread" in out and "late steps: the timed steps in which a message" in out
+    assert "meas spread: how far the rounds' median steps moved" in out
     assert all(0.0 <= float(r["late_steps"]) <= 1.0 for r in rows)
     # no late step, no late time; a late step adds over the threshold (0.5 ms) to its mean
     assert all((float(r["late_ms"]) > 0.5 * float(r["late_steps"])) if float(r["late_steps"])
@@ -223,8 +225,8 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert {r["sizes"] for r in rows if r["partitioner"] == "even"} == {"4+5"}
     assert all(len(r["memory"].split()) == 2 for r in rows)  # bytes per stage
     # one timed step: one round, so there is no spread of the rounds' predictions to show
-    assert {r["rounds"] for r in rows} == {"1"} and {r["predicted_spread"] for r in rows} == {
-        "nan"}
+    assert {r["rounds"] for r in rows} == {"1"}
+    assert {r["predicted_spread"] for r in rows} == {r["measured_spread"] for r in rows} == {"nan"}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -241,7 +243,7 @@ def test_progress_of_a_torchrun_bench_is_relayed_and_the_rest_kept_for_errors(ca
     assert "1/2" not in rest
 
 
-def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
+def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypatch):
     import dataclasses
 
     import fxpipe.bench
@@ -261,6 +263,17 @@ def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
         return part
 
     monkeypatch.setattr(fxpipe.bench, "retime", retime)
+    # each round's timed step (the one after the barrier) takes that round's extra seconds
+    extra, timed, step = iter([0.0, 0.02, 0.01]), [False], CompiledPipeline.step
+    monkeypatch.setattr(fxpipe.bench, "_barrier", lambda: timed.__setitem__(0, True))
+
+    def slowed_step(self, *args):
+        if timed[0]:
+            timed[0] = False
+            time.sleep(next(extra))
+        return step(self, *args)
+
+    monkeypatch.setattr(CompiledPipeline, "step", slowed_step)
     monkeypatch.setattr(CompiledPipeline, "measure_step_overhead", lambda self, x: 0.0)
     monkeypatch.setattr(CompiledPipeline, "measure_action_overhead",  # compile's, kept
                         lambda self, x: (self.forward_overhead, self.backward_overhead))
@@ -276,6 +289,27 @@ def test_bench_reports_how_far_the_rounds_predictions_spread(monkeypatch):
         [t * 1e3 for t in sorted(scored)])
     assert row.predicted_spread == pytest.approx(max(scored) / min(scored) - 1)
     assert row.predicted_spread > 0.3  # the compute scaled by 1.6; the links did not
+    # one timed step a round: the middle one is the median; 20 ms is over twice a step
+    assert row.measured_low_ms < row.measured_ms < row.measured_high_ms
+    assert row.measured_high_ms - row.measured_low_ms > 15  # less what steps vary by
+    assert row.measured_spread == pytest.approx(row.measured_high_ms / row.measured_low_ms - 1)
+    assert row.measured_spread > 1
+
+
+def test_the_bench_charts_whiskers_span_the_rounds_lowest_to_highest():
+    from fxpipe.bench import _whiskers
+
+    rows = [BenchRow("even", "gpipe", (2, 2), 2, 2.0, 3.0, 0.0, 0.0, (0.0, 0.0),
+                     predicted_low_ms=1.5, predicted_high_ms=2.25, measured_low_ms=2.0,
+                     measured_high_ms=4.5, rounds=3),
+            BenchRow("even", "1f1b", (2, 2), 2, 2.0, 3.0, 0.0, 0.0, (0.0, 0.0))]  # not known
+    (below, above) = _whiskers(rows, "predicted")
+    assert (below[0], above[0]) == (0.5, 0.25)
+    assert math.isnan(below[1]) and math.isnan(above[1])  # drawn as nothing
+    (below, above) = _whiskers(rows, "measured")
+    assert (below[0], above[0]) == (1.0, 1.5)
+    assert rows[0].measured_spread == pytest.approx(1.25)
+    assert math.isnan(rows[1].measured_spread)
 
 
 @pytest.mark.parametrize("cores, on_cpu, nproc", [(1, True, []), (2, True, []), (1, False, []),
