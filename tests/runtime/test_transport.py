@@ -107,3 +107,31 @@ def test_an_abort_wakes_every_waiting_stage_with_the_error():
         assert not receiver.is_alive()
     assert len(failed) == STAGES - 1
     assert all(isinstance(e, PipelineAborted) and "stage 0 failed" in str(e) for e in failed)
+
+
+@given(rounds=st.integers(3, 30), per_round=st.integers(1, 10),
+       computes=st.lists(st.floats(0, 1), min_size=1, max_size=3),
+       slower=st.floats(1, 100))
+def test_the_posting_measure_fits_its_rounds_in_its_budget(rounds, per_round, computes, slower):
+    from fxpipe.runtime.dist import (
+        _COMPUTES_PER_MESSAGE,
+        _ROUND_KINDS,
+        POSTING_BUDGET,
+        _rounds_within,
+    )
+
+    fitted = _rounds_within(rounds, per_round, computes)
+    assert len(_ROUND_KINDS) <= fitted <= rounds  # a round of each kind, never more than asked
+    # its rounds, and the untimed one before them
+    took = (fitted + 1) * per_round * _COMPUTES_PER_MESSAGE * max(computes)
+    assert took <= POSTING_BUDGET or fitted == len(_ROUND_KINDS)
+    assert _rounds_within(rounds, per_round, [c * slower for c in computes]) <= fitted
+
+
+def test_the_posting_measure_runs_every_round_for_fast_computes_and_three_for_slow():
+    from fxpipe.runtime.dist import _rounds_within
+
+    assert _rounds_within(9, 5, [1e-4, 2e-4, 1e-4]) == 9  # a small model's stages
+    assert _rounds_within(9, 5, [0.004, 0.0045, 0.0037]) == 4  # a VGG's: 0.18 s a round
+    assert _rounds_within(9, 5, [0.01, 0.015, 0.01]) == 3  # slower still: the fewest
+    assert _rounds_within(9, 5, [0.0, 0.0]) == 9  # nothing timed: as asked
