@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -88,9 +88,9 @@ class BenchRow:
 
     @property
     def measured_spread(self) -> float:
-        """How far the rounds' median steps spread (largest / smallest - 1): how much the
-        steps themselves moved during the row, which no prediction made before them can
-        follow."""
+        """How far the rounds' median steps spread (largest / smallest - 1): the same plan
+        run again, its steps moved by the machine's drift and by their own step-to-step noise
+        (a round's median is of few steps)."""
         return _spread(self.measured_low_ms, self.measured_high_ms, self.rounds)
 
 
@@ -157,7 +157,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             torch.cuda.reset_peak_memory_stats()
         plan = dataclasses.replace(plan, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,), cache=False)
-        predictions, times, late, round_steps = [], [], [], []
+        predictions, times, late = [], [], []
+        round_steps = []  # each round's median step
         for steps in _split(repeats, rounds):
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
@@ -168,17 +169,19 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             settling, kept = _settling_steps(warmup, settle, timeline.makespan + overhead), []
             for _ in range(_most_of_any_rank(settling)):
                 pipe.step(x, y)
+            timed = []
             for _ in range(steps):
                 # the ranks start together; a step ends on every rank once the loss is
                 # shared, so no barrier is timed after it (a round trip no training loop pays)
                 _barrier()
                 start = time.perf_counter()
                 pipe.step(x, y)
-                times.append(time.perf_counter() - start)
+                timed.append(time.perf_counter() - start)
                 kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
             # gathered after the round, so that only the barrier comes between its steps
             late += [late_messages(pipe.executor.full_trace(k), timeline.events) for k in kept]
-            round_steps.append(statistics.median(times[-steps:]))
+            times += timed
+            round_steps.append(statistics.median(timed))
         totals = sorted((timeline.makespan + overhead, i)
                         for i, (timeline, overhead) in enumerate(predictions))
         predicted, overhead = predictions[totals[(len(totals) - 1) // 2][1]]
@@ -189,18 +192,19 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             kind = "peak"
         elif 1 < _world_size() == stages:  # one stage per process: a process's memory is a stage's
             memory, kind = _rank_peaks(pipe, x, y), "peak"
-        rows.append(BenchRow(partitioner, schedule, tuple(pipe.partition.sizes),
-                             pipe.partition.micro_batches,
-                             (predicted.makespan + overhead) * 1e3,
-                             statistics.median(times) * 1e3, predicted.bubble, measured.bubble,
-                             memory, kind, totals[0][0] * 1e3, totals[-1][0] * 1e3,
-                             min(round_steps) * 1e3, max(round_steps) * 1e3,
-                             statistics.fmean(found.late > 0 for found in late),
-                             statistics.fmean(found.excess for found in late) * 1e3,
-                             # this process's stages (under torchrun, this rank's)
-                             all(r.device.type == "cpu"
-                                 for r in pipe.executor.runners.values()), len(predictions),
-                             **_capacities(pipe)))
+        rows.append(BenchRow(
+            partitioner=partitioner, schedule=schedule, sizes=tuple(pipe.partition.sizes),
+            micro_batches=pipe.partition.micro_batches,
+            predicted_ms=(predicted.makespan + overhead) * 1e3,
+            measured_ms=statistics.median(times) * 1e3, predicted_bubble=predicted.bubble,
+            measured_bubble=measured.bubble, memory=memory, memory_kind=kind,
+            predicted_low_ms=totals[0][0] * 1e3, predicted_high_ms=totals[-1][0] * 1e3,
+            measured_low_ms=min(round_steps) * 1e3, measured_high_ms=max(round_steps) * 1e3,
+            late_steps=statistics.fmean(found.late > 0 for found in late),
+            late_ms=statistics.fmean(found.excess for found in late) * 1e3,
+            # this process's stages (under torchrun, this rank's)
+            on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
+            rounds=len(predictions), **_capacities(pipe)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")
         if not launched():  # a bar of its own line ends with it
@@ -346,8 +350,8 @@ def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
     labels = [f"{r.partitioner}\n{r.schedule}" for r in rows]
     positions = range(len(rows))
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
-    # the whiskers span the rounds' predictions and median steps: how far the machine's
-    # speed moved meanwhile
+    # the whiskers span the rounds' predictions (how far the machine's speed moved meanwhile)
+    # and their median steps (that, and the steps' own noise)
     axis.bar([i - 0.2 for i in positions], [r.predicted_ms for r in rows], 0.4,
              yerr=_whiskers(rows, "predicted"), capsize=3, ecolor="#636363",
              label="predicted (median; whisker: the rounds' predictions)", color="#9ecae1")
@@ -367,7 +371,8 @@ def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
     plt.close(figure)
 
 
-def _whiskers(rows: Sequence[BenchRow], kind: str) -> list[list[float]]:
+def _whiskers(rows: Sequence[BenchRow], kind: Literal["predicted", "measured"]
+              ) -> list[list[float]]:
     """How far below and above each row's `kind` ("predicted" or "measured") ms its rounds'
     lowest and highest went (nan, drawn as nothing, where not known)."""
     values = [(getattr(r, f"{kind}_low_ms"), getattr(r, f"{kind}_ms"),

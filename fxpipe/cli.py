@@ -202,8 +202,9 @@ def _bench(args: argparse.Namespace) -> None:
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
           "than that may be drift alone ('-': one round, nothing to compare); meas spread: "
-          "how far the rounds' median steps moved, the same plan run again: no prediction "
-          "made before the steps can be counted on to come closer than that")
+          "how far the rounds' median steps moved, the same plan run again (the drift, and "
+          "the steps' own noise): a meas/pred off 1 by no more than that is within the "
+          "measurement's own variation")
     print(f"late steps: the timed steps in which a message reached its receiver over "
           f"{LATE_AFTER * 1e3:g} ms later after its send than predicted (time in handing it "
           "over that no prediction includes: the transport's under torchrun); a meas/pred "

@@ -39,12 +39,13 @@ T = TypeVar("T")
 _ERROR_KEY = "fxpipe/error"
 _AFTER_SEND_BURSTS = 3  # measure_posting's default compute: bursts per call
 _ROUND_KINDS = ("forward", "backward", "wake")  # measure_posting's rounds, in turn
-# seconds measure_posting aims to take at most: a stage whose computes are slow gets fewer
-# rounds (its messages' per-tensor terms matter less beside them)
-POSTING_BUDGET = 1.0
-# what a message of its rounds takes, in computes of the slower peer: the sender's two in the
-# quiet stretch and three around its send, and the receiver's margin beyond them (VGG's 2
-# stages under torchrun, batch 64: 10 rounds of 5 messages in 1.6 s at about 4 ms a compute)
+# seconds measure_posting aims to take at most, by its estimate: a stage whose computes are
+# slow gets fewer rounds (its messages' per-tensor terms matter less beside them)
+_POSTING_BUDGET = 1.0
+# what a message of its rounds takes, in computes of the slowest, on average over the kinds of
+# round (the receiver's busy stretches outlast the sender's computes; a wake round is shorter):
+# VGG's 2 stages under torchrun, batch 64, ran 10 rounds of 5 messages in 1.6 s at about 4 ms
+# a compute
 _COMPUTES_PER_MESSAGE = 8
 _READY_TAG = 2 ** 31 - 2  # the posting measurement's "receives posted" note, apart from _tag's
 _LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
@@ -394,9 +395,9 @@ class DistTransport:
         `forward` and `backward` compute as the stage does and return their seconds (the
         stage's own, best: the send path runs slower right after compute, the more so the
         longer it was; default: bursts of about a small stage's forward and backward, for
-        both). Of the `rounds` (a round of each kind at least), as many as fit in
-        POSTING_BUDGET seconds at the computes' pace (`_rounds_within`) are run. The rounds come
-        in three kinds, in turn, the first round untimed:
+        both). Of the `rounds`, as many as the computes' pace lets fit in _POSTING_BUDGET
+        seconds by its estimate, whole cycles of the kinds and one at least, are run
+        (`_rounds_within`). The rounds come in three kinds, in turn, the first round untimed:
 
         - forward: the receiver posts its `per_round` receives back to back, as a
           forwards-first stage does at the start, and tells the sender on the same connection,
@@ -448,15 +449,14 @@ class DistTransport:
                     for f in ((forward, backward) if first else (forward,))]
         computes += [0.0] * (2 - len(computes))
         theirs = swap(computes)
-        senders, receivers = (computes, theirs) if first else (theirs, computes)
-        # both peers count the rounds from the same figures (swapped exactly, as float64)
-        rounds = _rounds_within(rounds, per_round, [*senders, receivers[0]])
+        paced = _paced_by(first, computes, theirs)  # the same on both peers
+        rounds = _rounds_within(rounds, per_round, paced)
         count = len(self._dims[key][0])
         rounds_of = [[(key, i % count) for i in range(per_round)] for _ in range(rounds + 1)]
         if first:  # each side measures its part; the other's figures are 0 here
             mine = self._time_sending(rounds_of, receiver, forward, backward)
         else:
-            mine = self._time_receiving(rounds_of, sender, forward, computes[0], senders)
+            mine = self._time_receiving(rounds_of, sender, forward, computes[0], theirs)
         theirs = swap(mine)
         tensors = max(len(self._slots(0, 1, "F")), 1)
         return Posting(*((a + b) / tensors for a, b in zip(mine, theirs)))
@@ -669,13 +669,22 @@ def _tag(direction: str, mb: Any, index: int) -> int:
     return ((micro_batch * 1024 + index) * 2 + (direction == "B")) % (2 ** 31 - 1)
 
 
+def _paced_by(first: bool, mine: Sequence[float], theirs: Sequence[float]) -> list[float]:
+    """The compute times measure_posting paces its rounds by, from one peer's own figures and
+    the other's (swapped exactly, as float64): the sender's forward and backward, then the
+    receiver's forward, the same list on both peers, so both run as many rounds."""
+    senders, receivers = (mine, theirs) if first else (theirs, mine)
+    return [senders[0], senders[1], receivers[0]]
+
+
 def _rounds_within(rounds: int, per_round: int, computes: Sequence[float]) -> int:
     """How many of measure_posting's `rounds` (of `per_round` messages each, and one untimed
-    round before them) fit in POSTING_BUDGET seconds, from the sender's and receiver's compute
-    times `computes`, at _COMPUTES_PER_MESSAGE of the slowest a message; a round of each kind
-    at least."""
+    round before them) fit in _POSTING_BUDGET seconds at _COMPUTES_PER_MESSAGE of the slowest
+    of `computes` a message: whole cycles of the kinds of round, one at least."""
     per_message = _COMPUTES_PER_MESSAGE * max(computes, default=0.0)
-    if per_message <= 0:
+    kinds = len(_ROUND_KINDS)
+    if not per_message > 0 or (rounds + 1) * per_round * per_message <= _POSTING_BUDGET:
         return rounds
-    fitting = int(POSTING_BUDGET / (per_round * per_message)) - 1
-    return max(len(_ROUND_KINDS), min(rounds, fitting))
+    # the quotient is below rounds + 1 here, so finite
+    fitting = int(_POSTING_BUDGET / (per_round * per_message)) - 1
+    return max(kinds, fitting - fitting % kinds)

@@ -115,8 +115,8 @@ def test_an_abort_wakes_every_waiting_stage_with_the_error():
 def test_the_posting_measure_fits_its_rounds_in_its_budget(rounds, per_round, computes, slower):
     from fxpipe.runtime.dist import (
         _COMPUTES_PER_MESSAGE,
+        _POSTING_BUDGET,
         _ROUND_KINDS,
-        POSTING_BUDGET,
         _rounds_within,
     )
 
@@ -124,14 +124,24 @@ def test_the_posting_measure_fits_its_rounds_in_its_budget(rounds, per_round, co
     assert len(_ROUND_KINDS) <= fitted <= rounds  # a round of each kind, never more than asked
     # its rounds, and the untimed one before them
     took = (fitted + 1) * per_round * _COMPUTES_PER_MESSAGE * max(computes)
-    assert took <= POSTING_BUDGET or fitted == len(_ROUND_KINDS)
+    assert took <= _POSTING_BUDGET or fitted == len(_ROUND_KINDS)  # over it: the fewest
+    assert fitted == rounds or fitted % len(_ROUND_KINDS) == 0  # cut: whole cycles of kinds
     assert _rounds_within(rounds, per_round, [c * slower for c in computes]) <= fitted
 
 
-def test_the_posting_measure_runs_every_round_for_fast_computes_and_three_for_slow():
+def test_the_posting_measure_runs_every_round_for_fast_computes_and_fewer_for_slow():
     from fxpipe.runtime.dist import _rounds_within
 
     assert _rounds_within(9, 5, [1e-4, 2e-4, 1e-4]) == 9  # a small model's stages
-    assert _rounds_within(9, 5, [0.004, 0.0045, 0.0037]) == 4  # a VGG's: 0.18 s a round
-    assert _rounds_within(9, 5, [0.01, 0.015, 0.01]) == 3  # slower still: the fewest
+    assert _rounds_within(9, 5, [0.002, 0.003, 0.002]) == 6  # 0.12 s a round: 7 fit, in cycles 6
+    assert _rounds_within(9, 5, [0.004, 0.0045, 0.0037]) == 3  # a VGG's: 0.18 s a round
     assert _rounds_within(9, 5, [0.0, 0.0]) == 9  # nothing timed: as asked
+    assert _rounds_within(9, 1, [5e-324]) == 9  # however small, no overflow
+
+
+def test_both_peers_pace_the_posting_measure_by_the_same_figures():
+    from fxpipe.runtime.dist import _paced_by
+
+    sender, receiver = [0.001, 0.003], [0.002, 0.0]  # forward, backward (the receiver's: 0)
+    both = _paced_by(True, sender, receiver)
+    assert both == _paced_by(False, receiver, sender) == [0.001, 0.003, 0.002]
