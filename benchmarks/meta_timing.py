@@ -23,10 +23,9 @@ from two_stages import add_model_arguments
 
 import fxpipe
 from fxpipe.allocator import keep_for
-from fxpipe.compile.front import profile_sizes, trace_and_cut
+from fxpipe.compile.front import profile_sizes, split_into_units, trace_and_cut
 from fxpipe.models import bundled
 from fxpipe.passes.analysis.profile import _runs, _tensor_bytes, profile_units, real_bytes
-from fxpipe.passes.rewrite.stages import split_stages
 
 
 def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float, concurrency: int
@@ -35,8 +34,7 @@ def _timed(spec, device: str, plan: fxpipe.Plan, x, share: float, concurrency: i
     with torch.device(device):
         model = spec.build()
     traced, units, flat = trace_and_cut(model, plan, (x,), {})
-    graph, table = split_stages(traced.gm, units, range(1, len(units) + 1),
-                                ["cpu"] * len(units))
+    graph, table = split_into_units(traced.gm, units, "cpu")
     window = share * real_bytes(graph)
     profile = profile_units(graph, table, flat, profile_sizes(len(x), plan), "cpu",
                             min_time=0.05, window=window, concurrency=concurrency)
@@ -65,7 +63,7 @@ def main() -> None:
     keep_for(plan.cpu_memory, ["cpu"])
     with torch.device("meta"):
         traced, units, _ = trace_and_cut(spec.build(), plan, (x,), {})
-    graph, _ = split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
+    graph, _ = split_into_units(traced.gm, units, "cpu")
     tensors = _unit_tensors(graph, len(units))
     print(f"{args.model}: {len(units)} units, batch {args.batch}, {args.micro_batches} "
           f"micro-batches, {args.concurrency} busy at once; meta over real, medians of "

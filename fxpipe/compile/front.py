@@ -17,7 +17,7 @@ from fxpipe.affinity import usable_cores
 from fxpipe.batching import input_dims, resize
 from fxpipe.cost import CostTable, Link, Partition, fit_to_flops
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
-from fxpipe.ir import ValueRef
+from fxpipe.ir import CommTable, ValueRef
 from fxpipe.materialize import has_meta_tensors, on_meta
 from fxpipe.meta import SHAPE, ValueInfo
 from fxpipe.passes.analysis.capacity import ThreadCapacity, thread_capacity
@@ -45,8 +45,8 @@ from fxpipe.units import Unit, cut_units
 __all__ = [
     "busy_stages", "check_batched_inputs", "check_example_runs", "check_stage_count",
     "check_whole_inputs", "example_args", "measure_costs", "measure_thread_capacity",
-    "output_names", "profile_cache", "stage_devices", "stage_link", "threads_per_stage",
-    "trace_and_cut", "units_of", "whole_positions",
+    "output_names", "profile_cache", "split_into_units", "stage_devices", "stage_link",
+    "threads_per_stage", "trace_and_cut", "units_of", "whole_positions",
 ]
 
 
@@ -230,6 +230,13 @@ def units_of(
 ALL_REAL_BELOW = 256 * 2**20
 
 
+def split_into_units(gm: torch.fx.GraphModule, units: Sequence[Unit], device: str
+                     ) -> tuple[torch.fx.GraphModule, CommTable]:
+    """The model split with one unit per stage, every one on `device`: the PipelineGraph and
+    CommTable the units are timed and run through (profile_units, thread_capacity)."""
+    return split_stages(gm, units, range(1, len(units) + 1), [device] * len(units))
+
+
 def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                   cache: ProfileCache | None, threads: int, concurrency: int = 1,
                   whole: Sequence[int] = (), warmup: int = 2, repeats: int = 5,
@@ -241,8 +248,7 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     too when given (see profile_units); a meta model's units with at most the share `held`
     of its weights real at once, what the timing device holds of them in the pipeline (all
     of them below ALL_REAL_BELOW bytes)."""
-    unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
-                                          [devices[0]] * len(units))
+    unit_graph, unit_table = split_into_units(gm, units, devices[0])
     names = [u.name for u in units]
     if plan.costs == "none":
         params, param_bytes = unit_parameters(unit_graph, len(units))
@@ -286,8 +292,7 @@ def measure_thread_capacity(gm: torch.fx.GraphModule, units: Sequence[Unit],
     on_cpu = all(torch.device(d).type == "cpu" for d in devices)
     if stages <= cores or not on_cpu or has_meta_tensors(gm):
         return None
-    unit_graph, unit_table = split_stages(gm, units, range(1, len(units) + 1),
-                                          [devices[0]] * len(units))
+    unit_graph, unit_table = split_into_units(gm, units, devices[0])
     size = -(-input_dims(flat, whole).batch // partition.micro_batches)
     capacity = thread_capacity(unit_graph, unit_table, flat, size, (cores, stages),
                                threads=threads, whole=whole)

@@ -23,7 +23,6 @@ from fxpipe.models import GPT, ResNet
 from fxpipe.passes.analysis import profile as profile_module
 from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.profile import profile_units, real_bytes
-from fxpipe.passes.rewrite.stages import split_stages
 
 
 def _tokens_loss(logits, target):
@@ -209,7 +208,7 @@ def test_stages_start_from_the_modules_own_reset_parameters(tracer):
 
 def _unit_graph(model, x, stages=1):
     traced, units, _ = trace_and_cut(model, fxpipe.Plan(stages=stages), (x,), {})
-    return split_stages(traced.gm, units, range(1, len(units) + 1), ["cpu"] * len(units))
+    return front.split_into_units(traced.gm, units, "cpu")
 
 
 @contextlib.contextmanager
