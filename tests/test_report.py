@@ -505,7 +505,6 @@ def test_the_action_overhead_is_the_runtimes_work_beside_the_module_and_autograd
             assert runner.backpropagate is own  # the instance's own, put back
     finally:
         hook.remove()
-    assert "backpropagate" not in vars(runner)
     assert in_calls[FORWARDS][last] == pytest.approx(plain[FORWARDS][last], abs=1e-3)
     assert in_calls[BACKWARDS][last] == pytest.approx(plain[BACKWARDS][last], abs=1e-3)
 
