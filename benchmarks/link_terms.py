@@ -50,8 +50,8 @@ def main() -> None:
     ratios: list[list[float]] = []
     for _ in range(args.rounds):
         fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1, repeats=5)
-        overhead = pipe.measure_step_overhead(x)
-        pipe.measure_action_overhead(x)  # which the predicted timeline adds
+        pipe.measure_runtime_overhead(x)  # per step, and per action (in the timeline)
+        overhead = pipe.step_overhead
         setup.warm_up(20)  # the cores settle after the timing (benchmarks/after_pause.py)
         walls = [setup.timed_step() for _ in range(args.steps)]
         predicted = []

@@ -52,8 +52,8 @@ def main() -> None:
     setup.warm_up(2)
     for r in range(args.rounds):
         pipe.measure_link(x)
-        overhead = pipe.measure_step_overhead(x)
-        pipe.measure_action_overhead(x)
+        pipe.measure_runtime_overhead(x)  # per step, and per action (in the timeline)
+        overhead = pipe.step_overhead
         for load in loads[r % len(loads):] + loads[:r % len(loads)]:
             pipe.timing = dataclasses.replace(compiled, load=load)
             fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1)

@@ -132,11 +132,10 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     timings it was made from. So the `repeats` timed steps are split into `rounds`, each right
     after the link between the stages is measured again (`pipe.measure_link`), the units and
     the loss are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's own time per
-    step and per forward and backward action is measured (`pipe.measure_step_overhead`,
-    `pipe.measure_action_overhead`): the prediction
-    (the simulated schedule plus that time) is the median of the rounds' predictions, the
-    measurement the median of all timed steps, and both sample the machine over the same
-    stretch of time.
+    step and per forward and backward action is measured (`pipe.measure_runtime_overhead`):
+    the prediction (the simulated schedule plus that time) is the median of the rounds'
+    predictions, the measurement the median of all timed steps, and both sample the machine
+    over the same stretch of time.
     Each round's timed steps follow untimed ones: the larger of `warmup` and the number of the
     round's predicted steps that fills `settle` seconds (at most 500; under torchrun the most
     any rank asks for).
@@ -162,8 +161,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         for steps in _split(repeats, rounds):
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
-            overhead = pipe.measure_step_overhead(x)  # the runtime's own time per step
-            pipe.measure_action_overhead(x)  # and per action, which the timeline adds
+            pipe.measure_runtime_overhead(x)  # per step, and per action (in the timeline)
+            overhead = pipe.step_overhead
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
             settling, kept = _settling_steps(warmup, settle, timeline.makespan + overhead), []

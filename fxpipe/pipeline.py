@@ -254,6 +254,14 @@ class CompiledPipeline(torch.nn.Module):
         vars(self).update(forward_overhead=tuple(forward), backward_overhead=tuple(backward))
         return self.forward_overhead, self.backward_overhead
 
+    def measure_runtime_overhead(self, *inputs: Any, **kwargs: Any) -> None:
+        """The runtime's own time that a prediction of whole steps adds to the units' compute,
+        measured now on `inputs` (a mini-batch): per step (`measure_step_overhead`) and per
+        action (`measure_action_overhead`). Under torchrun every rank of the pipeline must
+        call it."""
+        self.measure_step_overhead(*inputs, **kwargs)
+        self.measure_action_overhead(*inputs, **kwargs)
+
     def measure_link(self, *inputs: Any, **kwargs: Any) -> Link:
         """The link between the stages measured now as compile measured it (the plan's figures
         where it gave them), on `inputs` (a mini-batch), and kept as `link`, which

@@ -111,8 +111,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     pipe.link_probe = functools.partial(_measure_link, pipe, layout, links, device)
     if plan.costs != "none":  # what predicting whole steps takes, measured on the stages
         vars(pipe)["link"] = _with_stage_terms(pipe, link, layout, traced.bind(args, kwargs))
-        pipe.measure_step_overhead(*args, **kwargs)  # the runtime's own time per step
-        pipe.measure_action_overhead(*args, **kwargs)  # and per action
+        pipe.measure_runtime_overhead(*args, **kwargs)  # per step and per action
     return pipe
 
 

@@ -128,8 +128,7 @@ def compile(
     )
     pipe.executor.whole = whole
     if plan.costs != "none":  # the runtime's own time, for predicting whole steps
-        pipe.measure_step_overhead(*args, **kwargs)
-        pipe.measure_action_overhead(*args, **kwargs)
+        pipe.measure_runtime_overhead(*args, **kwargs)
         # stage threads beyond the cores: how much work they get through, for the report
         pipe.thread_capacity = measure_thread_capacity(traced.gm, units, flat, partition,
                                                        devices, threads, whole)

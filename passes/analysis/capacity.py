@@ -14,7 +14,7 @@ from torch import fx
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
 from fxpipe.materialize import has_meta_tensors
-from fxpipe.passes.analysis.profile import _as_a_stage, _needs_grad
+from fxpipe.passes.analysis.profile import run_as_a_stage, values_needing_grad
 from fxpipe.probes import gradients_set_aside, preserved_state
 
 __all__ = ["ThreadCapacity", "thread_capacity"]
@@ -52,7 +52,7 @@ def thread_capacity(graph: fx.GraphModule, table: CommTable, flat_inputs: Sequen
     if counts[0] < 1:
         raise ValueError(f"counts={counts}: give thread counts of at least 1")
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-    needs_grad = _needs_grad(table)
+    needs_grad = values_needing_grad(table)
     values = dict(zip(table.graph_inputs, resize(flat_inputs, input_dims(flat_inputs, whole),
                                                  size)))
     rates: dict[int, list[float]] = {k: [] for k in counts}
@@ -62,7 +62,7 @@ def thread_capacity(graph: fx.GraphModule, table: CommTable, flat_inputs: Sequen
         with preserved_state(graph), gradients_set_aside(graph):
             started = time.perf_counter()
             for _ in range(2):  # warm-up runs, and how long one takes alone
-                _as_a_stage(table, modules, values, needs_grad)
+                run_as_a_stage(table, modules, values, needs_grad)
             window = max(window, time.perf_counter() - started)  # the two runs
             for k in [*counts, *reversed(counts)]:
                 rates[k].append(_runs_per_second(k, window, table, modules, values,
@@ -75,7 +75,7 @@ def thread_capacity(graph: fx.GraphModule, table: CommTable, flat_inputs: Sequen
 
 def _runs_per_second(k: int, window: float, table, modules, values, needs_grad,
                      threads: int) -> float:
-    """Runs of the units (`_as_a_stage`) that k threads finish per second between them, over
+    """Runs of the units (`run_as_a_stage`) that k threads finish per second between them, over
     `window` seconds after a fifth of it to settle."""
     spans: list[list[tuple[float, float]]] = [[] for _ in range(k)]
     errors: list[BaseException] = []
@@ -86,7 +86,7 @@ def _runs_per_second(k: int, window: float, table, modules, values, needs_grad,
             torch.set_num_threads(threads)
             while not stop.is_set():
                 start = time.perf_counter()
-                _as_a_stage(table, modules, values, needs_grad)
+                run_as_a_stage(table, modules, values, needs_grad)
                 mine.append((start, time.perf_counter()))
         except BaseException as error:  # re-raised below: a dead thread would count as slow
             errors.append(error)

@@ -64,7 +64,9 @@ __all__ = [
     "default_cache_dir",
     "profile_units",
     "real_bytes",
+    "run_as_a_stage",
     "unit_parameters",
+    "values_needing_grad",
 ]
 
 _FORMAT = 11  # bump when the cached record changes (or how it is measured)
@@ -337,14 +339,14 @@ class _Load:
     def _run(self, table, modules: list[torch.nn.Module], inputs: list[dict[str, Any]],
              sizes: Sequence[int]) -> None:
         """Run the units as the load's kind asks until stopped, on `inputs` by size."""
-        needs_grad = _needs_grad(table)
+        needs_grad = values_needing_grad(table)
         # (size index, outputs) of one forward of the size being timed, kept (one size at a
         # time: a graph kept per size would hold several micro-batches' activations)
         retained: tuple[int, list[Any]] | None = None
         while not self.stop.is_set():
             i = sizes.index(self.size)
             if self.kind == "stage":
-                _as_a_stage(table, modules, inputs[i], needs_grad)
+                run_as_a_stage(table, modules, inputs[i], needs_grad)
             elif self.kind == "forwards":
                 _connected_forward(table, modules, inputs[i], needs_grad)
             else:  # backwards, again and again through one graph of the size
@@ -369,13 +371,14 @@ class _Load:
                 from self.errors[0]
 
 
-def _needs_grad(table) -> dict[str, bool]:
-    """Whether each crossing value carries a gradient in training."""
+def values_needing_grad(table: CommTable) -> dict[str, bool]:
+    """Whether each value crossing between the units carries a gradient in training."""
     return {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
             for e in table.edges}
 
 
-def _as_a_stage(table, modules, values, needs_grad: dict[str, bool]) -> None:
+def run_as_a_stage(table: CommTable, modules: Sequence[torch.nn.Module],
+                   values: Mapping[str, Any], needs_grad: dict[str, bool]) -> None:
     """The units' forwards in a row on connected values, then one backward from the outputs."""
     _backward_from(_connected_forward(table, modules, values, needs_grad))
 
@@ -437,7 +440,7 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     (`_fused`), forward and one backward call, for the units' forward scale and the fixed
     cost of a call. `core_waits_out`: the times leave out what this thread waited for a core
     (`_timer`)."""
-    needs_grad = _needs_grad(table)
+    needs_grad = values_needing_grad(table)
     timer = _timer(torch.device(device), core_waits_out)
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     units = len(modules)
