@@ -130,10 +130,9 @@ def test_the_background_load_runs_the_units_as_one_stage():
     model, x = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double(), \
         torch.randn(5, 4, dtype=torch.float64)
     _, graph, table = _per_unit(model, x)
-    profile_module.run_as_a_stage(table, [graph.get_submodule(f"stage{io.stage}").module
-                                       for io in table.stages],
-                               dict(zip(table.graph_inputs, [x])),
-                               profile_module.values_needing_grad(table))
+    modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
+    profile_module.run_as_a_stage(table, modules, dict(zip(table.graph_inputs, [x])),
+                                  profile_module.values_needing_grad(table))
     split = {name.split(".", 2)[-1]: p.grad for name, p in graph.named_parameters()}
     model.zero_grad()
     model(x).backward(torch.ones(5, 3, dtype=torch.float64))
@@ -141,7 +140,8 @@ def test_the_background_load_runs_the_units_as_one_stage():
         torch.testing.assert_close(split[name], param.grad, msg=name)
 
 
-@pytest.mark.parametrize("load, part", [("stage", "run_as_a_stage"), ("crossed", "_backward_from")])
+@pytest.mark.parametrize("load, part",
+                         [("stage", "run_as_a_stage"), ("crossed", "_backward_from")])
 def test_a_failing_background_load_fails_the_timing(monkeypatch, load, part):
     model, x = VGG(), torch.randn(4, 3, 32, 32)
     _, graph, table = _per_unit(model, x)
