@@ -17,19 +17,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections import defaultdict
 
-from two_stages import add_model_arguments, at_least_one, two_stages
-
-from fxpipe.simulate import Event
-
-
-def sums(events: list[Event]) -> dict[tuple[int, str], float]:
-    """Seconds per (stage, kind of action) over one step's events."""
-    total: dict[tuple[int, str], float] = defaultdict(float)
-    for e in events:
-        total[e.stage, e.action.kind.name] += e.end - e.start
-    return total
+from two_stages import add_model_arguments, at_least_one, time_per_kind, two_stages
 
 
 def main() -> None:
@@ -44,8 +33,8 @@ def main() -> None:
     for _ in range(args.rounds):
         overhead = pipe.measure_step_overhead(x)
         run = setup.predicted_then_run(args.steps)
-        measured = [sums(events) for events in run.traces]
-        expected = sums(run.predicted.events)
+        measured = [time_per_kind(events) for events in run.traces]
+        expected = time_per_kind(run.predicted.events)
         parts = "  ".join(f"{s}{kind} {seconds * 1e3:.2f}/"
                           f"{statistics.median(m.get((s, kind), 0.0) for m in measured) * 1e3:.2f}"
                           for (s, kind), seconds in sorted(expected.items()))

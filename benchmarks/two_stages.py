@@ -37,6 +37,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: str,
         parser.add_argument("--steps", type=at_least_one, default=steps, help="timed steps")
 
 
+def time_per_kind(events: list[Event]) -> dict[tuple[int, str], float]:
+    """Seconds per (stage, kind of action) over one step's events."""
+    total: dict[tuple[int, str], float] = {}
+    for e in events:
+        key = (e.stage, e.action.kind.name)
+        total[key] = total.get(key, 0.0) + e.end - e.start
+    return total
+
+
 @dataclasses.dataclass
 class PredictedRun:
     """A step predicted from timings taken afresh, and the steps run after it."""

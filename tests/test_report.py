@@ -461,6 +461,16 @@ def test_compile_measures_the_runtimes_own_time_per_action_without_touching_grad
     assert none.forward_overhead == none.backward_overhead == (0.0, 0.0)  # not measured
 
 
+def test_measure_runtime_overhead_measures_the_step_and_every_action_afresh():
+    pipe = fxpipe.compile(fxpipe.models.MLP(), fxpipe.Plan(stages=2, costs="none"),
+                          example_inputs=(torch.randn(4, 32),))
+    assert pipe.step_overhead == 0.0 and pipe.forward_overhead == (0.0, 0.0)  # not measured
+    pipe.measure_runtime_overhead(torch.randn(4, 32))
+    assert 0 < pipe.step_overhead < 1.0
+    for overhead in (pipe.forward_overhead, pipe.backward_overhead):
+        assert len(overhead) == 2 and all(0 < figure < 0.05 for figure in overhead)
+
+
 def _slowed(monkeypatch, obj, name: str, seconds: float = 0.002):
     """obj.name, on this instance only, taking `seconds` longer per call."""
     method = getattr(obj, name)
