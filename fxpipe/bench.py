@@ -311,8 +311,7 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
     table = [[r.partitioner, r.schedule, format_sizes(r.sizes), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}", f"{r.ratio:.2f}",
               _percent(r.predicted_spread), _percent(r.measured_spread), f"{r.late_steps:.0%}",
-              f"{r.late_ms:.1f}",
-              f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
+              f"{r.late_ms:.1f}", f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
               " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
     return format_table(header, table)
 
