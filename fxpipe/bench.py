@@ -29,6 +29,7 @@ from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
 
 __all__ = [
+    "MEASURED_PER_ROUND",
     "BenchRow",
     "StealMeter",
     "bench",
@@ -44,6 +45,10 @@ __all__ = [
     "write_png",
 ]
 
+# seconds of timed steps per round at least: a round's two or so steps of a model whose steps
+# take milliseconds move with every stall of the machine, and its median with them
+MEASURED_PER_ROUND = 0.1
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchRow:
@@ -54,7 +59,7 @@ class BenchRow:
     sizes: tuple[int, ...]
     micro_batches: int
     predicted_ms: float  # the event simulator's schedule, plus the runtime's time per step
-    measured_ms: float  # median of the timed steps
+    measured_ms: float  # median of the timed steps (timed_steps of them)
     predicted_bubble: float
     measured_bubble: float
     memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the measured peak
@@ -71,6 +76,7 @@ class BenchRow:
     late_ms: float = float("nan")
     on_cpu: bool = True  # whether the stages computed on the CPU (else on GPUs)
     rounds: int = 0  # how many predictions predicted_ms is the median of (0: not known)
+    timed_steps: int = 0  # how many steps measured_ms is the median of (0: not known)
     # stage threads beyond the cores (pipe.thread_capacity): how much of the units' work as
     # many threads as the cores, and as the stages, got through at once against one (else nan)
     capacity_cores: float = float("nan")
@@ -124,7 +130,8 @@ def check_stage_count_of(build: Callable[[], tuple[torch.nn.Module, Any, Any, Ca
 def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = 10, warmup: int = 2, progress: bool = True,
-          rounds: int = 5, profile_repeats: int = 5, settle: float = 0.2) -> list[BenchRow]:
+          rounds: int = 5, profile_repeats: int = 5, settle: float = 0.2,
+          measure: float = MEASURED_PER_ROUND) -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
     call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
 
@@ -137,8 +144,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     predictions, the measurement the median of all timed steps, and both sample the machine
     over the same stretch of time.
     Each round's timed steps follow untimed ones: the larger of `warmup` and the number of the
-    round's predicted steps that fills `settle` seconds (at most 500; under torchrun the most
-    any rank asks for).
+    round's predicted steps that fills `settle` seconds; its timed steps are its share of
+    `repeats`, or as many predicted steps as fill `measure` seconds where that is more (filling
+    at most 500 steps each time; under torchrun the most any rank asks for).
     After anything else ran (a pause, re-timing the units) the cores of a virtual machine take
     tens of milliseconds to settle, and the steps meanwhile run at another speed than a
     training loop's back to back ones: slower for some models, faster for others
@@ -165,11 +173,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             overhead = pipe.step_overhead
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
-            settling, kept = _settling_steps(warmup, settle, timeline.makespan + overhead), []
+            step_ms = timeline.makespan + overhead
+            settling, kept = _steps_filling(settle, step_ms, warmup), []
             for _ in range(_most_of_any_rank(settling)):
                 pipe.step(x, y)
             timed = []
-            for _ in range(steps):
+            for _ in range(_most_of_any_rank(_steps_filling(measure, step_ms, steps))):
                 # the ranks start together; a step ends on every rank once the loss is
                 # shared, so no barrier is timed after it (a round trip no training loop pays)
                 _barrier()
@@ -203,7 +212,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             late_ms=statistics.fmean(found.excess for found in late) * 1e3,
             # this process's stages (under torchrun, this rank's)
             on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
-            rounds=len(predictions), **_capacities(pipe)))
+            rounds=len(predictions), timed_steps=len(times), **_capacities(pipe)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")
         if not launched():  # a bar of its own line ends with it
@@ -256,14 +265,14 @@ def _cpu_times() -> list[int] | None:
     return [int(v) for v in fields[1:]] if fields and fields[0] == "cpu" else None
 
 
-SETTLING_STEPS_MAX = 500  # a prediction far too small must not run steps for minutes
+FILLING_STEPS_MAX = 500  # a prediction far too small must not run steps for minutes
 
 
-def _settling_steps(warmup: int, settle: float, predicted: float) -> int:
-    """Untimed steps before a round's timed ones: `warmup`, or enough predicted steps to fill
-    `settle` seconds (at most SETTLING_STEPS_MAX)."""
-    filling = math.ceil(settle / predicted) if predicted > 0 else SETTLING_STEPS_MAX
-    return max(warmup, min(filling, SETTLING_STEPS_MAX))
+def _steps_filling(seconds: float, predicted: float, least: int) -> int:
+    """Steps of `predicted` seconds enough to fill `seconds` (at most FILLING_STEPS_MAX), and
+    never fewer than `least`."""
+    filling = math.ceil(seconds / predicted) if predicted > 0 else FILLING_STEPS_MAX
+    return max(least, min(filling, FILLING_STEPS_MAX))
 
 
 def _split(total: int, parts: int) -> list[int]:

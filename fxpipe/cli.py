@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import statistics
 import sys
@@ -13,6 +14,7 @@ import torch
 
 from fxpipe.affinity import usable_cores
 from fxpipe.bench import (
+    MEASURED_PER_ROUND,
     BenchRow,
     StealMeter,
     bench,
@@ -109,8 +111,8 @@ def _plan(args: argparse.Namespace) -> None:
         print(f"\nplan written to {args.json}")
 
 
-def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
-    """Per schedule: the fastest automatic partition's measured step (medians of `repeats`
+def _against_even(rows: Sequence[BenchRow]) -> list[str]:
+    """Per schedule: the fastest automatic partition's measured step (a median of its timed
     steps) against `even`'s. Rows of one partition (units per stage and micro-batch count)
     made by several partitioners count as one, at the median of their measured steps; one
     that is even's own is no comparison, as any difference between such rows is the
@@ -142,7 +144,8 @@ def _against_even(rows: Sequence[BenchRow], repeats: int) -> list[str]:
         lines.append(f"{schedule}: best automatic partition {names} "
                      f"({format_sizes(sizes)}, p={p}), {fastest:.1f} ms, is "
                      f"{even.measured_ms / fastest:.2f}x the speed of even "
-                     f"({even.measured_ms:.1f} ms; {_medians(repeats)}){count}{note}")
+                     f"({even.measured_ms:.1f} ms; "
+                     f"{_medians([even, *by_partition[sizes, p]])}){count}{note}")
     return lines
 
 
@@ -154,8 +157,16 @@ def _comma_separated(option: str, text: str) -> list[str]:
     return names
 
 
-def _medians(steps: int) -> str:
-    return f"medians of {steps} steps" if steps > 1 else "one step each"
+def _medians(rows: Sequence[BenchRow]) -> str:
+    """How many timed steps the rows' measured steps are medians of."""
+    counts = {r.timed_steps for r in rows}
+    if 0 in counts:  # rows made elsewhere, which do not say
+        return "medians of the timed steps"
+    if counts == {1}:
+        return "one step each"
+    fewest = min(counts)
+    return f"medians of {'at least ' if len(counts) > 1 else ''}{fewest} step" + \
+        ("s" if fewest > 1 else "")
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -192,7 +203,7 @@ def _bench(args: argparse.Namespace) -> None:
         title += f", {args.nproc} processes under torchrun"
     print(title)
     print(format_rows(rows))
-    for line in _against_even(rows, args.repeats):
+    for line in _against_even(rows):
         print(line)
     if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
         cores = usable_cores()
@@ -247,7 +258,8 @@ def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
     if launched():
         torch.set_num_threads(1)
     rows = bench(build, args.stages, micro_batches, partitioners, schedules, args.repeats,
-                 progress=not launched() or dist_rank() == 0, rounds=args.rounds)
+                 progress=not launched() or dist_rank() == 0, rounds=args.rounds,
+                 measure=args.measure)
     if not launched():
         return rows
     if args.rows_json and dist_rank() == 0:
@@ -382,6 +394,17 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"give a number of seconds, 0 or more, not {text!r}")
+    return value
+
+
 def check_output_path(option: str, path: str) -> None:
     """Raise FxpipeError unless a file can be written at `path` (given with `option`), so a
     mistake shows before the work, not after it."""
@@ -489,6 +512,10 @@ def _parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--rounds", type=at_least_one, default=5,
                            help="the timed steps come in this many rounds, each right after "
                                 "the units are timed again for the prediction")
+    bench_cmd.add_argument("--measure", type=seconds, default=MEASURED_PER_ROUND,
+                           help="each round times steps for at least this many seconds (as "
+                                "many as the prediction says fill them, at most 500), so that "
+                                "short steps are measured over more of them than --repeats")
     bench_cmd.add_argument("--nproc", type=at_least_one,
                            help="run every configuration under torchrun with this many "
                                 "processes (one stage each)")

@@ -125,6 +125,9 @@ def test_command_line_mistakes_are_reported_before_any_work(capsys, argv, messag
      "1, not '0'"),
     (["bench", "mlp", "--rounds", "-2"], "argument --rounds: give a whole number of at least 1"),
     (["bench", "mlp", "--nproc", "0"], "argument --nproc: give a whole number of at least 1"),
+    (["bench", "mlp", "--measure", "-0.1"], "argument --measure: give a number of seconds, 0 "
+     "or more, not '-0.1'"),
+    (["bench", "mlp", "--measure", "inf"], "argument --measure: give a number of seconds"),
     (["bench", "mlp", "--micro-batches", "abc"], "argument --micro-batches: give a whole "
      "number of at least 1, or auto, not 'abc'"),
     (["plan", "mlp", "--stages", "2", "--micro-batches", "0"], "argument --micro-batches"),
@@ -293,7 +296,7 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
         return spec.build(), x, y, spec.loss_fn
 
     [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=9, rounds=3,
-                               progress=False)
+                               progress=False, measure=0.0)
     assert len(scored) == 3
     assert (row.predicted_low_ms, row.predicted_ms, row.predicted_high_ms) == pytest.approx(
         [t * 1e3 for t in sorted(scored)])
@@ -361,7 +364,7 @@ def test_bench_rows_keep_the_thread_capacity_compile_measured(monkeypatch, tmp_p
         return spec.build(), x, y, spec.loss_fn
 
     [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=1, rounds=1,
-                               progress=False, settle=0.0)
+                               progress=False, settle=0.0, measure=0.0)
     assert row.capacity_cores == 1.0 and row.capacity_stages > 0
     both = [row, dataclasses.replace(row, capacity_cores=math.nan, capacity_stages=math.nan)]
     path = str(tmp_path / "rows.json")
@@ -390,7 +393,9 @@ def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch)
     assert "at most 2 stages per process" in out
 
 
-def test_each_round_of_bench_first_runs_untimed_steps_for_the_settling_time(monkeypatch):
+@pytest.mark.parametrize(("measure", "timed"), [(0.0, 2), (0.005, 3), (0.02, 10)])
+def test_each_round_of_bench_settles_then_times_its_share_or_what_fills_measure(
+        monkeypatch, measure, timed):
     import dataclasses
 
     import fxpipe.bench
@@ -398,14 +403,17 @@ def test_each_round_of_bench_first_runs_untimed_steps_for_the_settling_time(monk
     from fxpipe.pipeline import CompiledPipeline
 
     spec = bundled("mlp")
-    steps = []
+    steps = []  # each step run: whether it was timed (after the barrier) or not
     timeline, step = CompiledPipeline.predicted_timeline, CompiledPipeline.step
+    after_barrier = [False]
+    monkeypatch.setattr(fxpipe.bench, "_barrier", lambda: after_barrier.__setitem__(0, True))
 
     def predict(self, partition=None):  # a step predicted at 2 ms
         return dataclasses.replace(timeline(self, partition), makespan=0.002)
 
     def count(self, x, y):
-        steps.append(1)
+        steps.append(after_barrier[0])
+        after_barrier[0] = False
         return step(self, x, y)
 
     monkeypatch.setattr(CompiledPipeline, "predicted_timeline", predict)
@@ -416,22 +424,25 @@ def test_each_round_of_bench_first_runs_untimed_steps_for_the_settling_time(monk
         x, y = spec.batch(8, torch.Generator().manual_seed(0))
         return spec.build(), x, y, spec.loss_fn
 
-    fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=4, rounds=2, warmup=3,
-                       progress=False, settle=0.05)
-    assert len(steps) == 2 * 25 + 4  # per round 0.05 s of 2 ms steps, then the timed ones
+    [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=4, rounds=2,
+                               warmup=3, progress=False, settle=0.05, measure=measure)
+    # per round 0.05 s of 2 ms steps untimed, then its 2 of the 4 repeats or, where more, the
+    # 2 ms steps that fill `measure` seconds
+    assert steps == 2 * ([False] * 25 + [True] * timed)
+    assert row.timed_steps == 2 * timed
 
 
-@given(warmup=st.integers(0, 5), settle=st.floats(0, 1), predicted=st.floats(1e-5, 1))
-def test_settling_steps_fill_the_settling_time_with_no_step_to_spare(warmup, settle, predicted):
-    from fxpipe.bench import SETTLING_STEPS_MAX, _settling_steps
+@given(least=st.integers(0, 5), seconds=st.floats(0, 1), predicted=st.floats(1e-5, 1))
+def test_steps_filling_a_time_fill_it_with_no_step_to_spare(least, seconds, predicted):
+    from fxpipe.bench import FILLING_STEPS_MAX, _steps_filling
 
-    steps = _settling_steps(warmup, settle, predicted)
-    assert steps >= warmup
-    if steps < SETTLING_STEPS_MAX:
-        assert steps * predicted >= settle * (1 - 1e-12)
-    needed = (steps - 1) * predicted < settle * (1 + 1e-12)  # one fewer would not fill it
-    assert steps in (warmup, SETTLING_STEPS_MAX) or needed
-    assert steps <= max(warmup, SETTLING_STEPS_MAX)
+    steps = _steps_filling(seconds, predicted, least)
+    assert steps >= least
+    if steps < FILLING_STEPS_MAX:
+        assert steps * predicted >= seconds * (1 - 1e-12)
+    needed = (steps - 1) * predicted < seconds * (1 + 1e-12)  # one fewer would not fill it
+    assert steps in (least, FILLING_STEPS_MAX) or needed
+    assert steps <= max(least, FILLING_STEPS_MAX)
 
 
 @pytest.mark.parametrize("command", ["demo", "plan", "bench"])
@@ -467,7 +478,7 @@ def test_bench_compares_only_partitions_other_than_evens_own(automatic, even_ms)
 
     rows = [row("even", _PARTITIONS[0], even_ms)]
     rows += [row(f"auto{i}", partition, ms) for i, (partition, ms) in enumerate(automatic)]
-    (line,) = _against_even(rows, repeats=10)
+    (line,) = _against_even(rows)
     others: dict = {}
     for partition, ms in automatic:
         if partition != _PARTITIONS[0]:
