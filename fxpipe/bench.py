@@ -29,7 +29,8 @@ from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
 
 __all__ = [
-    "MEASURED_PER_ROUND",
+    "FILLING_STEPS_MAX",
+    "MEASURE_SECONDS",
     "BenchRow",
     "StealMeter",
     "bench",
@@ -47,7 +48,7 @@ __all__ = [
 
 # seconds of timed steps per round at least: a round's two or so steps of a model whose steps
 # take milliseconds move with every stall of the machine, and its median with them
-MEASURED_PER_ROUND = 0.1
+MEASURE_SECONDS = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +132,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = 10, warmup: int = 2, progress: bool = True,
           rounds: int = 5, profile_repeats: int = 5, settle: float = 0.2,
-          measure: float = MEASURED_PER_ROUND) -> list[BenchRow]:
+          measure: float = MEASURE_SECONDS) -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
     call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
 
     A shared machine's speed drifts over seconds, and a prediction is only as good as the
-    timings it was made from. So the `repeats` timed steps are split into `rounds`, each right
+    timings it was made from. So the timed steps (at least `repeats`) come in `rounds`, each right
     after the link between the stages is measured again (`pipe.measure_link`), the units and
     the loss are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's own time per
     step and per forward and backward action is measured (`pipe.measure_runtime_overhead`):
@@ -173,12 +174,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             overhead = pipe.step_overhead
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
-            step_ms = timeline.makespan + overhead
-            settling, kept = _steps_filling(settle, step_ms, warmup), []
+            predicted_step = timeline.makespan + overhead  # seconds
+            settling, kept = _steps_filling(settle, predicted_step, warmup), []
             for _ in range(_most_of_any_rank(settling)):
                 pipe.step(x, y)
             timed = []
-            for _ in range(_most_of_any_rank(_steps_filling(measure, step_ms, steps))):
+            for _ in range(_most_of_any_rank(_steps_filling(measure, predicted_step, steps))):
                 # the ranks start together; a step ends on every rank once the loss is
                 # shared, so no barrier is timed after it (a round trip no training loop pays)
                 _barrier()
@@ -271,8 +272,10 @@ FILLING_STEPS_MAX = 500  # a prediction far too small must not run steps for min
 def _steps_filling(seconds: float, predicted: float, least: int) -> int:
     """Steps of `predicted` seconds enough to fill `seconds` (at most FILLING_STEPS_MAX), and
     never fewer than `least`."""
-    filling = math.ceil(seconds / predicted) if predicted > 0 else FILLING_STEPS_MAX
-    return max(least, min(filling, FILLING_STEPS_MAX))
+    if seconds <= 0:
+        return least
+    filling = seconds / predicted if predicted > 0 else math.inf  # may overflow to inf
+    return max(least, math.ceil(min(filling, FILLING_STEPS_MAX)))
 
 
 def _split(total: int, parts: int) -> list[int]:

@@ -14,7 +14,8 @@ import torch
 
 from fxpipe.affinity import usable_cores
 from fxpipe.bench import (
-    MEASURED_PER_ROUND,
+    FILLING_STEPS_MAX,
+    MEASURE_SECONDS,
     BenchRow,
     StealMeter,
     bench,
@@ -36,7 +37,7 @@ from fxpipe.models import MODELS, bundled
 from fxpipe.plan import PARTITIONERS, Plan
 from fxpipe.report import LATE_AFTER, shared_cores_lines
 
-__all__ = ["at_least_one", "main"]
+__all__ = ["at_least_one", "main", "seconds"]
 
 DESCRIPTION = ("`demo` trains a bundled model through a compiled pipeline on the CPU; `plan` "
                "prints the stage table of any importable model; `bench` compares partitioners "
@@ -164,9 +165,9 @@ def _medians(rows: Sequence[BenchRow]) -> str:
         return "medians of the timed steps"
     if counts == {1}:
         return "one step each"
-    fewest = min(counts)
-    return f"medians of {'at least ' if len(counts) > 1 else ''}{fewest} step" + \
-        ("s" if fewest > 1 else "")
+    if len(counts) == 1:
+        return f"medians of {counts.pop()} steps"
+    return f"medians of {min(counts)} to {max(counts)} steps"
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -508,14 +509,16 @@ def _parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--schedules", default="gpipe,1f1b",
                            help="the schedules to compare, comma-separated")
     bench_cmd.add_argument("--repeats", type=at_least_one, default=10,
-                           help="timed steps per configuration")
+                           help="timed steps per configuration, at least (more where "
+                                "--measure asks for them)")
     bench_cmd.add_argument("--rounds", type=at_least_one, default=5,
                            help="the timed steps come in this many rounds, each right after "
                                 "the units are timed again for the prediction")
-    bench_cmd.add_argument("--measure", type=seconds, default=MEASURED_PER_ROUND,
-                           help="each round times steps for at least this many seconds (as "
-                                "many as the prediction says fill them, at most 500), so that "
-                                "short steps are measured over more of them than --repeats")
+    bench_cmd.add_argument("--measure", type=seconds, default=MEASURE_SECONDS,
+                           help="each round times as many steps as the prediction says fill "
+                                f"this many seconds (at most {FILLING_STEPS_MAX}) where that is "
+                                "more than its share of --repeats, so that short steps are "
+                                "measured over more of them; 0: the share alone")
     bench_cmd.add_argument("--nproc", type=at_least_one,
                            help="run every configuration under torchrun with this many "
                                 "processes (one stage each)")

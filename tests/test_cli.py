@@ -128,6 +128,9 @@ def test_command_line_mistakes_are_reported_before_any_work(capsys, argv, messag
     (["bench", "mlp", "--measure", "-0.1"], "argument --measure: give a number of seconds, 0 "
      "or more, not '-0.1'"),
     (["bench", "mlp", "--measure", "inf"], "argument --measure: give a number of seconds"),
+    (["bench", "mlp", "--measure", "nan"], "argument --measure: give a number of seconds"),
+    (["bench", "mlp", "--measure", "abc"], "argument --measure: give a number of seconds, 0 "
+     "or more, not 'abc'"),
     (["bench", "mlp", "--micro-batches", "abc"], "argument --micro-batches: give a whole "
      "number of at least 1, or auto, not 'abc'"),
     (["plan", "mlp", "--stages", "2", "--micro-batches", "0"], "argument --micro-batches"),
@@ -393,9 +396,10 @@ def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch)
     assert "at most 2 stages per process" in out
 
 
-@pytest.mark.parametrize(("measure", "timed"), [(0.0, 2), (0.005, 3), (0.02, 10)])
+@pytest.mark.parametrize(("measure", "timed", "another_rank_asks"),
+                         [(0.0, 2, 0), (0.005, 3, 0), (0.02, 10, 0), (0.02, 10, 1)])
 def test_each_round_of_bench_settles_then_times_its_share_or_what_fills_measure(
-        monkeypatch, measure, timed):
+        monkeypatch, measure, timed, another_rank_asks):
     import dataclasses
 
     import fxpipe.bench
@@ -407,6 +411,8 @@ def test_each_round_of_bench_settles_then_times_its_share_or_what_fills_measure(
     timeline, step = CompiledPipeline.predicted_timeline, CompiledPipeline.step
     after_barrier = [False]
     monkeypatch.setattr(fxpipe.bench, "_barrier", lambda: after_barrier.__setitem__(0, True))
+    # under torchrun every rank runs the most steps any rank asks for: here one more
+    monkeypatch.setattr(fxpipe.bench, "_most_of_any_rank", lambda count: count + another_rank_asks)
 
     def predict(self, partition=None):  # a step predicted at 2 ms
         return dataclasses.replace(timeline(self, partition), makespan=0.002)
@@ -428,15 +434,22 @@ def test_each_round_of_bench_settles_then_times_its_share_or_what_fills_measure(
                                warmup=3, progress=False, settle=0.05, measure=measure)
     # per round 0.05 s of 2 ms steps untimed, then its 2 of the 4 repeats or, where more, the
     # 2 ms steps that fill `measure` seconds
-    assert steps == 2 * ([False] * 25 + [True] * timed)
+    timed += another_rank_asks
+    assert steps == 2 * ([False] * (25 + another_rank_asks) + [True] * timed)
     assert row.timed_steps == 2 * timed
 
 
-@given(least=st.integers(0, 5), seconds=st.floats(0, 1), predicted=st.floats(1e-5, 1))
+@given(least=st.integers(0, 5), seconds=st.floats(0, 1), predicted=st.floats(0, 1))
 def test_steps_filling_a_time_fill_it_with_no_step_to_spare(least, seconds, predicted):
     from fxpipe.bench import FILLING_STEPS_MAX, _steps_filling
 
     steps = _steps_filling(seconds, predicted, least)
+    if seconds == 0:  # nothing to fill, whatever the prediction
+        assert steps == least
+        return
+    if predicted == 0:  # no prediction to count with: as many as allowed
+        assert steps == max(least, FILLING_STEPS_MAX)
+        return
     assert steps >= least
     if steps < FILLING_STEPS_MAX:
         assert steps * predicted >= seconds * (1 - 1e-12)
@@ -493,3 +506,16 @@ def test_bench_compares_only_partitions_other_than_evens_own(automatic, even_ms)
     # a partition with even's units per stage differs from it in its micro-batch count alone
     assert ("so the difference is the micro-batch count's (p=1 against 4)" in line) == (
         sizes == (2, 2))
+
+
+@pytest.mark.parametrize(("counts", "words"), [
+    ((31, 31), "medians of 31 steps"), ((31, 40, 35), "medians of 31 to 40 steps"),
+    ((1, 1), "one step each"), ((1, 3), "medians of 1 to 3 steps"),
+    ((0, 31), "medians of the timed steps"),  # a row that does not say how many
+])
+def test_the_comparison_with_even_says_how_many_steps_its_medians_are_of(counts, words):
+    rows = [BenchRow(name, "gpipe", sizes, 4, 1.0, ms, 0.0, 0.0, (0.0, 0.0), timed_steps=count)
+            for name, sizes, ms, count in zip(["even", "balanced", "ampa"],
+                                              [(2, 2), (1, 3), (1, 3)], [2.0, 1.0, 1.0], counts)]
+    (line,) = _against_even(rows)
+    assert line.endswith(f"is 2.00x the speed of even (2.0 ms; {words})")
