@@ -137,17 +137,17 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
 
     A shared machine's speed drifts over seconds, and a prediction is only as good as the
-    timings it was made from. So the timed steps (at least `repeats`) come in `rounds`, each right
-    after the link between the stages is measured again (`pipe.measure_link`), the units and
-    the loss are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's own time per
-    step and per forward and backward action is measured (`pipe.measure_runtime_overhead`):
-    the prediction (the simulated schedule plus that time) is the median of the rounds'
-    predictions, the measurement the median of all timed steps, and both sample the machine
-    over the same stretch of time.
+    timings it was made from. So the timed steps (at least `repeats`) come in `rounds`, each
+    right after the link between the stages is measured again (`pipe.measure_link`), the
+    units and the loss are timed afresh (`fxpipe.retime`, no disk cache) and the runtime's
+    own time per step and per forward and backward action is measured
+    (`pipe.measure_runtime_overhead`): the prediction (the simulated schedule plus that time)
+    is the median of the rounds' predictions, the measurement the median of all timed steps,
+    and both sample the machine over the same stretch of time.
     Each round's timed steps follow untimed ones: the larger of `warmup` and the number of the
     round's predicted steps that fills `settle` seconds; its timed steps are its share of
-    `repeats`, or as many predicted steps as fill `measure` seconds where that is more (filling
-    at most 500 steps each time; under torchrun the most any rank asks for).
+    `repeats`, or as many predicted steps as fill `measure` seconds where that is more (a
+    filling is at most FILLING_STEPS_MAX steps; under torchrun the most any rank asks for).
     After anything else ran (a pause, re-timing the units) the cores of a virtual machine take
     tens of milliseconds to settle, and the steps meanwhile run at another speed than a
     training loop's back to back ones: slower for some models, faster for others
