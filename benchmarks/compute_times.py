@@ -1,29 +1,33 @@
-"""Benchmark: a stage's computes as the profile times them, as steps run them, as predicted.
+"""Benchmark: a stage's computes back to back, profiled, in steps and as predicted.
 
 The cost model takes each unit's forward and backward from the profile, which runs all the
 model's units as training does, every forward, then every backward, so that a unit meets the
 caches its neighbours leave. This script compiles a bundled model into 2 stages (one per rank
-under torchrun, or 2 stage threads) and, in each of `--rounds` rounds, times per stage held
-here, in this process, in microseconds per micro-batch:
+under torchrun, or 2 stage threads) and, in each of `--rounds` rounds, gives per stage, in
+microseconds per micro-batch:
 
 - back to back: the stage module's forward (or a forward, untimed, and its backward) again and
-  again, with every other rank waiting (in one process, the other stage thread idle);
-- profile, stage as one unit: the profile run on the compiled partition's stages as units,
-  every rank at once, as compile times;
-- profile (compile's): the stage's units as compile times them, added up (`fxpipe.retime`);
-- in steps: the stage's F and B actions over `--steps` training steps (their medians);
-- predicted: the F and B actions of the step predicted from those timings, which add the
-  runtime's own time per action and the link's terms (a compute after a wait, after a send).
+  again, every stage at once on its worker as in a step (`--repeats` of each, the median);
+- profile: the stage's units as compile times them, added up (`fxpipe.retime`; under torchrun
+  every rank times them and rank 0's table counts, as in compile);
+- in steps: the median of the stage's F and B actions over `--steps` training steps;
+- predicted: the median of the F and B actions of the step predicted from that profile, which
+  adds the runtime's own time per action and the link's terms (a compute after a wait, after
+  a send, beside a receive).
 
-It prints each figure's median over the rounds.
+On the last stage the F actions in steps, the profile and the prediction include the loss
+(its forward, and its backward in B); back to back leaves it out. It prints each figure's
+median over the rounds.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
-        benchmarks/compute_times.py --model gpt --schedule gpipe --partitioner balanced
+        benchmarks/compute_times.py --model gpt --schedule gpipe
+    OMP_NUM_THREADS=1 python benchmarks/compute_times.py --model gpt --schedule gpipe
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from collections import defaultdict
 
@@ -31,8 +35,6 @@ import torch.distributed as dist
 from two_stages import add_model_arguments, at_least_one, two_stages
 
 from fxpipe.inspect import format_sizes
-from fxpipe.passes.analysis.profile import profile_units
-from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.runtime.executor import _stage_timers
 
 KINDS = ("F", "B")
@@ -44,36 +46,31 @@ def main() -> None:
     parser.add_argument("--partitioner", default="balanced")
     parser.add_argument("--rounds", type=at_least_one, default=3)
     parser.add_argument("--repeats", type=at_least_one, default=40,
-                        help="back-to-back runs of each stage per round")
+                        help="back-to-back runs of each stage's forward and backward per round")
     args = parser.parse_args()
     setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
     pipe, executor = setup.pipe, setup.pipe.executor
     flat = pipe.traced.bind((setup.x,), {})
-    inputs = executor._stage_inputs(flat)  # each held stage's first micro-batch's inputs
-    bounds = tuple(pipe.partition.bounds)
-    as_units = split_stages(pipe.traced.gm, pipe.units, bounds, ["cpu"] * len(bounds))
-    size = [args.batch // args.micro_batches]
+
+    def back_to_back(stage: int, inputs: dict) -> tuple[float, float]:
+        timers = _stage_timers(executor.runners[stage], inputs[stage])
+        return tuple(statistics.median(timer() for _ in range(args.repeats)) for timer in timers)
+
     figures: dict[tuple[int, str, str], list[float]] = defaultdict(list)
     for _ in range(args.rounds):
-        for stage, runner in executor.runners.items():
-            timers = dict(zip(KINDS, _stage_timers(runner, inputs[stage])))
-            for turn in range(dist.get_world_size() if setup.distributed else 1):
-                if setup.distributed:
-                    dist.barrier()
-                if not setup.distributed or dist.get_rank() == turn:
-                    for kind, timer in timers.items():
-                        figures[stage, kind, "back to back"].append(
-                            statistics.median(timer() for _ in range(args.repeats)))
-                if setup.distributed:
-                    dist.barrier()
-        profiled = profile_units(*as_units, flat, size, min_time=0.05)
+        # as compile's own timings of the stages do: no gradient, buffer or trace left behind
+        with executor._timing_the_stages():
+            inputs = executor._stage_inputs(flat)
+            if setup.distributed:
+                dist.barrier()  # every rank's stage at once, as in a step
+            timed = executor.driver.on_stage_workers(functools.partial(back_to_back, inputs=inputs))
         run = setup.predicted_then_run(args.steps)
-        for stage in executor.runners:
-            for kind, times in zip(KINDS, (profiled.forward, profiled.backward)):
-                figures[stage, kind, "profile, stage as one unit"].append(float(times[0][stage]))
+        for stage, seconds in timed.items():
+            for kind, value in zip(KINDS, seconds):
+                figures[stage, kind, "back to back"].append(value)
             cost = run.partition.stages[stage]
-            figures[stage, "F", "profile (compile's)"].append(cost.f)
-            figures[stage, "B", "profile (compile's)"].append(cost.b)
+            figures[stage, "F", "profile"].append(cost.f)
+            figures[stage, "B", "profile"].append(cost.b)
             for kind in KINDS:
                 figures[stage, kind, "in steps"].append(statistics.median(
                     e.duration for events in run.traces for e in events
@@ -88,10 +85,11 @@ def main() -> None:
     lines = setup.everyones(lines)
     if not setup.reporting():
         return
+    bounds = pipe.partition.bounds
     sizes = format_sizes([end - start for start, end in zip((0, *bounds[:-1]), bounds)])
-    print(f"{args.model}, {setup.where}, {args.partitioner} {sizes}, "
-          f"{args.schedule}, micro-batch {size[0]}; us per micro-batch, medians of "
-          f"{args.rounds} rounds")
+    print(f"{args.model}, {setup.where}, {args.partitioner} {sizes}, {args.schedule}, "
+          f"{args.micro_batches} micro-batches; us per micro-batch, medians of {args.rounds} "
+          f"rounds")
     print("\n".join(lines))
 
 
