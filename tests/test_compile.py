@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 
 import pytest
@@ -234,6 +235,28 @@ def test_retime_scores_the_compiled_partition_with_fresh_timings():
     assert all(s.f > 0 and s.b > 0 for s in fresh.stages)
     assert fresh.stages != pipe.partition.stages  # timed again, not read back
     assert pipe.predicted_timeline(fresh).makespan > 0
+
+
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_retime_times_each_stage_as_a_run_of_its_own_where_a_rank_holds_one(monkeypatch,
+                                                                             under_torchrun):
+    retime_module = importlib.import_module("fxpipe.compile.retime")  # the function shadows it
+    model, x = MLP(), torch.randn(16, 32)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=4), example_inputs=(x,),
+                          cache=False)
+    asked, measure = [], retime_module.measure_costs
+
+    def measured(*args):
+        asked.append(args[-1])  # the runs of units timed on their own
+        return measure(*args)
+
+    monkeypatch.setattr(retime_module, "measure_costs", measured)
+    monkeypatch.setattr(retime_module, "launched", lambda: under_torchrun)
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda shared, src: None)
+    fresh = fxpipe.retime(pipe, x)
+    (a, b, c) = pipe.partition.bounds
+    assert asked == [[range(0, a), range(a, b), range(b, c)] if under_torchrun else ()]
+    assert fresh.bounds == pipe.partition.bounds and all(s.f > 0 for s in fresh.stages)
 
 
 def test_retime_with_a_target_times_the_loss_on_the_last_stage():

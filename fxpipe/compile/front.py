@@ -241,13 +241,15 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                   cache: ProfileCache | None, threads: int, concurrency: int = 1,
                   whole: Sequence[int] = (), warmup: int = 2, repeats: int = 5,
                   loss: Any = None, min_time: float = MIN_TIMED,
-                  load: str = DEFAULT_LOAD, held: float = 1.0) -> CostTable:
+                  load: str = DEFAULT_LOAD, held: float = 1.0,
+                  stages: Sequence[range] = ()) -> CostTable:
     """The CostTable: measured per unit at the plan's micro-batch size(s), or structure only;
     `concurrency` stages busy at once while timing, running `load`, `warmup` and `repeats`
     runs of each unit (more until they took `min_time` seconds), `loss(outputs, size)` timed
     too when given (see profile_units); a meta model's units with at most the share `held`
     of its weights real at once, what the timing device holds of them in the pipeline (all
-    of them below ALL_REAL_BELOW bytes)."""
+    of them below ALL_REAL_BELOW bytes); `stages`: runs of units each timed as a run of its
+    own (profile_units)."""
     unit_graph, unit_table = split_into_units(gm, units, devices[0])
     names = [u.name for u in units]
     if plan.costs == "none":
@@ -267,7 +269,8 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
                             devices[0], warmup=warmup, repeats=repeats, cache=cache,
                             threads=threads, concurrency=concurrency, whole=whole, loss=loss,
                             load=load, min_time=min_time,
-                            window=max(held * real_bytes(unit_graph), ALL_REAL_BELOW))
+                            window=max(held * real_bytes(unit_graph), ALL_REAL_BELOW),
+                            stages=stages)
     annotate_profile(gm, units, profile)
     annotate_comm(gm, link)
     cost = cost_table(profile, link, batch, names)

@@ -38,9 +38,12 @@ class Timing:
 def retime(pipe: CompiledPipeline, example_inputs: Any,
            example_kwargs: Mapping[str, Any] | None = None, *, target: Any = None,
            warmup: int = 2, repeats: int = 5, min_time: float = MIN_TIMED) -> Partition:
-    """The pipeline's partition scored with its units timed again, exactly as compile timed them
-    (same micro-batch sizes, threads and concurrent stages; no cache). Under torchrun every rank
-    must call it: they time at once and rank 0's table counts, as in compile. A shared
+    """The pipeline's partition scored with its units timed again, as compile timed them (same
+    micro-batch sizes, threads and concurrent stages; no cache). Under torchrun every rank
+    must call it: they time at once and rank 0's table counts, as in compile; and, as each
+    rank holds and runs one stage, each stage's units are timed as a run of their own (their
+    forwards, then their backwards: `benchmarks/compute_times.py` shows a stage's forwards in
+    the steps faster than timed in turn with the whole model's). A shared
     machine's speed drifts over seconds, so a prediction meant to be compared with measured
     steps is best made from timings taken right beside them. `target` (one row per sample of
     the inputs): the plan's loss_fn is timed too, on the last stage, where pipe.step runs it
@@ -60,9 +63,12 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
                                               timing.device)
     plan = dataclasses.replace(pipe.plan, costs="measure") if pipe.plan.costs == "none" \
         else pipe.plan
+    bounds = pipe.partition.bounds
+    stages = [range(start, end) for start, end in zip((0, *bounds[:-1]), bounds)] \
+        if launched() else ()
     cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, [timing.device],
                          pipe.link, None, timing.threads, timing.concurrency, whole, warmup,
-                         repeats, loss, min_time, timing.load, timing.held)
+                         repeats, loss, min_time, timing.load, timing.held, stages)
     if launched():
         shared: list[Any] = [cost]
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -185,6 +185,7 @@ def profile_units(
     load: str = DEFAULT_LOAD,
     min_time: float = 0.0,
     window: float = 0.0,
+    stages: Sequence[range] = (),
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
@@ -219,7 +220,11 @@ def profile_units(
     the bytes of a meta model's parameters and buffers (a tied one once) made real at once to
     time its units, in runs of consecutive units whose tensors add up to no more (one unit at
     least; compile allows the share of them the timing device will hold, or all of them when
-    they are small); a real model is timed all at once.
+    they are small); a real model is timed all at once. `stages`: consecutive runs of units
+    covering them all, each timed as a run of its own (its units' forwards, then their
+    backwards), as a process that holds only those units runs them: its caches then hold
+    that stage's weights and activations alone, not the whole model's (a meta model's
+    window may split a stage further).
     """
     if load not in LOADS:
         raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
@@ -233,12 +238,17 @@ def profile_units(
                       and threads == 1 and not meta and _core_waits_known())
     if concurrency > cores and not core_waits_out:
         concurrency = cores
-    runs = _Runs(tuple(_runs(_tensor_bytes(modules), window)) if meta
-                 else (range(len(modules)),), meta)
+    stages = tuple(stages) or (range(len(modules)),)
+    if [u for stage in stages for u in stage] != list(range(len(modules))):
+        raise ValueError(f"stages={stages} do not cover the {len(modules)} units in order")
+    tensors = _tensor_bytes(modules)
+    runs = _Runs(tuple(range(stage.start + r.start, stage.start + r.stop) for stage in stages
+                       for r in _runs(tensors[stage.start:stage.stop], window)) if meta
+                 else stages, meta)
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                      (concurrency, tuple(whole), load, min_time,
-                      [(r.start, r.stop) for r in runs.ranges] if meta else None,
-                      core_waits_out))
+                      [(r.start, r.stop) for r in runs.ranges] if meta or len(stages) > 1
+                      else None, core_waits_out))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)

@@ -625,3 +625,28 @@ def test_runs_back_to_back_count_as_the_window_over_their_duration(duration, off
     spans = [(start + i * duration, start + (i + 1) * duration) for i in range(count)]
     assert capacity_module._runs_inside(spans, 0.0, window) == pytest.approx(window / duration,
                                                                            rel=1e-6)
+
+
+@pytest.mark.parametrize("stages", [(), (range(0, 1), range(1, 3)), (range(0, 2), range(2, 3))])
+def test_each_stage_given_is_timed_as_a_run_of_its_own(monkeypatch, stages):
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
+    _, graph, table = _per_unit(model, x)
+    fused, runs = profile_module._fused, []
+
+    def recorded(table, modules, run):  # each run's units as one graph, once per run
+        runs.append(run)
+        return fused(table, modules, run)
+
+    monkeypatch.setattr(profile_module, "_fused", recorded)
+    profile = profile_units(graph, table, [x], [4], warmup=0, repeats=1, stages=stages)
+    assert runs == (list(stages) or [range(3)])
+    assert profile.forward.shape == profile.backward.shape == (1, 3)
+    assert np.all(profile.forward > 0) and np.all(profile.backward > 0)
+
+
+@pytest.mark.parametrize("stages", [(range(0, 2),), (range(1, 3),), (range(0, 2), range(1, 3))])
+def test_stages_that_do_not_cover_the_units_in_order_are_refused(stages):
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
+    _, graph, table = _per_unit(model, x)
+    with pytest.raises(ValueError, match="do not cover the 3 units in order"):
+        profile_units(graph, table, [x], [4], warmup=0, repeats=1, stages=stages)
