@@ -8,8 +8,9 @@ microseconds per micro-batch:
 
 - back to back: the stage module's forward (or a forward, untimed, and its backward) again and
   again, every stage at once on its worker as in a step (`--repeats` of each, the median);
-- profile: the stage's units as compile times them, added up (`fxpipe.retime`; under torchrun
-  every rank times them and rank 0's table counts, as in compile);
+- profile: the stage's units as `fxpipe.retime` times them, added up (as compile does; under
+  torchrun every rank times them, each stage's units as a run of their own since 546792e, and
+  rank 0's table counts);
 - in steps: the median of the stage's F and B actions over `--steps` training steps;
 - predicted: the median of the F and B actions of the step predicted from that profile, which
   adds the runtime's own time per action and the link's terms (a compute after a wait, after

@@ -241,21 +241,22 @@ def test_retime_scores_the_compiled_partition_with_fresh_timings():
 def test_retime_times_each_stage_as_a_run_of_its_own_where_a_rank_holds_one(monkeypatch,
                                                                              under_torchrun):
     retime_module = importlib.import_module("fxpipe.compile.retime")  # the function shadows it
+    profile_module = importlib.import_module("fxpipe.passes.analysis.profile")
     model, x = MLP(), torch.randn(16, 32)
     pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=4), example_inputs=(x,),
                           cache=False)
-    asked, measure = [], retime_module.measure_costs
+    timed, fused = set(), profile_module._fused
 
-    def measured(*args):
-        asked.append(args[-1])  # the runs of units timed on their own
-        return measure(*args)
+    def recorded(table, modules, run):  # each run of units the profile times on its own
+        timed.add((run.start, run.stop))
+        return fused(table, modules, run)
 
-    monkeypatch.setattr(retime_module, "measure_costs", measured)
+    monkeypatch.setattr(profile_module, "_fused", recorded)
     monkeypatch.setattr(retime_module, "launched", lambda: under_torchrun)
     monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda shared, src: None)
     fresh = fxpipe.retime(pipe, x)
     (a, b, c) = pipe.partition.bounds
-    assert asked == [[range(0, a), range(a, b), range(b, c)] if under_torchrun else ()]
+    assert timed == ({(0, a), (a, b), (b, c)} if under_torchrun else {(0, c)})
     assert fresh.bounds == pipe.partition.bounds and all(s.f > 0 for s in fresh.stages)
 
 

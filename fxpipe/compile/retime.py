@@ -42,8 +42,8 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     micro-batch sizes, threads and concurrent stages; no cache). Under torchrun every rank
     must call it: they time at once and rank 0's table counts, as in compile; and, as each
     rank holds and runs one stage, each stage's units are timed as a run of their own (their
-    forwards, then their backwards: `benchmarks/compute_times.py` shows a stage's forwards in
-    the steps faster than timed in turn with the whole model's). A shared
+    forwards, then their backwards: `benchmarks/compute_times.py` shows the first stage's
+    forwards in the steps faster than timed in turn with the whole model's). A shared
     machine's speed drifts over seconds, so a prediction meant to be compared with measured
     steps is best made from timings taken right beside them. `target` (one row per sample of
     the inputs): the plan's loss_fn is timed too, on the last stage, where pipe.step runs it

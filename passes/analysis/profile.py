@@ -221,10 +221,10 @@ def profile_units(
     time its units, in runs of consecutive units whose tensors add up to no more (one unit at
     least; compile allows the share of them the timing device will hold, or all of them when
     they are small); a real model is timed all at once. `stages`: consecutive runs of units
-    covering them all, each timed as a run of its own (its units' forwards, then their
-    backwards), as a process that holds only those units runs them: its caches then hold
-    that stage's weights and activations alone, not the whole model's (a meta model's
-    window may split a stage further).
+    covering them all (by default one), each timed as a run of its own (its units' forwards,
+    then their backwards), as a process that holds only those units runs them: its caches
+    then hold that stage's weights and activations alone, not the whole model's (a meta
+    model's window may split a stage further).
     """
     if load not in LOADS:
         raise ValueError(f"load={load!r} is not a background load; use one of {LOADS}")
@@ -239,7 +239,8 @@ def profile_units(
     if concurrency > cores and not core_waits_out:
         concurrency = cores
     stages = tuple(stages) or (range(len(modules)),)
-    if [u for stage in stages for u in stage] != list(range(len(modules))):
+    if (any(len(stage) == 0 or stage.step != 1 for stage in stages)
+            or [u for stage in stages for u in stage] != list(range(len(modules)))):
         raise ValueError(f"stages={stages} do not cover the {len(modules)} units in order")
     tensors = _tensor_bytes(modules)
     runs = _Runs(tuple(range(stage.start + r.start, stage.start + r.stop) for stage in stages
@@ -247,7 +248,8 @@ def profile_units(
                  else stages, meta)
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                      (concurrency, tuple(whole), load, min_time,
-                      [(r.start, r.stop) for r in runs.ranges] if meta or len(stages) > 1
+                      [(r.start, r.stop) for r in runs.ranges] if meta
+                      else ("stages", [(s.start, s.stop) for s in stages]) if len(stages) > 1
                       else None, core_waits_out))
     cache = cache if loss is None else None
     if cache is not None:
@@ -277,7 +279,7 @@ def profile_units(
 
         # a meta model timed in several runs has its neighbours time copies of the units run
         # by run, whatever the load
-        if load != "crossed" or concurrency < 2 or len(runs.ranges) > 1:
+        if load != "crossed" or concurrency < 2 or (runs.meta and len(runs.ranges) > 1):
             rows = timed_beside("stage" if load == "crossed" else load)
         else:
             rows = [_crossed(forwards, backwards) for forwards, backwards in
@@ -335,7 +337,7 @@ class _Load:
             torch.set_num_threads(threads)
             inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
             modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
-            if len(self.runs.ranges) > 1:  # copies made afresh, run by run
+            if self.runs.meta and len(self.runs.ranges) > 1:  # copies made afresh, run by run
                 while not self.stop.is_set():
                     _measure(graph, table, inputs[sizes.index(self.size)], device, 0, 1,
                              runs=self.runs)
@@ -446,7 +448,8 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
     meta device is timed a run of consecutive units at a time (`runs`, from `_runs`), on real
     copies of that run's units made for all its repetitions, so no more than a run's weights
     exist at once in each timing thread (this one, and each background worker of `_Load`); a
-    real model is one run. Each repetition first runs the run's units as one graph
+    real model is one run, or one per stage where profile_units is given the stages. Each
+    repetition first runs the run's units as one graph
     (`_fused`), forward and one backward call, for the units' forward scale and the fixed
     cost of a call. `core_waits_out`: the times leave out what this thread waited for a core
     (`_timer`)."""
@@ -534,8 +537,8 @@ def _measure(graph, table, inputs, device, warmup, repeats, span=None, saved=Non
 @dataclasses.dataclass(frozen=True)
 class _Runs:
     """How the units are timed: in runs of consecutive ones (`ranges`), each on real copies
-    made for it where `meta` (the model's tensors on the meta device: `_runs`), else as one
-    run of the model itself."""
+    made for it where `meta` (the model's tensors on the meta device: `_runs`), else on the
+    model itself (one run, or one per stage given)."""
 
     ranges: tuple[range, ...]
     meta: bool
@@ -818,7 +821,8 @@ def unit_parameters(graph: fx.GraphModule, units: int) -> tuple[np.ndarray, np.n
 def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                how: tuple) -> str:
     """`how`: the rest of what the timings depend on (concurrency, whole inputs, the
-    background load, min_time, a meta model's runs of units or None for a real model, whether
+    background load, min_time, a meta model's runs of units, a real model's stages timed
+    each as a run of its own or None for one run, whether
     the waits for a core are left out)."""
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
     signature = {

@@ -644,7 +644,8 @@ def test_each_stage_given_is_timed_as_a_run_of_its_own(monkeypatch, stages):
     assert np.all(profile.forward > 0) and np.all(profile.backward > 0)
 
 
-@pytest.mark.parametrize("stages", [(range(0, 2),), (range(1, 3),), (range(0, 2), range(1, 3))])
+@pytest.mark.parametrize("stages", [(range(0, 2),), (range(1, 3),), (range(0, 2), range(1, 3)),
+                                    (range(0, 3), range(3, 3)), (range(0, 3, 2), range(1, 2))])
 def test_stages_that_do_not_cover_the_units_in_order_are_refused(stages):
     model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
     _, graph, table = _per_unit(model, x)
