@@ -86,9 +86,8 @@ def main() -> None:
     lines = setup.everyones(lines)
     if not setup.reporting():
         return
-    bounds = pipe.partition.bounds
-    sizes = format_sizes([end - start for start, end in zip((0, *bounds[:-1]), bounds)])
-    print(f"{args.model}, {setup.where}, {args.partitioner} {sizes}, {args.schedule}, "
+    print(f"{args.model}, {setup.where}, {args.partitioner} "
+          f"{format_sizes(pipe.partition.sizes)}, {args.schedule}, "
           f"{args.micro_batches} micro-batches; us per micro-batch, medians of {args.rounds} "
           f"rounds")
     print("\n".join(lines))

@@ -63,9 +63,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
                                               timing.device)
     plan = dataclasses.replace(pipe.plan, costs="measure") if pipe.plan.costs == "none" \
         else pipe.plan
-    bounds = pipe.partition.bounds
-    stages = [range(start, end) for start, end in zip((0, *bounds[:-1]), bounds)] \
-        if launched() else ()
+    stages = [range(*stage.units) for stage in pipe.partition.stages] if launched() else ()
     cost = measure_costs(pipe.traced.gm, pipe.units, flat, plan, [timing.device],
                          pipe.link, None, timing.threads, timing.concurrency, whole, warmup,
                          repeats, loss, min_time, timing.load, timing.held, stages)

@@ -242,10 +242,13 @@ def profile_units(
     if (any(len(stage) == 0 or stage.step != 1 for stage in stages)
             or [u for stage in stages for u in stage] != list(range(len(modules)))):
         raise ValueError(f"stages={stages} do not cover the {len(modules)} units in order")
-    tensors = _tensor_bytes(modules)
-    runs = _Runs(tuple(range(stage.start + r.start, stage.start + r.stop) for stage in stages
-                       for r in _runs(tensors[stage.start:stage.stop], window)) if meta
-                 else stages, meta)
+    if meta:  # a stage's units in runs whose tensors fit the window
+        tensors = _tensor_bytes(modules)
+        runs = _Runs(tuple(range(stage.start + r.start, stage.start + r.stop)
+                           for stage in stages
+                           for r in _runs(tensors[stage.start:stage.stop], window)), meta)
+    else:
+        runs = _Runs(stages, meta)
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
                      (concurrency, tuple(whole), load, min_time,
                       [(r.start, r.stop) for r in runs.ranges] if meta
