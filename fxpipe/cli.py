@@ -352,13 +352,28 @@ def _factory(spec: str):
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would find it
         sys.path.insert(0, os.getcwd())
     try:
-        factory = getattr(importlib.import_module(module_name), factory_name)
-    except (ImportError, AttributeError) as e:
-        raise FxpipeError(f"cannot load {spec!r}: {e}") from e
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise FxpipeError(_import_failure(spec, module_name, e)) from e
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        raise FxpipeError(f"cannot load {spec!r}: module {module_name!r} has no "
+                          f"{factory_name!r}; give the name of a function defined in it.")
     if isinstance(factory, torch.nn.Module):
         raise FxpipeError(f"{spec} is a model, not a function that makes one: give a factory, "
                           f"e.g. def make_model(): return {type(factory).__name__}(...).")
     return factory
+
+
+def _import_failure(spec: str, module_name: str, error: ImportError) -> str:
+    """Why MODULE did not import, and what to do: the module itself not found, or an import
+    inside it failing."""
+    missing = getattr(error, "name", None)
+    if missing and (module_name == missing or module_name.startswith(missing + ".")):
+        return (f"cannot load {spec!r}: no module {missing!r} on the Python path; run fxpipe "
+                "from the directory that holds it, or add that directory to PYTHONPATH.")
+    return (f"cannot load {spec!r}: importing {module_name!r} failed ({error}); fix that "
+            "import, e.g. install what it needs.")
 
 
 def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> tuple:

@@ -185,6 +185,29 @@ def test_a_model_factory_in_the_current_folder_is_found_and_a_model_instance_ref
             in capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("fxpipe_nosuch_module:make", "no module 'fxpipe_nosuch_module' on the Python path; run "
+     "fxpipe from the directory that holds it, or add that directory to PYTHONPATH"),
+    ("fxpipe_nosuch_package.models:make", "no module 'fxpipe_nosuch_package' on the Python "
+     "path"),
+    ("fxpipe_cli_broken:make", "importing 'fxpipe_cli_broken' failed (No module named "
+     "'fxpipe_nosuch_dependency'); fix that import"),
+    ("fxpipe_cli_broken:nosuch", "importing 'fxpipe_cli_broken' failed"),  # import first
+    ("fxpipe.models:nosuch", "module 'fxpipe.models' has no 'nosuch'; give the name of a "
+     "function defined in it"),
+])
+def test_a_factory_that_cannot_be_loaded_is_reported_with_what_to_do(
+        capsys, tmp_path, monkeypatch, spec, message):
+    (tmp_path / "fxpipe_cli_broken.py").write_text("import fxpipe_nosuch_dependency\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder main adds goes with the test
+    monkeypatch.delitem(sys.modules, "fxpipe_cli_broken", raising=False)
+    assert main(["plan", spec, "--stages", "2", "--input-shape", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load {spec!r}: " in err
+    assert message in err
+
+
 def test_a_ranks_own_error_is_what_a_failed_torchrun_bench_reports():
     from fxpipe.bench import first_rank_error
 
