@@ -175,11 +175,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
             predicted_step = timeline.makespan + overhead  # seconds
-            settling, kept = _steps_filling(settle, predicted_step, warmup), []
-            for _ in range(_most_of_any_rank(settling)):
+            settling, timing = _most_of_any_rank(_steps_filling(settle, predicted_step, warmup),
+                                                  _steps_filling(measure, predicted_step, steps))
+            for _ in range(settling):
                 pipe.step(x, y)
-            timed = []
-            for _ in range(_most_of_any_rank(_steps_filling(measure, predicted_step, steps))):
+            timed, kept = [], []
+            for _ in range(timing):
                 # the ranks start together; a step ends on every rank once the loss is
                 # shared, so no barrier is timed after it (a round trip no training loop pays)
                 _barrier()
@@ -423,13 +424,14 @@ def _world_size() -> int:
     return 1
 
 
-def _most_of_any_rank(count: int) -> int:
-    """The largest of every rank's `count` (this one's alone in one process)."""
+def _most_of_any_rank(*counts: int) -> tuple[int, ...]:
+    """Each of `counts` at the largest any rank has for it (this one's alone in one process),
+    in one collective."""
     if _world_size() == 1:
-        return count
+        return counts
     everyone: list[Any] = [None] * _world_size()
-    torch.distributed.all_gather_object(everyone, count)  # on any backend, NCCL too
-    return max(everyone)
+    torch.distributed.all_gather_object(everyone, counts)  # on any backend, NCCL too
+    return tuple(map(max, zip(*everyone)))
 
 
 def _barrier() -> None:

@@ -435,7 +435,8 @@ def test_each_round_of_bench_settles_then_times_its_share_or_what_fills_measure(
     after_barrier = [False]
     monkeypatch.setattr(fxpipe.bench, "_barrier", lambda: after_barrier.__setitem__(0, True))
     # under torchrun every rank runs the most steps any rank asks for: here one more
-    monkeypatch.setattr(fxpipe.bench, "_most_of_any_rank", lambda count: count + another_rank_asks)
+    monkeypatch.setattr(fxpipe.bench, "_most_of_any_rank",
+                        lambda *counts: tuple(c + another_rank_asks for c in counts))
 
     def predict(self, partition=None):  # a step predicted at 2 ms
         return dataclasses.replace(timeline(self, partition), makespan=0.002)
