@@ -425,8 +425,8 @@ def _world_size() -> int:
 
 
 def _most_of_any_rank(*counts: int) -> tuple[int, ...]:
-    """Each of `counts` at the largest any rank has for it (this one's alone in one process),
-    in one collective."""
+    """For each of `counts`, the largest any rank gives, gathered in one collective (this
+    process's own counts when it is the only one)."""
     if _world_size() == 1:
         return counts
     everyone: list[Any] = [None] * _world_size()

@@ -349,16 +349,23 @@ def _factory(spec: str):
     if not module_name or not factory_name:
         raise FxpipeError(f"{spec!r} names no {'module' if not module_name else 'factory'}: "
                           "give MODULE:FACTORY, e.g. mypkg.models:make_model.")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        dotted = module_name.removesuffix(".py").replace("\\", "/").strip("/").replace("/", ".")
+        raise FxpipeError(f"{spec!r} names a file; give the module's dotted name, e.g. "
+                          f"{dotted}:{factory_name}.")
+    if module_name.startswith("."):
+        raise FxpipeError(f"{spec!r} names a relative module; give its full dotted name, e.g. "
+                          f"mypkg{module_name}:{factory_name}.")
     if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would find it
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise FxpipeError(_import_failure(spec, module_name, e)) from e
-    factory = getattr(module, factory_name, None)
-    if factory is None:
+    if not hasattr(module, factory_name):
         raise FxpipeError(f"cannot load {spec!r}: module {module_name!r} has no "
                           f"{factory_name!r}; give the name of a function defined in it.")
+    factory = getattr(module, factory_name)
     if isinstance(factory, torch.nn.Module):
         raise FxpipeError(f"{spec} is a model, not a function that makes one: give a factory, "
                           f"e.g. def make_model(): return {type(factory).__name__}(...).")
@@ -366,14 +373,18 @@ def _factory(spec: str):
 
 
 def _import_failure(spec: str, module_name: str, error: ImportError) -> str:
-    """Why MODULE did not import, and what to do: the module itself not found, or an import
-    inside it failing."""
-    missing = getattr(error, "name", None)
+    """Why MODULE did not import, and what to do: the module (or a package on its way) not
+    found, or an import inside it failing."""
+    missing = error.name if isinstance(error, ModuleNotFoundError) else None
     if missing and (module_name == missing or module_name.startswith(missing + ".")):
+        package, _, name = missing.rpartition(".")
+        if package:  # the package was found (Python looks for a submodule in it only then)
+            return (f"cannot load {spec!r}: package {package!r} has no module {name!r} "
+                    f"({error}); check the name.")
         return (f"cannot load {spec!r}: no module {missing!r} on the Python path; run fxpipe "
                 "from the directory that holds it, or add that directory to PYTHONPATH.")
-    return (f"cannot load {spec!r}: importing {module_name!r} failed ({error}); fix that "
-            "import, e.g. install what it needs.")
+    fix = "install it" if missing else "fix that import"
+    return f"cannot load {spec!r}: importing {module_name!r} failed ({error}); {fix}."
 
 
 def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> tuple:

@@ -190,22 +190,41 @@ def test_a_model_factory_in_the_current_folder_is_found_and_a_model_instance_ref
      "fxpipe from the directory that holds it, or add that directory to PYTHONPATH"),
     ("fxpipe_nosuch_package.models:make", "no module 'fxpipe_nosuch_package' on the Python "
      "path"),
-    ("fxpipe_cli_broken:make", "importing 'fxpipe_cli_broken' failed (No module named "
-     "'fxpipe_nosuch_dependency'); fix that import"),
-    ("fxpipe_cli_broken:nosuch", "importing 'fxpipe_cli_broken' failed"),  # import first
+    ("fxpipe_cli_pkg.nosub:make", "package 'fxpipe_cli_pkg' has no module 'nosub'"),
+    ("fxpipe_cli_needs:make", "importing 'fxpipe_cli_needs' failed (No module named "
+     "'fxpipe_nosuch_dependency'); install it"),
+    ("fxpipe_cli_pkg.wrong:make", "importing 'fxpipe_cli_pkg.wrong' failed (cannot import name "
+     "'nothing' from 'fxpipe_cli_pkg'"),
+    ("fxpipe_cli_pkg.wrong:nosuch", "fix that import"),  # the import fails first
     ("fxpipe.models:nosuch", "module 'fxpipe.models' has no 'nosuch'; give the name of a "
      "function defined in it"),
 ])
 def test_a_factory_that_cannot_be_loaded_is_reported_with_what_to_do(
         capsys, tmp_path, monkeypatch, spec, message):
-    (tmp_path / "fxpipe_cli_broken.py").write_text("import fxpipe_nosuch_dependency\n")
+    (tmp_path / "fxpipe_cli_needs.py").write_text("import fxpipe_nosuch_dependency\n")
+    (tmp_path / "fxpipe_cli_pkg").mkdir()
+    (tmp_path / "fxpipe_cli_pkg" / "__init__.py").write_text("")
+    (tmp_path / "fxpipe_cli_pkg" / "wrong.py").write_text("from fxpipe_cli_pkg import nothing\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the folder main adds goes with the test
-    monkeypatch.delitem(sys.modules, "fxpipe_cli_broken", raising=False)
+    for name in ("fxpipe_cli_needs", "fxpipe_cli_pkg", "fxpipe_cli_pkg.wrong"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     assert main(["plan", spec, "--stages", "2", "--input-shape", "4"]) == 2
     err = capsys.readouterr().err
     assert f"cannot load {spec!r}: " in err
     assert message in err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("models.py:make", "'models.py:make' names a file; give the module's dotted name, e.g. "
+     "models:make"),
+    ("sub/models.py:make", "e.g. sub.models:make"),
+    (".models:make", "'.models:make' names a relative module; give its full dotted name, e.g. "
+     "mypkg.models:make"),
+])
+def test_a_factory_named_by_path_is_refused_with_its_dotted_name(capsys, spec, message):
+    assert main(["plan", spec, "--stages", "2", "--input-shape", "4"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_a_ranks_own_error_is_what_a_failed_torchrun_bench_reports():
@@ -461,6 +480,23 @@ def test_each_round_of_bench_settles_then_times_its_share_or_what_fills_measure(
     timed += another_rank_asks
     assert steps == 2 * ([False] * (25 + another_rank_asks) + [True] * timed)
     assert row.timed_steps == 2 * timed
+
+
+@given(counts=st.lists(st.tuples(st.integers(0, 500), st.integers(0, 500)), min_size=1,
+                       max_size=4))
+def test_every_rank_takes_each_count_at_the_largest_any_rank_gives(counts):
+    import unittest.mock
+
+    import fxpipe.bench
+
+    def gather(everyone, mine):  # what every rank gave, this one's included
+        assert mine == counts[0]
+        everyone[:] = counts
+
+    with unittest.mock.patch.object(fxpipe.bench, "_world_size", lambda: len(counts)), \
+            unittest.mock.patch.object(torch.distributed, "all_gather_object", gather):
+        most = fxpipe.bench._most_of_any_rank(*counts[0])
+    assert most == (max(c[0] for c in counts), max(c[1] for c in counts))
 
 
 @given(least=st.integers(0, 5), seconds=st.floats(0, 1), predicted=st.floats(0, 1))
