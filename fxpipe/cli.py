@@ -378,8 +378,8 @@ def _import_failure(spec: str, module_name: str, error: ImportError) -> str:
     missing = error.name if isinstance(error, ModuleNotFoundError) else None
     if missing and (module_name == missing or module_name.startswith(missing + ".")):
         package, _, name = missing.rpartition(".")
-        if package:  # the package was found (Python looks for a submodule in it only then)
-            return (f"cannot load {spec!r}: package {package!r} has no module {name!r} "
+        if package:  # its parent was found: Python looks for a submodule only then
+            return (f"cannot load {spec!r}: {package!r} has no submodule {name!r} "
                     f"({error}); check the name.")
         return (f"cannot load {spec!r}: no module {missing!r} on the Python path; run fxpipe "
                 "from the directory that holds it, or add that directory to PYTHONPATH.")

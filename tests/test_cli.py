@@ -190,7 +190,7 @@ def test_a_model_factory_in_the_current_folder_is_found_and_a_model_instance_ref
      "fxpipe from the directory that holds it, or add that directory to PYTHONPATH"),
     ("fxpipe_nosuch_package.models:make", "no module 'fxpipe_nosuch_package' on the Python "
      "path"),
-    ("fxpipe_cli_pkg.nosub:make", "package 'fxpipe_cli_pkg' has no module 'nosub'"),
+    ("fxpipe_cli_pkg.nosub:make", "'fxpipe_cli_pkg' has no submodule 'nosub'"),
     ("fxpipe_cli_needs:make", "importing 'fxpipe_cli_needs' failed (No module named "
      "'fxpipe_nosuch_dependency'); install it"),
     ("fxpipe_cli_pkg.wrong:make", "importing 'fxpipe_cli_pkg.wrong' failed (cannot import name "
