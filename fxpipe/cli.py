@@ -349,10 +349,6 @@ def _factory(spec: str):
     if not module_name or not factory_name:
         raise FxpipeError(f"{spec!r} names no {'module' if not module_name else 'factory'}: "
                           "give MODULE:FACTORY, e.g. mypkg.models:make_model.")
-    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        dotted = module_name.removesuffix(".py").replace("\\", "/").strip("/").replace("/", ".")
-        raise FxpipeError(f"{spec!r} names a file; give the module's dotted name, e.g. "
-                          f"{dotted}:{factory_name}.")
     if module_name.startswith("."):
         raise FxpipeError(f"{spec!r} names a relative module; give its full dotted name, e.g. "
                           f"mypkg{module_name}:{factory_name}.")
@@ -376,6 +372,11 @@ def _import_failure(spec: str, module_name: str, error: ImportError) -> str:
     """Why MODULE did not import, and what to do: the module (or a package on its way) not
     found, or an import inside it failing."""
     missing = error.name if isinstance(error, ModuleNotFoundError) else None
+    if missing and (module_name.endswith(".py") or "/" in module_name or "\\" in module_name):
+        dotted = module_name.removesuffix(".py").replace("\\", "/").strip("/").replace("/", ".")
+        factory_name = spec.rpartition(":")[2]
+        return (f"cannot load {spec!r}: it names a file; give the module's dotted name, e.g. "
+                f"{dotted}:{factory_name}.")
     if missing and (module_name == missing or module_name.startswith(missing + ".")):
         package, _, name = missing.rpartition(".")
         if package:  # its parent was found: Python looks for a submodule only then

@@ -216,9 +216,10 @@ def test_a_factory_that_cannot_be_loaded_is_reported_with_what_to_do(
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("models.py:make", "'models.py:make' names a file; give the module's dotted name, e.g. "
-     "models:make"),
+    ("models.py:make", "cannot load 'models.py:make': it names a file; give the module's "
+     "dotted name, e.g. models:make"),
     ("sub/models.py:make", "e.g. sub.models:make"),
+    ("sub\\models:make", "e.g. sub.models:make"),
     (".models:make", "'.models:make' names a relative module; give its full dotted name, e.g. "
      "mypkg.models:make"),
 ])
