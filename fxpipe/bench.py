@@ -164,7 +164,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
         plan = dataclasses.replace(plan, loss_fn=loss_fn)
-        pipe = compile(model, plan, example_inputs=(x,), cache=False)
+        # the partitioners see the loss on the last stage, as the steps compute it
+        pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         predictions, times, late = [], [], []
         round_steps = []  # each round's median step
         for steps in _split(repeats, rounds):

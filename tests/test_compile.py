@@ -275,7 +275,8 @@ def test_retime_with_a_target_times_the_loss_on_the_last_stage():
 
 @pytest.mark.parametrize("plan, target, message", [
     (fxpipe.Plan(stages=2, micro_batches=4), torch.zeros(16, dtype=torch.long),
-     r"needs the plan's loss: compile with Plan\(loss_fn=...\)"),
+     r"retime\(target=...\) times the loss, which needs the plan's loss: give "
+     r"Plan\(loss_fn=...\)"),
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy),
      torch.zeros(15, dtype=torch.long), "one row per sample of the inputs \\(16\\), got 15 rows"),
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), [0] * 16,
@@ -286,6 +287,36 @@ def test_retime_refuses_a_loss_it_cannot_time(plan, target, message):
     pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
     with pytest.raises(FxpipeError, match=message):
         fxpipe.retime(pipe, x, target=target)
+
+
+def test_compile_with_a_target_plans_with_the_loss_on_the_last_stage():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(6)])
+    x, y = torch.randn(16, 32), torch.randint(0, 32, (16,))
+
+    def slow_loss(output, target):  # 20 ms a micro-batch: far above the units' timing noise
+        time.sleep(0.02)
+        return F.cross_entropy(output, target)
+
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=slow_loss, partitioner="balanced")
+    blind = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
+    seeing = fxpipe.compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
+    assert (seeing.cost.f[:, -1] >= 0.02).all() and (blind.cost.f[:, -1] < 0.02).all()
+    assert seeing.partition.sizes[-1] < blind.partition.sizes[-1]  # the loss's stage lighter
+    assert seeing.partition.stages[-1].f >= 0.02 > seeing.partition.stages[0].f
+
+
+@pytest.mark.parametrize("plan, target, message", [
+    (fxpipe.Plan(stages=2, micro_batches=4), torch.zeros(16, dtype=torch.long),
+     r"compile\(example_target=...\) times the loss, which needs the plan's loss: give "
+     r"Plan\(loss_fn=...\), or leave out the target"),
+    (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy),
+     torch.zeros(15, dtype=torch.long), r"compile\(example_target=...\) needs a tensor with "
+     r"one row per sample of the inputs \(16\), got 15 rows"),
+])
+def test_compile_refuses_a_loss_it_cannot_time(plan, target, message):
+    with pytest.raises(FxpipeError, match=message):
+        fxpipe.compile(MLP(), plan, example_inputs=(torch.randn(16, 32),), example_target=target,
+                       cache=False)
 
 
 def test_the_units_are_timed_beside_every_stage_thread_on_the_cpu():

@@ -19,6 +19,7 @@ from fxpipe.compile.front import (
     trace_and_cut,
     whole_positions,
 )
+from fxpipe.compile.loss import compile_loss
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.compile.retime import Timing
 from fxpipe.cost import Link, Partition
@@ -39,10 +40,12 @@ from fxpipe.units import Unit
 __all__ = ["compile_distributed"]
 
 
-def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipeline:
+def compile_distributed(model, plan: Plan, args, kwargs, cache, target: Any = None
+                        ) -> CompiledPipeline:
     """Under torchrun: every rank traces the same graph; rank 0 measures the costs and chooses
     the partition and every rank takes them from it; each rank then keeps only its stage on its
-    device, and talks to the others over torch.distributed."""
+    device, and talks to the others over torch.distributed. `target`: an example target, for
+    timing the plan's loss with the units (compile's example_target)."""
     if plan.intra_layer is not None:
         raise PlanError("Plan(intra_layer=...) splits layers over the devices of one process; "
                         "under torchrun each rank runs one stage on one device. Drop "
@@ -67,7 +70,9 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache) -> CompiledPipel
     timing = Timing(device, threads, concurrency=1, held=1 / plan.stages)
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          cache if layout.rank == 0 else None, timing.threads,
-                         timing.concurrency, whole, held=timing.held)
+                         timing.concurrency, whole,
+                         loss=compile_loss(traced, plan, target, flat, whole, device),
+                         held=timing.held)
     if layout.rank == 0:
         chosen = choose_partition(model, plan, units, cost)
         shared: list[Any] = [cost, chosen.bounds, chosen.micro_batches, chosen.partitioner,

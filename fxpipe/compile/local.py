@@ -26,6 +26,7 @@ from fxpipe.compile.front import (
     whole_positions,
 )
 from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
+from fxpipe.compile.loss import check_loss_timing, compile_loss
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.compile.retime import Timing
 from fxpipe.distributed import launched
@@ -45,6 +46,7 @@ def compile(
     example_inputs: Any = None,
     example_kwargs: Mapping[str, Any] | None = None,
     *,
+    example_target: Any = None,
     cache: bool | str | os.PathLike = True,
 ) -> CompiledPipeline:
     """Compile `model` into the pipeline `plan` describes.
@@ -52,7 +54,11 @@ def compile(
     `example_inputs` is one example mini-batch (a tensor or a tuple of forward()'s positional
     arguments); it fixes the shapes, and the units are timed on slices of it. The model's
     parameters stay the same objects: the compiled module and the model train the same weights.
-    `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path; False: off).
+    `example_target` (one row per sample of the inputs): the plan's loss_fn is timed too, on
+    the model's output, and counts in the last unit's costs, so the partition sees what the
+    last stage computes in a step (without it the loss is left out; its timings are not
+    cached). `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path;
+    False: off).
     Where more stage threads compute on this process's CPU than it may use cores (every stage
     on the CPU, and the costs measured), it also measures how much of the units' work that
     many threads, and as many as the cores, get through at once against one, in under a
@@ -75,10 +81,13 @@ def compile(
         raise FxpipeError(f"compile() takes an fxpipe.Plan, got {type(plan).__name__}; "
                           "e.g. fxpipe.Plan(stages=2).")
     args, kwargs = example_args(example_inputs, example_kwargs)
+    if example_target is not None:
+        check_loss_timing(plan, "compile(example_target=...)")
     if has_meta_tensors(model):
         check_meta_model(model, plan)
     if launched():
-        return compile_distributed(model, plan, args, kwargs, profile_cache(cache))
+        return compile_distributed(model, plan, args, kwargs, profile_cache(cache),
+                                   example_target)
     if plan.groups > 1:
         raise PlanError(
             f"Plan(groups={plan.groups}) replicates the pipeline over ranks of a torchrun job; "
@@ -97,6 +106,8 @@ def compile(
                     held=devices.count(devices[0]) / len(devices))  # its stages' weights
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          profile_cache(cache), timing.threads, timing.concurrency, whole,
+                         loss=compile_loss(traced, plan, example_target, flat, whole,
+                                           timing.device),
                          load=timing.load, held=timing.held)
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []

@@ -4,19 +4,19 @@ it is now."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from fxpipe.batching import input_dims, resize
+from fxpipe.batching import input_dims
 from fxpipe.compile.front import example_args, measure_costs
+from fxpipe.compile.loss import timed_loss
 from fxpipe.cost import Partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.passes.analysis.profile import DEFAULT_LOAD, MIN_TIMED
 from fxpipe.pipeline import CompiledPipeline
-from fxpipe.runtime.microbatch import rows
 
 __all__ = ["Timing", "retime"]
 
@@ -47,7 +47,7 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     machine's speed drifts over seconds, so a prediction meant to be compared with measured
     steps is best made from timings taken right beside them. `target` (one row per sample of
     the inputs): the plan's loss_fn is timed too, on the last stage, where pipe.step runs it
-    (compile has no target and leaves it out). `warmup`, `repeats`: runs of each unit, the
+    (as compile does only when given example_target). `warmup`, `repeats`: runs of each unit, the
     median of the repeats counts; more repeats until they took `min_time` seconds."""
     if not isinstance(pipe, CompiledPipeline):
         raise FxpipeError(f"retime() takes the pipeline fxpipe.compile returned, not "
@@ -59,8 +59,9 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     args, kwargs = example_args(example_inputs, example_kwargs)
     flat = pipe.traced.bind(args, kwargs)
     whole = pipe.executor.whole if pipe.executor is not None else ()
-    loss = None if target is None else _loss(pipe, target, input_dims(flat, whole).batch,
-                                              timing.device)
+    loss = None if target is None else timed_loss(
+        pipe.plan, target, input_dims(flat, whole).batch, timing.device,
+        pipe.executor.model_output, "retime(target=...)")
     plan = dataclasses.replace(pipe.plan, costs="measure") if pipe.plan.costs == "none" \
         else pipe.plan
     stages = [range(*stage.units) for stage in pipe.partition.stages] if launched() else ()
@@ -74,24 +75,3 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     part = pipe.partition
     return Partition.evaluate(cost, part.bounds, part.micro_batches, part.partitioner,
                               schedule=pipe.plan.schedule)
-
-
-def _loss(pipe: CompiledPipeline, target: Any, batch: int, device: str
-          ) -> Callable[[Mapping[str, Any], int], torch.Tensor]:
-    """loss(outputs, size): the plan's loss_fn on the model output built from the graph's
-    output values and the target's first `size` rows, as the last stage computes it."""
-    loss_fn = pipe.plan.loss_fn
-    if loss_fn is None:
-        raise FxpipeError("retime(target=...) times the loss, which needs the plan's loss: "
-                          "compile with Plan(loss_fn=...), or leave out target.")
-    found = rows([target]) if isinstance(target, torch.Tensor) else 0  # as pipe.step cuts it
-    if found != batch:
-        raise FxpipeError(f"retime(target=...) needs a tensor with one row per sample of the "
-                          f"inputs ({batch}), got "
-                          f"{f'{found} rows' if found else type(target).__name__}.")
-    target = target.to(device)
-    dims = input_dims([target])
-
-    def loss(outputs: Mapping[str, Any], size: int) -> torch.Tensor:
-        return loss_fn(pipe.executor.model_output(outputs), resize([target], dims, size)[0])
-    return loss

@@ -129,9 +129,17 @@ def train(name, stages, schedule, micro_batches, out):
         with torch.device("meta"):
             model = build(name.removesuffix("-meta"))[0]
         initial, data, loss_fn = build(name.removesuffix("-meta"))
+        timed = []  # the loss's calls: compile times it with the units, given a target
+
+        def counted_loss(output, target):
+            timed.append(target.shape[0])
+            return loss_fn(output, target)
+
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
-                           loss_fn=loss_fn, partitioner="balanced")
-        pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],), cache=False)
+                           loss_fn=counted_loss, partitioner="balanced")
+        pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],),
+                              example_target=data[0][1], cache=False)
+        assert timed, "compile did not time the loss"
         pipe.load_state_dict(initial.state_dict())
         losses = train_pipelined(pipe, data)
         retimed = fxpipe.retime(pipe, data[0][0])  # other stages' units timed on real copies

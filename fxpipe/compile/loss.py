@@ -1,0 +1,66 @@
+"""The plan's loss, timed with the units: on the model's output and an example target."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fxpipe.batching import input_dims, resize
+from fxpipe.compile.front import output_names
+from fxpipe.errors import FxpipeError
+from fxpipe.plan import Plan
+from fxpipe.runtime.bridge import output_values
+from fxpipe.runtime.microbatch import rows
+
+__all__ = ["check_loss_timing", "compile_loss", "model_output_of", "timed_loss"]
+
+Loss = Callable[[Mapping[str, Any], int], torch.Tensor]
+
+
+def check_loss_timing(plan: Plan, argument: str) -> None:
+    """A target times the plan's loss, so the plan needs one (`argument` names the caller's)."""
+    if plan.loss_fn is None:
+        raise FxpipeError(f"{argument} times the loss, which needs the plan's loss: give "
+                          "Plan(loss_fn=...), or leave out the target.")
+
+
+def model_output_of(outputs: Any, unflatten: Callable[[Any], Any]
+                    ) -> Callable[[Mapping[str, Any]], Any]:
+    """The model's output, as its forward returns it, from the graph's output values by name;
+    `outputs` is the graph's output structure of value references (output_names)."""
+    leaves, spec = pytree.tree_flatten(outputs)
+    return lambda values: unflatten(pytree.tree_unflatten(output_values(leaves, values), spec))
+
+
+def timed_loss(plan: Plan, target: Any, batch: int, device: str,
+               model_output: Callable[[Mapping[str, Any]], Any], argument: str) -> Loss:
+    """loss(outputs, size): the plan's loss_fn on the model output built from the graph's
+    output values and the target's first `size` rows, as the last stage computes it. The
+    target has one row per sample of the example inputs (`batch`); `argument` names it in
+    errors."""
+    check_loss_timing(plan, argument)
+    found = rows([target]) if isinstance(target, torch.Tensor) else 0  # as pipe.step cuts it
+    if found != batch:
+        raise FxpipeError(f"{argument} needs a tensor with one row per sample of the inputs "
+                          f"({batch}), got {f'{found} rows' if found else type(target).__name__}.")
+    target = target.to(device)
+    dims = input_dims([target])
+    loss_fn = plan.loss_fn
+
+    def loss(outputs: Mapping[str, Any], size: int) -> torch.Tensor:
+        return loss_fn(model_output(outputs), resize([target], dims, size)[0])
+    return loss
+
+
+def compile_loss(traced: Any, plan: Plan, target: Any, flat: Any, whole: Any, device: str
+                 ) -> Loss | None:
+    """The loss compile times with the units, given an example target (else None): on the
+    model's output built from the traced graph's outputs."""
+    if target is None:
+        return None
+    output = model_output_of(output_names(traced.gm), traced.bind.unflatten)
+    return timed_loss(plan, target, input_dims(flat, whole).batch, device, output,
+                      "compile(example_target=...)")
