@@ -46,7 +46,7 @@ plan = fxpipe.Plan(
     micro_batches=args.micro_batches, schedule=args.schedule, loss_fn=spec.loss_fn,
     partitioner=args.partitioner,
 )
-pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=y)  # y: the loss timed too
 rank = dist.get_rank()
 if rank == 0:
     print(pipe)

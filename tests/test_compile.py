@@ -280,7 +280,7 @@ def test_retime_with_a_target_times_the_loss_on_the_last_stage():
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy),
      torch.zeros(15, dtype=torch.long), "one row per sample of the inputs \\(16\\), got 15 rows"),
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), [0] * 16,
-     "one row per sample of the inputs \\(16\\), got list"),
+     "needs a tensor with one row per sample of the inputs, got list"),
 ])
 def test_retime_refuses_a_loss_it_cannot_time(plan, target, message):
     model, x = MLP(), torch.randn(16, 32)
@@ -312,8 +312,24 @@ def test_compile_with_a_target_plans_with_the_loss_on_the_last_stage():
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy),
      torch.zeros(15, dtype=torch.long), r"compile\(example_target=...\) needs a tensor with "
      r"one row per sample of the inputs \(16\), got 15 rows"),
+    (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), torch.tensor(3),
+     "needs a tensor with one row per sample of the inputs, got a 0-d tensor"),
+    (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), [0] * 16,
+     "needs a tensor with one row per sample of the inputs, got list"),
+    (fxpipe.Plan(stages=2, costs="none", loss_fn=F.cross_entropy),
+     torch.zeros(16, dtype=torch.long), r"Plan\(costs='none'\) times nothing: leave out the "
+     "target"),
+    (fxpipe.Plan(stages=2, loss_fn=F.cross_entropy, intra_layer=2),
+     torch.zeros(16, dtype=torch.long), r"leave out the target with intra_layer"),
 ])
-def test_compile_refuses_a_loss_it_cannot_time(plan, target, message):
+def test_compile_refuses_a_loss_it_cannot_time(plan, target, message, monkeypatch):
+    local = importlib.import_module("fxpipe.compile.local")
+
+    def trace_and_cut(*args):  # every refusal comes before the model is traced
+        raise AssertionError("traced before the target was checked")
+
+    if "rows" not in message:  # the row count needs the traced inputs' batch dimension
+        monkeypatch.setattr(local, "trace_and_cut", trace_and_cut)
     with pytest.raises(FxpipeError, match=message):
         fxpipe.compile(MLP(), plan, example_inputs=(torch.randn(16, 32),), example_target=target,
                        cache=False)

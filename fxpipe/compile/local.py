@@ -26,7 +26,7 @@ from fxpipe.compile.front import (
     whole_positions,
 )
 from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
-from fxpipe.compile.loss import check_loss_timing, compile_loss
+from fxpipe.compile.loss import check_target, compile_loss
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.compile.retime import Timing
 from fxpipe.distributed import launched
@@ -56,9 +56,9 @@ def compile(
     parameters stay the same objects: the compiled module and the model train the same weights.
     `example_target` (one row per sample of the inputs): the plan's loss_fn is timed too, on
     the model's output, and counts in the last unit's costs, so the partition sees what the
-    last stage computes in a step (without it the loss is left out; its timings are not
-    cached). `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path;
-    False: off).
+    last stage computes in a step (without it the loss is left out); every unit is then timed
+    afresh, as the disk cache holds no loss. `cache` keeps unit timings on disk (True:
+    ~/.cache/fxpipe/profiles; a path; False: off).
     Where more stage threads compute on this process's CPU than it may use cores (every stage
     on the CPU, and the costs measured), it also measures how much of the units' work that
     many threads, and as many as the cores, get through at once against one, in under a
@@ -82,7 +82,7 @@ def compile(
                           "e.g. fxpipe.Plan(stages=2).")
     args, kwargs = example_args(example_inputs, example_kwargs)
     if example_target is not None:
-        check_loss_timing(plan, "compile(example_target=...)")
+        check_target(plan, example_target)
     if has_meta_tensors(model):
         check_meta_model(model, plan)
     if launched():

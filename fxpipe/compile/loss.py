@@ -10,21 +10,40 @@ import torch.utils._pytree as pytree
 
 from fxpipe.batching import input_dims, resize
 from fxpipe.compile.front import output_names
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
 from fxpipe.runtime.bridge import output_values
 from fxpipe.runtime.microbatch import rows
 
-__all__ = ["check_loss_timing", "compile_loss", "model_output_of", "timed_loss"]
+__all__ = ["check_loss_timing", "check_target", "compile_loss", "model_output_of", "timed_loss"]
 
 Loss = Callable[[Mapping[str, Any], int], torch.Tensor]
 
 
-def check_loss_timing(plan: Plan, argument: str) -> None:
-    """A target times the plan's loss, so the plan needs one (`argument` names the caller's)."""
+def check_loss_timing(plan: Plan, target: Any, argument: str) -> None:
+    """A target times the plan's loss, so the plan needs one, and the target one row per
+    sample (`argument` names the caller's); checked before any work."""
     if plan.loss_fn is None:
         raise FxpipeError(f"{argument} times the loss, which needs the plan's loss: give "
                           "Plan(loss_fn=...), or leave out the target.")
+    if not isinstance(target, torch.Tensor) or target.dim() == 0:
+        kind = "a 0-d tensor" if isinstance(target, torch.Tensor) else type(target).__name__
+        raise FxpipeError(f"{argument} needs a tensor with one row per sample of the inputs, "
+                          f"got {kind}.")
+
+
+def check_target(plan: Plan, target: Any) -> None:
+    """compile's example_target: a loss to time, in a plan that times the units and does not
+    split layers by their costs (which would then hold the loss, which cannot be split)."""
+    argument = "compile(example_target=...)"
+    if plan.costs == "none":
+        raise PlanError(f"{argument} times the loss with the units, and Plan(costs='none') "
+                        "times nothing: leave out the target, or measure the costs.")
+    if plan.intra_layer is not None:
+        raise PlanError(f"{argument} adds the loss to the last unit's costs, from which "
+                        "Plan(intra_layer=...) picks the layers to split; leave out the target "
+                        "with intra_layer (retime(pipe, x, target=y) times the loss after).")
+    check_loss_timing(plan, target, argument)
 
 
 def model_output_of(outputs: Any, unflatten: Callable[[Any], Any]
@@ -41,11 +60,11 @@ def timed_loss(plan: Plan, target: Any, batch: int, device: str,
     output values and the target's first `size` rows, as the last stage computes it. The
     target has one row per sample of the example inputs (`batch`); `argument` names it in
     errors."""
-    check_loss_timing(plan, argument)
-    found = rows([target]) if isinstance(target, torch.Tensor) else 0  # as pipe.step cuts it
+    check_loss_timing(plan, target, argument)
+    found = rows([target])  # as pipe.step cuts it
     if found != batch:
         raise FxpipeError(f"{argument} needs a tensor with one row per sample of the inputs "
-                          f"({batch}), got {f'{found} rows' if found else type(target).__name__}.")
+                          f"({batch}), got {found} rows.")
     target = target.to(device)
     dims = input_dims([target])
     loss_fn = plan.loss_fn

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from fxpipe.batching import input_dims
-from fxpipe.compile.front import example_args, measure_costs
-from fxpipe.compile.loss import timed_loss
+from fxpipe.compile.front import example_args, measure_costs, output_names
+from fxpipe.compile.loss import model_output_of, timed_loss
 from fxpipe.cost import Partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
@@ -61,7 +61,9 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     whole = pipe.executor.whole if pipe.executor is not None else ()
     loss = None if target is None else timed_loss(
         pipe.plan, target, input_dims(flat, whole).batch, timing.device,
-        pipe.executor.model_output, "retime(target=...)")
+        # from the graph timed here: split layers rename the executor's outputs
+        model_output_of(output_names(pipe.traced.gm), pipe.traced.bind.unflatten),
+        "retime(target=...)")
     plan = dataclasses.replace(pipe.plan, costs="measure") if pipe.plan.costs == "none" \
         else pipe.plan
     stages = [range(*stage.units) for stage in pipe.partition.stages] if launched() else ()

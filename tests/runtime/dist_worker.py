@@ -139,7 +139,8 @@ def train(name, stages, schedule, micro_batches, out):
                            loss_fn=counted_loss, partitioner="balanced")
         pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],),
                               example_target=data[0][1], cache=False)
-        assert timed, "compile did not time the loss"
+        batch = data[0][0].shape[0]  # timed on the plan's micro-batches, as the steps run it
+        assert set(timed) == {-(-batch // micro_batches)}, f"compile timed the loss on {timed}"
         pipe.load_state_dict(initial.state_dict())
         losses = train_pipelined(pipe, data)
         retimed = fxpipe.retime(pipe, data[0][0])  # other stages' units timed on real copies
