@@ -280,7 +280,8 @@ def test_retime_with_a_target_times_the_loss_on_the_last_stage():
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy),
      torch.zeros(15, dtype=torch.long), "one row per sample of the inputs \\(16\\), got 15 rows"),
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), [0] * 16,
-     "needs a tensor with one row per sample of the inputs, got list"),
+     r"needs a tensor \(or a tuple, list or dict of them\) with one row per sample of the "
+     "inputs, got list"),
 ])
 def test_retime_refuses_a_loss_it_cannot_time(plan, target, message):
     model, x = MLP(), torch.randn(16, 32)
@@ -305,6 +306,26 @@ def test_compile_with_a_target_plans_with_the_loss_on_the_last_stage():
     assert seeing.partition.stages[-1].f >= 0.02 > seeing.partition.stages[0].f
 
 
+def test_a_target_of_several_tensors_is_timed_and_trained_as_pipe_step_cuts_it():
+    model, x = MLP(), torch.randn(16, 32)
+    target = {"labels": torch.randint(0, 10, (16,)), "weights": torch.rand(16)}
+    sizes = []
+
+    def weighted(output, target):  # the micro-batch's rows of both tensors
+        sizes.append((len(target["labels"]), len(target["weights"])))
+        per_sample = F.cross_entropy(output, target["labels"], reduction="none")
+        return (per_sample * target["weights"]).mean()
+
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=weighted)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=target, cache=False)
+    assert sizes and set(sizes) == {(4, 4)}  # timed on micro-batches of 4 rows
+    fresh = fxpipe.retime(pipe, x, target=target)
+    assert fresh.stages[-1].f > 0
+    sizes.clear()
+    pipe.step(x, target)
+    assert sizes == [(4, 4)] * 4
+
+
 @pytest.mark.parametrize("plan, target, message", [
     (fxpipe.Plan(stages=2, micro_batches=4), torch.zeros(16, dtype=torch.long),
      r"compile\(example_target=...\) times the loss, which needs the plan's loss: give "
@@ -313,9 +334,9 @@ def test_compile_with_a_target_plans_with_the_loss_on_the_last_stage():
      torch.zeros(15, dtype=torch.long), r"compile\(example_target=...\) needs a tensor with "
      r"one row per sample of the inputs \(16\), got 15 rows"),
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), torch.tensor(3),
-     "needs a tensor with one row per sample of the inputs, got a 0-d tensor"),
+     "one row per sample of the inputs, got a 0-d tensor"),
     (fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy), [0] * 16,
-     "needs a tensor with one row per sample of the inputs, got list"),
+     "one row per sample of the inputs, got list"),
     (fxpipe.Plan(stages=2, costs="none", loss_fn=F.cross_entropy),
      torch.zeros(16, dtype=torch.long), r"Plan\(costs='none'\) times nothing: leave out the "
      "target"),

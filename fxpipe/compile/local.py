@@ -54,7 +54,8 @@ def compile(
     `example_inputs` is one example mini-batch (a tensor or a tuple of forward()'s positional
     arguments); it fixes the shapes, and the units are timed on slices of it. The model's
     parameters stay the same objects: the compiled module and the model train the same weights.
-    `example_target` (one row per sample of the inputs): the plan's loss_fn is timed too, on
+    `example_target` (a tensor, or a tuple, list or dict of them, with one row per sample of
+    the inputs, as pipe.step takes the target): the plan's loss_fn is timed too, on
     the model's output, and counts in the last unit's costs, so the partition sees what the
     last stage computes in a step (without it the loss is left out); every unit is then timed
     afresh, as the disk cache holds no loss. `cache` keeps unit timings on disk (True:

@@ -21,15 +21,16 @@ Loss = Callable[[Mapping[str, Any], int], torch.Tensor]
 
 
 def check_loss_timing(plan: Plan, target: Any, argument: str) -> None:
-    """A target times the plan's loss, so the plan needs one, and the target one row per
-    sample (`argument` names the caller's); checked before any work."""
+    """A target times the plan's loss, so the plan needs one, and the target rows of samples,
+    as pipe.step cuts it: a tensor, or tensors in a tuple, list or dict (`argument` names the
+    caller's); checked before any work."""
     if plan.loss_fn is None:
         raise FxpipeError(f"{argument} times the loss, which needs the plan's loss: give "
                           "Plan(loss_fn=...), or leave out the target.")
-    if not isinstance(target, torch.Tensor) or target.dim() == 0:
+    if not rows([target]):
         kind = "a 0-d tensor" if isinstance(target, torch.Tensor) else type(target).__name__
-        raise FxpipeError(f"{argument} needs a tensor with one row per sample of the inputs, "
-                          f"got {kind}.")
+        raise FxpipeError(f"{argument} needs a tensor (or a tuple, list or dict of them) with "
+                          f"one row per sample of the inputs, got {kind}.")
 
 
 def check_target(plan: Plan, target: Any) -> None:
@@ -65,7 +66,8 @@ def timed_loss(plan: Plan, target: Any, batch: int, device: str,
     if found != batch:
         raise FxpipeError(f"{argument} needs a tensor with one row per sample of the inputs "
                           f"({batch}), got {found} rows.")
-    target = target.to(device)
+    target = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                             target)
     dims = input_dims([target])
     loss_fn = plan.loss_fn
 
