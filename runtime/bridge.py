@@ -4,7 +4,7 @@ whose backward runs the pipeline's backward; and the `Call` record of one trip t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from fxpipe.ir import ValueRef
 from fxpipe.runtime.driver import Run
 from fxpipe.runtime.microbatch import merge, rows
 
-__all__ = ["Call", "Pipelined", "inputs_wanting_grad", "output_values"]
+__all__ = ["Call", "Pipelined", "inputs_wanting_grad", "model_output_of", "output_values"]
 
 
 class Call:
@@ -44,6 +44,14 @@ class Call:
 def output_values(leaves: Sequence[Any], values: dict[str, Any]) -> list[Any]:
     """The model's flat output: each ValueRef leaf filled from `values`, constants as they are."""
     return [values[leaf.name] if isinstance(leaf, ValueRef) else leaf for leaf in leaves]
+
+
+def model_output_of(outputs: Any, unflatten: Callable[[Any], Any]
+                    ) -> Callable[[Mapping[str, Any]], Any]:
+    """The model's output, as its forward returns it, from a graph's output values by name;
+    `outputs` is the graph's output structure of value references (output_names)."""
+    leaves, spec = pytree.tree_flatten(outputs)
+    return lambda values: unflatten(pytree.tree_unflatten(output_values(leaves, values), spec))
 
 
 class Pipelined(torch.autograd.Function):

@@ -25,7 +25,13 @@ from fxpipe.batching import input_dims
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Stage, StageHook
 from fxpipe.probes import gradients_set_aside, preserved_state
-from fxpipe.runtime.bridge import Call, Pipelined, inputs_wanting_grad, output_values
+from fxpipe.runtime.bridge import (
+    Call,
+    Pipelined,
+    inputs_wanting_grad,
+    model_output_of,
+    output_values,
+)
 from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.driver import Driver, Run
 from fxpipe.runtime.microbatch import batch_size, merge, rows, split, split_sizes
@@ -181,6 +187,7 @@ class PipelineExecutor:
         self.transport = transport
         self.output_leaves, self.output_spec = pytree.tree_flatten(outputs)
         self.unflatten = unflatten
+        self._model_output = model_output_of(outputs, unflatten)
         self.micro_batches = micro_batches
         self.schedule = lowered_schedule(schedule, len(comm.stages), micro_batches, comm)
         # the drop-in forward/backward handle one mini-batch at a time, with a flush
@@ -583,8 +590,7 @@ class PipelineExecutor:
     def model_output(self, values: Mapping[str, Any]) -> Any:
         """The model's output, as its forward returns it, from the graph's output values by
         name (what the loss function is given)."""
-        flat = output_values(self.output_leaves, values)
-        return self.unflatten(pytree.tree_unflatten(flat, self.output_spec))
+        return self._model_output(values)
 
     def _merged_outputs(self, run: Run, sizes: list[int]) -> Any:
         per_mb = [output_values(self.output_leaves, run.outputs[mb])

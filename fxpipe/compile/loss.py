@@ -12,10 +12,10 @@ from fxpipe.batching import input_dims, resize
 from fxpipe.compile.front import output_names
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
-from fxpipe.runtime.bridge import output_values
+from fxpipe.runtime.bridge import model_output_of
 from fxpipe.runtime.microbatch import rows
 
-__all__ = ["check_loss_timing", "check_target", "compile_loss", "model_output_of", "timed_loss"]
+__all__ = ["check_loss_timing", "check_target", "compile_loss", "timed_loss"]
 
 Loss = Callable[[Mapping[str, Any], int], torch.Tensor]
 
@@ -45,14 +45,6 @@ def check_target(plan: Plan, target: Any) -> None:
                         "Plan(intra_layer=...) picks the layers to split; leave out the target "
                         "with intra_layer (retime(pipe, x, target=y) times the loss after).")
     check_loss_timing(plan, target, argument)
-
-
-def model_output_of(outputs: Any, unflatten: Callable[[Any], Any]
-                    ) -> Callable[[Mapping[str, Any]], Any]:
-    """The model's output, as its forward returns it, from the graph's output values by name;
-    `outputs` is the graph's output structure of value references (output_names)."""
-    leaves, spec = pytree.tree_flatten(outputs)
-    return lambda values: unflatten(pytree.tree_unflatten(output_values(leaves, values), spec))
 
 
 def timed_loss(plan: Plan, target: Any, batch: int, device: str,

@@ -11,12 +11,13 @@ import torch
 
 from fxpipe.batching import input_dims
 from fxpipe.compile.front import example_args, measure_costs, output_names
-from fxpipe.compile.loss import model_output_of, timed_loss
+from fxpipe.compile.loss import timed_loss
 from fxpipe.cost import Partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.passes.analysis.profile import DEFAULT_LOAD, MIN_TIMED
 from fxpipe.pipeline import CompiledPipeline
+from fxpipe.runtime.bridge import model_output_of
 
 __all__ = ["Timing", "retime"]
 

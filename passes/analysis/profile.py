@@ -249,11 +249,14 @@ def profile_units(
                            for r in _runs(tensors[stage.start:stage.stop], window)), meta)
     else:
         runs = _Runs(stages, meta)
+    if meta:
+        timed_in: Any = [(r.start, r.stop) for r in runs.ranges]
+    elif len(stages) > 1:
+        timed_in = ("stages", [(s.start, s.stop) for s in stages])
+    else:  # one run of a real model: keyed as before, so existing caches stay valid
+        timed_in = None
     key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, threads,
-                     (concurrency, tuple(whole), load, min_time,
-                      [(r.start, r.stop) for r in runs.ranges] if meta
-                      else ("stages", [(s.start, s.stop) for s in stages]) if len(stages) > 1
-                      else None, core_waits_out))
+                     (concurrency, tuple(whole), load, min_time, timed_in, core_waits_out))
     cache = cache if loss is None else None
     if cache is not None:
         hit = cache.get(key)
