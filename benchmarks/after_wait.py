@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import numpy as np
 from two_stages import add_model_arguments, two_stages
 
+from fxpipe.inspect import format_sizes
 from fxpipe.simulate import Event
 
 KINDS = ("F", "B")
@@ -58,7 +59,7 @@ def main() -> None:
     add_model_arguments(parser, "resnet", schedule=True, steps=40)
     parser.add_argument("--partitioner", default="balanced")
     parser.add_argument("--waited", type=float, default=3e-4,
-                        help="seconds a receive takes, at least, to count as a wait")
+                        help="seconds a receive takes, over which it counts as a wait")
     args = parser.parse_args()
     setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
     run = setup.predicted_then_run(args.steps)
@@ -71,15 +72,16 @@ def main() -> None:
         return
     pipe = setup.pipe
     resume = "/".join(f"{r * 1e6:.0f}" for r in np.atleast_1d(pipe.link.resume))
-    print(f"{args.model}, {setup.where}, {args.partitioner} {pipe.partition.sizes}, "
-          f"{args.schedule}; resume {resume} us; medians in us (count), measured / predicted, "
+    print(f"{args.model}, {setup.where}, {args.partitioner} "
+          f"{format_sizes(pipe.partition.sizes)}, {args.schedule}, {args.micro_batches} "
+          f"micro-batches; resume {resume} us; medians in us (count), measured / predicted, "
           f"of {args.steps} steps")
     for stage, cost in enumerate(run.partition.stages):
         for kind, figure in zip(KINDS, (cost.f, cost.b)):
             cells = []
             for group in GROUPS:
-                mine, theirs = measured.get((stage, kind, group)), predicted.get(
-                    (stage, kind, group))
+                key = (stage, kind, group)
+                mine, theirs = measured.get(key), predicted.get(key)
                 cells.append(f"{group} " + " / ".join(
                     f"{statistics.median(v) * 1e6:.0f} ({len(v)})" if v else "-"
                     for v in (mine, theirs)))
