@@ -19,7 +19,7 @@ from fxpipe.compile.front import (
     trace_and_cut,
     whole_positions,
 )
-from fxpipe.compile.loss import compile_loss
+from fxpipe.compile.loss import traced_loss
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.compile.retime import Timing
 from fxpipe.cost import Link, Partition
@@ -71,7 +71,7 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache, target: Any = No
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          cache if layout.rank == 0 else None, timing.threads,
                          timing.concurrency, whole,
-                         loss=compile_loss(traced, plan, target, flat, whole, device),
+                         loss=traced_loss(traced, plan, target, flat, whole, device),
                          held=timing.held)
     if layout.rank == 0:
         chosen = choose_partition(model, plan, units, cost)

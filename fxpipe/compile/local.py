@@ -26,7 +26,7 @@ from fxpipe.compile.front import (
     whole_positions,
 )
 from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
-from fxpipe.compile.loss import check_target, compile_loss
+from fxpipe.compile.loss import check_target, traced_loss
 from fxpipe.compile.partitioning import choose_partition
 from fxpipe.compile.retime import Timing
 from fxpipe.distributed import launched
@@ -107,8 +107,8 @@ def compile(
                     held=devices.count(devices[0]) / len(devices))  # its stages' weights
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          profile_cache(cache), timing.threads, timing.concurrency, whole,
-                         loss=compile_loss(traced, plan, example_target, flat, whole,
-                                           timing.device),
+                         loss=traced_loss(traced, plan, example_target, flat, whole,
+                                          timing.device),
                          load=timing.load, held=timing.held)
     partition = choose_partition(model, plan, units, cost)
     gm, splits = traced.gm, []

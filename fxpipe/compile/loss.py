@@ -15,7 +15,7 @@ from fxpipe.plan import Plan
 from fxpipe.runtime.bridge import model_output_of
 from fxpipe.runtime.microbatch import rows
 
-__all__ = ["check_loss_timing", "check_target", "compile_loss", "timed_loss"]
+__all__ = ["check_loss_timing", "check_target", "traced_loss"]
 
 Loss = Callable[[Mapping[str, Any], int], torch.Tensor]
 
@@ -47,14 +47,17 @@ def check_target(plan: Plan, target: Any) -> None:
     check_loss_timing(plan, target, argument)
 
 
-def timed_loss(plan: Plan, target: Any, batch: int, device: str,
-               model_output: Callable[[Mapping[str, Any]], Any], argument: str) -> Loss:
-    """loss(outputs, size): the plan's loss_fn on the model output built from the graph's
-    output values and the target's first `size` rows, as the last stage computes it. The
-    target has one row per sample of the example inputs (`batch`); `argument` names it in
-    errors."""
+def traced_loss(traced: Any, plan: Plan, target: Any, flat: Any, whole: Any, device: str,
+                argument: str = "compile(example_target=...)") -> Loss | None:
+    """loss(outputs, size), timed with the units (None without a target): the plan's loss_fn
+    on the model's output, built from the traced graph's output values by name (the graph
+    the units are cut from: split layers rename the executor's outputs), and the target's
+    first `size` rows, as the last stage computes it. The target has one row per sample of
+    the inputs `flat`; `argument` names it in errors."""
+    if target is None:
+        return None
     check_loss_timing(plan, target, argument)
-    found = rows([target])  # as pipe.step cuts it
+    batch, found = input_dims(flat, whole).batch, rows([target])  # as pipe.step cuts it
     if found != batch:
         raise FxpipeError(f"{argument} needs a tensor with one row per sample of the inputs "
                           f"({batch}), got {found} rows.")
@@ -62,18 +65,8 @@ def timed_loss(plan: Plan, target: Any, batch: int, device: str,
                              target)
     dims = input_dims([target])
     loss_fn = plan.loss_fn
+    model_output = model_output_of(output_names(traced.gm), traced.bind.unflatten)
 
     def loss(outputs: Mapping[str, Any], size: int) -> torch.Tensor:
         return loss_fn(model_output(outputs), resize([target], dims, size)[0])
     return loss
-
-
-def compile_loss(traced: Any, plan: Plan, target: Any, flat: Any, whole: Any, device: str
-                 ) -> Loss | None:
-    """The loss compile times with the units, given an example target (else None): on the
-    model's output built from the traced graph's outputs."""
-    if target is None:
-        return None
-    output = model_output_of(output_names(traced.gm), traced.bind.unflatten)
-    return timed_loss(plan, target, input_dims(flat, whole).batch, device, output,
-                      "compile(example_target=...)")

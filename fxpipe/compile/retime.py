@@ -9,15 +9,13 @@ from typing import Any
 
 import torch
 
-from fxpipe.batching import input_dims
-from fxpipe.compile.front import example_args, measure_costs, output_names
-from fxpipe.compile.loss import timed_loss
+from fxpipe.compile.front import example_args, measure_costs
+from fxpipe.compile.loss import traced_loss
 from fxpipe.cost import Partition
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.passes.analysis.profile import DEFAULT_LOAD, MIN_TIMED
 from fxpipe.pipeline import CompiledPipeline
-from fxpipe.runtime.bridge import model_output_of
 
 __all__ = ["Timing", "retime"]
 
@@ -60,11 +58,8 @@ def retime(pipe: CompiledPipeline, example_inputs: Any,
     args, kwargs = example_args(example_inputs, example_kwargs)
     flat = pipe.traced.bind(args, kwargs)
     whole = pipe.executor.whole if pipe.executor is not None else ()
-    loss = None if target is None else timed_loss(
-        pipe.plan, target, input_dims(flat, whole).batch, timing.device,
-        # from the graph timed here: split layers rename the executor's outputs
-        model_output_of(output_names(pipe.traced.gm), pipe.traced.bind.unflatten),
-        "retime(target=...)")
+    loss = traced_loss(pipe.traced, pipe.plan, target, flat, whole, timing.device,
+                       "retime(target=...)")
     plan = dataclasses.replace(pipe.plan, costs="measure") if pipe.plan.costs == "none" \
         else pipe.plan
     stages = [range(*stage.units) for stage in pipe.partition.stages] if launched() else ()
