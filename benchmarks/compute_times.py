@@ -60,8 +60,7 @@ def main() -> None:
     figures: dict[tuple[int, str, str], list[float]] = defaultdict(list)
     for _ in range(args.rounds):
         # as compile's own timings of the stages do: no gradient, buffer or trace left behind
-        with executor._timing_the_stages():
-            inputs = executor._stage_inputs(flat)
+        with executor.timing_the_stages(flat) as inputs:
             if setup.distributed:
                 dist.barrier()  # every rank's stage at once, as in a step
             timed = executor.driver.on_stage_workers(functools.partial(back_to_back, inputs=inputs))

@@ -12,6 +12,7 @@ one rank knows (the micro-batch sizes, the loss).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import statistics
 import time
@@ -396,18 +397,18 @@ class PipelineExecutor:
         if self.everything_here or any(r.device.type != "cpu" for r in self.runners.values()):
             return None
         (runner,) = self.runners.values()
-        values = self._stage_inputs(flat_inputs)[runner.index]
         keys = itertools.count()
 
-        def compute() -> float:
+        def compute(values: Mapping[str, Any]) -> float:
             start = time.perf_counter()
             key = ("resume", next(keys))
             runner.backward(key, _ones_for(runner, runner.forward(key, values)))
             return time.perf_counter() - start
 
         try:
-            with self._timing_the_stages():
-                return self.coordinator.resume_penalty(compute)
+            with self.timing_the_stages(flat_inputs) as inputs:
+                return self.coordinator.resume_penalty(
+                    functools.partial(compute, inputs[runner.index]))
         finally:
             runner.discard("resume")  # what a failed run left in flight
 
@@ -424,12 +425,20 @@ class PipelineExecutor:
         call, count. 0 on a GPU, whose host prepares an action while the device computes the
         one before. Leaves no gradient, buffer or random number generator changed. Every rank
         of the pipeline must call it."""
-        with self._timing_the_stages():
-            inputs = self._stage_inputs(flat_inputs)
+        with self.timing_the_stages(flat_inputs) as inputs:
             mine = self.driver.on_stage_workers(
                 lambda s: _own_time_per_action(self.runners[s], inputs[s], repeats))
         forward, backward = zip(*self.coordinator.per_stage(mine))
         return list(forward), list(backward)
+
+    @contextlib.contextmanager
+    def timing_the_stages(self, flat_inputs: Sequence[Any] | None
+                          ) -> Iterator[dict[int, dict[str, Any]]]:
+        """Per stage held here, its first micro-batch's inputs, as one forward of
+        `flat_inputs` hands them over, to time the stages' modules on meanwhile: nothing the
+        timing does to the stages stays after (_timing_the_stages)."""
+        with self._timing_the_stages():
+            yield self._stage_inputs(flat_inputs)
 
     def _stage_inputs(self, flat_inputs: Sequence[Any] | None) -> dict[int, dict[str, Any]]:
         """Per stage held here, its first micro-batch's inputs, as one forward of `flat_inputs`
@@ -478,8 +487,7 @@ class PipelineExecutor:
         measure = getattr(self.transport, "measure_posting", None)
         if measure is None:
             return None
-        with self._timing_the_stages():
-            inputs = self._stage_inputs(flat_inputs)
+        with self.timing_the_stages(flat_inputs) as inputs:
             call = self._call(flat_inputs if self.first else None)
             self.transport.prepare(call.key, call.sizes, call.seq)
             if len(self.runners) != 1:  # one stage per rank is what the measure is made for
