@@ -337,21 +337,36 @@ def _closed_form(stages: Sequence[StageCost], p: int) -> tuple[float, float, flo
     return trip + (p - 1) * (rho_f + rho_b), rho_f, rho_b
 
 
-def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray]) -> CostTable:
+def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
+                 loss: tuple[np.ndarray, np.ndarray] | None = None) -> CostTable:
     """The table with each unit's forward and backward time modelled as α·FLOPs(m) + β at
     micro-batch size m (least squares over the measured sizes, α, β >= 0), tabulated at the
     size B/p of every count p up to 512, so that `at(p)` follows the FLOP count
     between and beyond the measured sizes instead of a straight line. `flops(m)` is the (K,)
     FLOPs of each unit at size m (the symbolic pass's expressions); link times keep their
-    interpolation (bytes are linear in m). One measured size fits α alone (β = 0)."""
+    interpolation (bytes are linear in m). One measured size fits α alone (β = 0).
+    `loss`: the (M,) seconds of the loss's forward and backward at the measured sizes, which
+    the last unit's f and b hold (cost_table): fitted as α·m + β of their own, as the loss's
+    work grows with the micro-batch's rows, not with the last unit's FLOPs (a unit of no
+    FLOPs, a reshape, would have made it a constant)."""
     if cost.batch is None:
         raise ValueError("fit_to_flops needs CostTable.batch (the mini-batch size)")
     measured = np.array([flops(m) for m in cost.sizes], dtype=np.float64)  # (M, K)
     counts = np.arange(1, min(cost.batch, 512) + 1)
     sizes = np.unique(np.concatenate([cost.sizes, cost.batch / counts]))
     grid = np.array([flops(m) for m in sizes], dtype=np.float64)
+    tables = [cost.f.copy(), cost.b.copy()]
+    losses = [np.zeros(len(sizes))] * 2
+    if loss is not None:
+        rows = np.asarray(cost.sizes, dtype=np.float64)[:, None]
+        for table, seconds in zip(tables, loss):
+            table[:, -1] -= seconds
+        losses = [sizes * alpha[0] + beta[0] for alpha, beta in
+                  (_affine_fit(rows, np.asarray(seconds)[:, None]) for seconds in loss)]
     fitted = [grid * alpha + beta for alpha, beta in
-              (_affine_fit(measured, table) for table in (cost.f, cost.b))]
+              (_affine_fit(measured, table) for table in tables)]
+    for table, seconds in zip(fitted, losses):
+        table[:, -1] += seconds
     links = cost._interpolation(cost.batch / sizes)
     return dataclasses.replace(
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),

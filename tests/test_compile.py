@@ -225,6 +225,21 @@ def test_costs_fit_times_two_sizes_and_models_time_by_flops():
     torch.testing.assert_close(pipe(x), model(x))
 
 
+def test_costs_fit_is_given_the_timed_loss_to_fit_apart_from_the_last_unit(monkeypatch):
+    from fxpipe.compile import front
+
+    given = []
+    fit = front.fit_to_flops
+    monkeypatch.setattr(front, "fit_to_flops",
+                        lambda cost, flops, loss=None: given.append(loss) or fit(cost, flops, loss))
+    x, y = torch.randn(16, 32), torch.randn(16, 10)
+    fxpipe.compile(MLP(), fxpipe.Plan(stages=2, micro_batches=2, costs="fit",
+                                      loss_fn=F.mse_loss),
+                   example_inputs=(x,), example_target=y, cache=False)
+    (loss,) = given
+    assert loss is not None and all(len(t) == 2 and (t > 0).all() for t in loss)  # 2 sizes
+
+
 def test_retime_scores_the_compiled_partition_with_fresh_timings():
     model, x = MLP(), torch.randn(16, 32)
     pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=4), example_inputs=(x,),

@@ -146,6 +146,40 @@ def test_a_flop_fit_recovers_affine_times_at_every_micro_batch_size(units, measu
         assert not np.allclose(cost.at(3)[0], alpha * flops(between) + beta, rtol=1e-3)
 
 
+@given(st.lists(st.tuples(st.floats(1e-9, 1e-6), st.floats(0, 1e-3), st.integers(0, 3)),
+                min_size=1, max_size=4),
+       st.tuples(st.floats(1e-7, 1e-4), st.floats(0, 1e-3)),
+       st.sampled_from([[4, 16], [2, 8, 32], [1, 32]]))
+def test_a_flop_fit_fits_the_loss_in_the_last_unit_by_its_rows(units, loss, measured):
+    """The last unit's times hold the loss's, which grows as α·m + β with the micro-batch's
+    rows whatever that unit's FLOPs do (none, for a reshape): the fit gives both at every
+    size, the forward and the backward."""
+    alpha = np.array([a for a, _, _ in units])
+    beta = np.array([b for _, b, _ in units])
+    power = np.array([k for _, _, k in units])
+
+    def flops(m):
+        return np.where(power > 0, 1e6 * float(m) ** power, 0.0)
+
+    def loss_at(m):
+        return loss[0] * m + loss[1]
+
+    sizes = np.array(measured, dtype=float)
+    units_only = np.array([alpha * flops(m) + beta for m in sizes])
+    times = units_only.copy()
+    times[:, -1] += [loss_at(m) for m in sizes]
+    cost = CostTable.from_arrays(times, 2 * times, sizes=sizes, batch=32)
+    losses = np.array([loss_at(m) for m in sizes])
+    fitted = fit_to_flops(cost, flops, loss=(losses, 2 * losses))
+    for p in (1, 3, 5, 32):
+        m = 32 / p
+        want = alpha * flops(m) + beta
+        want[-1] += loss_at(m)
+        f, b, _, _ = fitted.at(p)
+        np.testing.assert_allclose(f, want, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(b, 2 * want, rtol=1e-6, atol=1e-12)
+
+
 def test_a_flop_fit_needs_the_mini_batch_size():
     cost = CostTable.from_arrays([[1.0], [2.0]], [[1.0], [2.0]], sizes=[1, 2])
     with pytest.raises(ValueError, match=r"needs CostTable\.batch"):

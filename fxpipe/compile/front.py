@@ -275,7 +275,8 @@ def measure_costs(gm, units, flat, plan: Plan, devices, link: Link,
     annotate_comm(gm, link)
     cost = cost_table(profile, link, batch, names)
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
-        cost = fit_to_flops(cost, flops_of_units(gm, units, flat, whole))
+        cost = fit_to_flops(cost, flops_of_units(gm, units, flat, whole),
+                            loss=(profile.loss_forward, profile.loss_backward))
     return cost
 
 
