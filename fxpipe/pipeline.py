@@ -280,7 +280,9 @@ class CompiledPipeline(torch.nn.Module):
     def report(self, file: Any = None, partition: Partition | None = None) -> str:
         """Predicted against measured for the last run: per stage and in total, bubble,
         send/receive (waits for a message included) and idle shares, and the stage that bounds
-        the pipeline; where more stages compute on a host's CPU than they may use cores (stage
+        the pipeline; where the last run was a training step after others like it (the same
+        schedule, micro-batches of the same sizes), the range and median of the last of them
+        (up to 10), as a single step moves with the machine's speed; where more stages compute on a host's CPU than they may use cores (stage
         threads of this process, or under torchrun the ranks on rank 0's host), how the
         prediction took that in and, for stage threads, how much work they got through at once
         (`thread_capacity`; see shared_cores_lines); and when the last run is not the step
@@ -309,10 +311,12 @@ class CompiledPipeline(torch.nn.Module):
         notes = unlike_prediction_lines(
             split_sizes(self.cost.batch, self.partition.micro_batches) if known else None,
             self.executor.last_sizes or [], any(e.action.kind is ActionKind.B for e in measured))
+        recent = [step_time(self.executor.full_trace(kept), stages).makespan
+                  for kept in self.executor.recent_steps()]
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead, interference(measured),
-                             late_messages(measured, predicted), notes, shared)
+                             late_messages(measured, predicted), notes, shared, recent)
         if self._speaks():
             print(text, file=file)
         return text

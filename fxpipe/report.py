@@ -187,13 +187,22 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
                   overhead: float = 0.0, slowdowns: Sequence[Interference] = (),
                   late: LateMessages | None = None, notes: Sequence[str] = (),
-                  tail: Sequence[str] = ()) -> str:
+                  tail: Sequence[str] = (), recent: Sequence[float] = ()) -> str:
     """Predicted against measured, per stage and in total, and what bounds the pipeline;
     `overhead`: the runtime's own seconds per step outside the schedule, if measured;
     `slowdowns`: the measured timeline's `interference`; `late`: its `late_messages`;
     `notes`: lines shown right below the first (`unlike_prediction_lines`); `tail`: lines
-    shown last (`shared_cores_lines`)."""
+    shown last (`shared_cores_lines`); `recent`: the measured step's makespan and those of the
+    steps like it before it, told beside it where there are several (a single step moves with
+    the machine's speed, their median less)."""
     ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
+    if len(recent) > 1:
+        middle = statistics.median(recent)
+        ratio_of_middle = middle / predicted.makespan if predicted.makespan > 0 else float("nan")
+        notes = [f"the last {len(recent)} steps like it: {_ms(min(recent))} to "
+                 f"{_ms(max(recent))} ms, median {_ms(middle)} ms (measured / predicted = "
+                 f"{ratio_of_middle:.2f}); one step moves with the machine's speed, their "
+                 f"median less", *notes]
     rows = []
     for m, p in zip(measured.stages, predicted.stages):
         rows.append([m.stage, f"{_ms(m.forward)} / {_ms(p.forward)}",

@@ -58,6 +58,7 @@ _FORWARD = (K.RECV_F, K.F, K.SEND_F)
 _BACKWARD = (K.RECV_B, K.B, K.SEND_B)
 
 T = TypeVar("T")
+RECENT_STEPS = 10  # training steps recent_steps() keeps, for pipe.report()
 
 
 class Coordinator(Protocol):
@@ -205,6 +206,10 @@ class PipelineExecutor:
         self.whole: tuple[int, ...] = ()  # inputs every micro-batch receives whole
         self.last_schedule: Schedule | None = None  # what the last run executed
         self.last_sizes: list[int] | None = None  # and its micro-batches' sizes (samples)
+        # the training steps up to the last run that ran its schedule on micro-batches of its
+        # sizes ([] when the last run was not one): recent_steps()
+        self._recent: list[tuple[list[Event], float]] = []
+        self._recent_of: tuple[str, list[int] | None] | None = None  # their schedule, sizes
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -301,7 +306,18 @@ class PipelineExecutor:
                                   f"loss of a micro-batch), got {type(value).__name__}.")
             return value * (call.sizes[mb] / calls[mb // p].total)
 
-        return self._run_step(call, len(batches), loss, schedule)[0]
+        earlier, earlier_of = self._recent, self._recent_of
+        losses = self._run_step(call, len(batches), loss, schedule)[0]
+        self._recent_of = (schedule.name, self.last_sizes)
+        alike = earlier if earlier_of == self._recent_of else []
+        self._recent = [*alike[1 - RECENT_STEPS:], (list(self._trace), self.trace_origin)]
+        return losses
+
+    def recent_steps(self) -> list[tuple[list[Event], float]]:
+        """The last training steps (at most RECENT_STEPS), the last run the newest, that ran its
+        schedule on micro-batches of its sizes, each as `full_trace` takes it (its last_trace()
+        and trace_origin); [] when the last run was not a training step."""
+        return list(self._recent)
 
     def _run_step(self, call: Call, batches: int,
                   loss: Callable[[int, dict[str, Any]], torch.Tensor], schedule: Schedule
@@ -469,13 +485,15 @@ class PipelineExecutor:
         buffers, the random number generators and the trace put back after. All stages'
         modules at once, as stages may share a tied weight."""
         modules = torch.nn.ModuleList(r.stage.module for r in self.runners.values())
-        kept = self._trace, self.trace_origin, self.last_schedule, self.last_sizes
+        kept = (self._trace, self.trace_origin, self.last_schedule, self.last_sizes,
+                self._recent)
         try:
             with _without_policies(self.runners.values()), gradients_set_aside(modules), \
                     preserved_state(modules):
                 yield
         finally:
-            self._trace, self.trace_origin, self.last_schedule, self.last_sizes = kept
+            (self._trace, self.trace_origin, self.last_schedule, self.last_sizes,
+             self._recent) = kept
 
     def posting_time(self, flat_inputs: Sequence[Any] | None) -> Posting | None:
         """The transport's seconds per tensor around a message (DistTransport.measure_posting),
@@ -585,6 +603,7 @@ class PipelineExecutor:
     def _run(self, kinds, run: Run, call: Call, append: bool = False,
              schedule: Schedule | None = None) -> Run:
         self.last_schedule, self.last_sizes = schedule or self.schedule, list(call.sizes)
+        self._recent = []  # until a training step keeps itself (_train)
         programs = [[a for a in stage if kinds is None or a.kind in kinds]
                     for stage in self.last_schedule.actions]
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0

@@ -357,6 +357,40 @@ def test_report_says_when_the_last_run_is_not_the_step_it_predicts():
     assert "micro-batches held" not in text  # compile's sizes again
 
 
+def test_report_sets_the_last_steps_like_the_last_run_beside_it():
+    model = MLP((16, 32, 32, 10))
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    plan = fxpipe.Plan(stages=2, micro_batches=4, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+
+    def recent_line() -> str | None:
+        lines = [line for line in pipe.report(file=io.StringIO()).splitlines()
+                 if line.startswith("the last ")]
+        return lines[0] if lines else None
+
+    pipe.step(x, y)
+    assert recent_line() is None  # one step: nothing beside it
+    for _ in range(11):
+        pipe.step(x, y)
+        pipe.measure_runtime_overhead(x)  # rehearsals neither count nor end the series
+    kept = pipe.executor.recent_steps()
+    assert len(kept) == 10 and kept[-1] == (pipe.last_trace(), pipe.executor.trace_origin)
+    spans = [step_time(pipe.executor.full_trace(k), 2).makespan for k in kept]
+    predicted = step_time(pipe.predicted_timeline().events, 2).makespan
+    assert recent_line() == (
+        f"the last 10 steps like it: {min(spans) * 1e3:.2f} to {max(spans) * 1e3:.2f} ms, "
+        f"median {statistics.median(spans) * 1e3:.2f} ms (measured / predicted = "
+        f"{statistics.median(spans) / predicted:.2f}); one step moves with the machine's "
+        f"speed, their median less")
+    pipe.step(torch.randn(14, 16), torch.randint(0, 10, (14,)))  # other sizes: a new series
+    assert recent_line() is None and len(pipe.executor.recent_steps()) == 1
+    pipe.step(torch.randn(14, 16), torch.randint(0, 10, (14,)))
+    assert recent_line().startswith("the last 2 steps like it: ")
+    with torch.no_grad():
+        pipe(x)  # not a training step: the series ends
+    assert recent_line() is None and pipe.executor.recent_steps() == []
+
+
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.integers(1, 3),
        st.lists(st.integers(1, 5), min_size=1, max_size=12))
 def test_a_run_differs_from_the_prediction_unless_each_mini_batch_splits_as_predicted(

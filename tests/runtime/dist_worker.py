@@ -190,6 +190,8 @@ def train(name, stages, schedule, micro_batches, out):
         assert len(os.sched_getaffinity(0)) <= cores <= os.cpu_count()
         report = pipe.report(file=io.StringIO())
         assert report.startswith("step (")
+        # the training steps, of one size each, beside the last (the measures since, none)
+        assert f"\nthe last {min(len(data), 10)} steps like it: " in report
         assert ("shared cores" in report) == (pipe.host_cores[0] > pipe.host_cores[1])
     else:
         model, data, loss_fn = build(name)
