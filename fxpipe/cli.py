@@ -36,6 +36,7 @@ from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.models import MODELS, bundled
 from fxpipe.plan import PARTITIONERS, Plan
 from fxpipe.report import LATE_AFTER, shared_cores_lines
+from fxpipe.runtime.executor import RECENT_STEPS
 
 __all__ = ["at_least_one", "main", "seconds"]
 
@@ -44,7 +45,8 @@ DESCRIPTION = ("`demo` trains a bundled model through a compiled pipeline on the
                "and schedules on one, predicted against measured.")
 
 
-_SETTLING_STEPS = 10  # steps between the demo's re-timing and the step it reports
+_SETTLING_STEPS = 10  # steps between the demo's re-timing and the ones it reports
+_REPORTED_STEPS = RECENT_STEPS  # the report sets the last beside them all
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -74,12 +76,13 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"  step {step}: loss {loss.item():.4f}")
     # the machine's speed drifts: predict from units (and the loss) timed right beside the steps
     fresh = retime(pipe, (x,), target=y)
-    for _ in range(_SETTLING_STEPS):  # after the timing, the cores take a while to settle
-        pipe.step(x, y)
+    for _ in range(_SETTLING_STEPS + _REPORTED_STEPS):  # after the timing, the cores take a
+        pipe.step(x, y)  # while to settle
     optimizer.zero_grad()
     print()
-    print(f"units and loss timed again, then {_SETTLING_STEPS} more steps without updating the "
-          "weights; the last of them measured against predicted:")
+    print(f"units and loss timed again, then {_SETTLING_STEPS} steps to settle and "
+          f"{_REPORTED_STEPS} more, without updating the weights; the last of them measured "
+          f"against predicted, and the {_REPORTED_STEPS}:")
     pipe.report(partition=fresh)
 
 

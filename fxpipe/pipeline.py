@@ -282,15 +282,16 @@ class CompiledPipeline(torch.nn.Module):
         send/receive (waits for a message included) and idle shares, and the stage that bounds
         the pipeline; where the last run was a training step after others like it (the same
         schedule, micro-batches of the same sizes), the range and median of the last of them
-        (up to 10), as a single step moves with the machine's speed; where more stages compute on a host's CPU than they may use cores (stage
-        threads of this process, or under torchrun the ranks on rank 0's host), how the
-        prediction took that in and, for stage threads, how much work they got through at once
-        (`thread_capacity`; see shared_cores_lines); and when the last run is not the step
-        predicted: forwards only, or micro-batches of other sizes than compile's example (told
-        only for compile's prediction). Printed (to `file`, default stdout; rank 0 under
-        torchrun, where every rank must call it) and returned. `partition`: the stage costs to
-        predict with (default: the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`,
-        timed beside the run)."""
+        (up to 10), as a single step moves with the machine's speed; where more stages
+        compute on a host's CPU than they may use cores (stage threads of this process, or
+        under torchrun the ranks on rank 0's host), how the prediction took that in and, for
+        stage threads, how much work they got through at once (`thread_capacity`; see
+        shared_cores_lines); and when the last run is not the step predicted: forwards only,
+        or micro-batches of other sizes than compile's example (told only for compile's
+        prediction). Printed (to `file`, default stdout; rank 0 under torchrun, where every
+        rank must call it) and returned. `partition`: the stage costs to predict with
+        (default: the compiled ones; e.g. `fxpipe.retime(pipe, x, target=y)`, timed beside
+        the run)."""
         _check_partition("report", partition)
         if file is not None and not hasattr(file, "write"):
             raise FxpipeError(f"pipe.report(file=...) takes an open text file (or None for "

@@ -39,9 +39,10 @@ def test_demo_prints_stage_table_graph_and_a_falling_loss(capsys):
     losses = [float(line.split()[-1]) for line in out.splitlines() if "loss" in line
               and line.strip().startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0]
-    assert "units and loss timed again, then 10 more steps without updating the weights; the " \
-           "last of them measured against predicted" in out
+    assert "units and loss timed again, then 10 steps to settle and 10 more, without updating " \
+           "the weights; the last of them measured against predicted, and the 10:" in out
     assert "step (1f1b): measured " in out
+    assert "\nthe last 10 steps like it: " in out  # the settled ones alone
 
 
 def test_demo_reports_user_errors_without_a_traceback():
