@@ -700,3 +700,66 @@ def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_do
     assert ("step faster" in line) == (at_stages < FEWER_THREADS_BELOW * at_cores)
     assert shared_cores_lines(stages, cores) == shared_cores_lines(stages, cores,
                                                                     capacity=None)[:1]
+
+
+@pytest.mark.parametrize("stages,cores", [(3, 2), (4, 2), (2, 2), (3, 8)])
+def test_only_stage_threads_past_the_cores_add_a_wait_for_one_to_every_message(
+        monkeypatch, stages, cores):
+    model = fxpipe.models.MLP()
+    x = torch.randn(8, 32)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=stages, micro_batches=2, costs="none"),
+                          example_inputs=(x,))
+    asked = []
+    monkeypatch.setattr(fxpipe.pipeline, "usable_cores", lambda: cores)
+    monkeypatch.setattr(pipe.executor, "handover_wait",
+                        lambda flat: asked.append(flat) or 0.003)
+    wait = pipe.measure_handover_wait(x)
+    past = stages > cores
+    assert len(asked) == past and pipe.handover_wait == wait
+    assert wait == (pytest.approx(0.003 - pipe.link.post - pipe.link.latency) if past else 0.0)
+    assert ("a message takes" in repr(pipe)) == (wait > 0)  # print(pipe) says so
+    vars(pipe)["handover_wait"] = 0.0
+    plain = pipe.predicted_timeline()
+    vars(pipe)["handover_wait"] = 0.002
+    waiting = pipe.predicted_timeline()
+    assert plain.transfers and len(waiting.transfers) == len(plain.transfers)
+    for before, after in zip(plain.transfers, waiting.transfers):  # every message, 2 ms more
+        assert after.duration == pytest.approx(before.duration + 0.002)
+
+
+def test_the_handover_wait_is_measured_between_busy_stage_threads_and_leaves_no_trace():
+    model = fxpipe.models.MLP()
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    plan = fxpipe.Plan(stages=3, micro_batches=2, loss_fn=F.cross_entropy, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe.step(x, y)
+    trace, grads = pipe.last_trace(), [p.grad.clone() for p in pipe.parameters()]
+    steps = pipe.executor.recent_steps()
+    mean = pipe.executor.handover_wait(pipe.traced.bind((x,), {}), rounds=30)
+    assert 0 < mean < 1.0
+    assert pipe.last_trace() == trace and pipe.executor.recent_steps() == steps
+    assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
+    assert not pipe.executor.transport._messages
+    pipe.step(x, y)  # the stage workers are free again
+
+
+def test_a_failing_handover_stops_every_stage_thread_and_says_why(monkeypatch):
+    model = fxpipe.models.MLP()
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    plan = fxpipe.Plan(stages=3, micro_batches=2, loss_fn=F.cross_entropy, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    transport = pipe.executor.transport
+    recv = transport.recv
+
+    def failing(src, dst, direction, mb):
+        if dst == 1 and mb == ("handover", 5):  # the first stage then waits for a reply
+            raise RuntimeError("receive failed")
+        return recv(src, dst, direction, mb)
+
+    monkeypatch.setattr(transport, "recv", failing)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="receive failed"):
+        pipe.executor.handover_wait(pipe.traced.bind((x,), {}), rounds=30)
+    assert time.perf_counter() - start < 30  # woken, far before the transport's timeout
+    monkeypatch.undo()
+    assert torch.isfinite(pipe.step(x, y))  # nothing left running or in flight
