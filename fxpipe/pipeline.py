@@ -83,9 +83,6 @@ class CompiledPipeline(torch.nn.Module):
             # threads as the stages and as the cores got through at once (a ThreadCapacity,
             # set by compile)
             thread_capacity=None,
-            # stage threads beyond this process's cores: seconds a message between them takes
-            # beyond the link's, on average (measure_handover_wait)
-            handover_wait=0.0,
         )
 
     @property
@@ -171,8 +168,7 @@ class CompiledPipeline(torch.nn.Module):
         """The event simulator's timeline of the last run's schedule (or the plan's), with the
         stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`),
         every forward and backward also taking the runtime's own time per forward and per
-        backward (`forward_overhead`, `backward_overhead`), and every message the wait for a
-        core of stage threads beyond the cores (`handover_wait`)."""
+        backward (`forward_overhead`, `backward_overhead`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.last_schedule or self.executor.schedule
         post_f, post_b = self._posting(self.link.post, self.link.posting_back)
@@ -187,9 +183,8 @@ class CompiledPipeline(torch.nn.Module):
         forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
         backward = [s.b + overhead for s, overhead in zip(stages, self.backward_overhead)]
         cores, sharing = self.cpu_sharing()
-        wait = self.handover_wait
         return simulate(schedule, forward, backward,
-                        [s.cf + wait for s in stages], [s.cb + wait for s in stages],
+                        [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
                         recv_post_b=recv_post_b, resume=self.link.resume,
                         after_send_f=after_f, after_send_b=after_b,
@@ -259,29 +254,13 @@ class CompiledPipeline(torch.nn.Module):
         vars(self).update(forward_overhead=tuple(forward), backward_overhead=tuple(backward))
         return self.forward_overhead, self.backward_overhead
 
-    def measure_handover_wait(self, *inputs: Any, **kwargs: Any) -> float:
-        """Where more stage threads compute on this process's CPU than it may use cores: how
-        much longer, on average, a message between two of them takes than the link says, as
-        a woken receiver now and then waits milliseconds for a core
-        (PipelineExecutor.handover_wait, measured now on `inputs`, a mini-batch); else 0.
-        Kept as `handover_wait`, which `predicted_timeline` adds to every message."""
-        cores, on_cpu = self.cpu_sharing()
-        wait = 0.0
-        if cores is not None and len(on_cpu) > cores and {0, 1} <= set(on_cpu):
-            mean = self.executor.handover_wait(self.traced.bind(inputs, kwargs))
-            wait = max(mean - self.link.post - self.link.latency, 0.0)
-        vars(self)["handover_wait"] = wait
-        return wait
-
     def measure_runtime_overhead(self, *inputs: Any, **kwargs: Any) -> None:
         """The runtime's own time that a prediction of whole steps adds to the units' compute,
-        measured now on `inputs` (a mini-batch): per step (`measure_step_overhead`), per
-        action (`measure_action_overhead`) and, for stage threads beyond the cores, per
-        message (`measure_handover_wait`). Under torchrun every rank of the pipeline must
+        measured now on `inputs` (a mini-batch): per step (`measure_step_overhead`) and per
+        action (`measure_action_overhead`). Under torchrun every rank of the pipeline must
         call it."""
         self.measure_step_overhead(*inputs, **kwargs)
         self.measure_action_overhead(*inputs, **kwargs)
-        self.measure_handover_wait(*inputs, **kwargs)
 
     def measure_link(self, *inputs: Any, **kwargs: Any) -> Link:
         """The link between the stages measured now as compile measured it (the plan's figures
@@ -464,10 +443,6 @@ class CompiledPipeline(torch.nn.Module):
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:
             table += "\n" + split.format()
-        if self.handover_wait > 0:
-            table += (f"\nstage threads beyond the cores: a message takes "
-                      f"{self.handover_wait * 1e6:.0f} us more on average, its receiver "
-                      f"woken and waiting for a core (measure_handover_wait)")
         memory = describe(self.plan.cpu_memory)
         if memory and any(str(d).startswith("cpu") for d in self.devices):
             table += "\n" + memory

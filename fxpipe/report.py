@@ -242,8 +242,7 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
     `ranks` one per rank under torchrun) compute on a host's CPU of `cores` cores: nothing
     when each can have a core, else that they share them, and how the prediction takes that
     in: stage threads get an even split of the cores among the ones computing at once (their
-    units timed beside every other one, less the time they waited for a core), and every
-    message the mean wait of a woken stage thread for a core; ranks run at
+    units timed beside every other one, less the time they waited for a core); ranks run at
     the pace of the units timed on every rank at once. `capacity` (stage threads: compile's
     `thread_capacity`): how much of the units' work threads as many as its stages and as its
     cores got through at once, against one; where the former got through under
@@ -258,8 +257,7 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
     else:
         how = ("the units were timed with every stage thread busy, less the timing thread's "
                "waits for a core, and the prediction splits the cores evenly among the stages "
-               "computing at once and adds to every message the mean wait a woken stage "
-               "thread had for a core (pipe.handover_wait)")
+               "computing at once")
     lines = [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
              f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
              "has one"]

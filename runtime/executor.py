@@ -15,7 +15,6 @@ import contextlib
 import functools
 import itertools
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -38,7 +37,7 @@ from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.driver import Driver, Run
 from fxpipe.runtime.microbatch import batch_size, merge, rows, split, split_sizes
 from fxpipe.runtime.stage import StageRunner
-from fxpipe.runtime.transport import LocalTransport, PipelineAborted, Transport
+from fxpipe.runtime.transport import LocalTransport, Transport
 from fxpipe.schedules import (
     Action,
     ActionKind,
@@ -456,65 +455,6 @@ class PipelineExecutor:
         timing does to the stages stays after (_timing_the_stages)."""
         with self._timing_the_stages():
             yield self._stage_inputs(flat_inputs)
-
-    def handover_wait(self, flat_inputs: Sequence[Any] | None, rounds: int = 100,
-                      budget: float = 0.3) -> float | None:
-        """Stage threads of one process: the mean seconds from a send's start to its
-        receiver's return from the receive, between the first two stages as they hand each
-        other messages through the transport, each running its stage's forward, or a forward
-        and its backward, in turn before each send, while every other stage runs its own
-        without a pause, every stage on its worker thread, on the values a forward of
-        `flat_inputs` hands it. `rounds` round trips, fewer (at least 10) where they would take
-        longer than `budget` seconds. Past the cores a woken receiver now and then waits
-        milliseconds for one (benchmarks/handover_delay.py). None under torchrun, or with
-        fewer than 2 stages. Leaves no gradient, buffer or trace behind."""
-        if not self.everything_here or len(self.runners) < 2:
-            return None
-        with self.timing_the_stages(flat_inputs) as inputs:
-            timers = {s: _stage_timers(runner, inputs[s]) for s, runner in self.runners.items()}
-            one_round = sum(timer() for s in (0, 1) for timer in timers[s])  # warms them up too
-            rounds = max(10, min(rounds, int(budget / max(one_round, 1e-9))))
-            stop = threading.Event()
-            both_done = threading.Barrier(2, action=stop.set)  # then the others stop too
-            sent: dict[tuple[int, int], float] = {}
-            delays: list[float] = []
-
-            def hand_over(s: int) -> BaseException | None:
-                if s > 1:  # the other stages, busy throughout
-                    try:
-                        while not stop.is_set():
-                            for timer in timers[s]:
-                                timer()
-                    except BaseException as error:
-                        return error
-                    return None
-                peer = 1 - s
-                direction, back = ("F", "B") if s == 0 else ("B", "F")
-                try:
-                    for i in range(rounds):
-                        if s == 1:
-                            self.transport.recv(peer, s, back, ("handover", i))
-                            delays.append(time.perf_counter() - sent[peer, i])
-                        timers[s][i % 2]()
-                        sent[s, i] = time.perf_counter()
-                        self.transport.send(s, peer, direction, ("handover", i), {})
-                        if s == 0:
-                            self.transport.recv(peer, s, back, ("handover", i))
-                            delays.append(time.perf_counter() - sent[peer, i])
-                except BaseException as error:  # wakes the peer, which may wait for a message
-                    self.transport.abort(error)
-                    return error
-                finally:
-                    both_done.wait()
-                return None
-
-            # every stage returns its error, so that all of them have stopped before the
-            # stages' state is put back
-            errors = [e for e in self.driver.on_stage_workers(hand_over).values() if e]
-            self.transport.reset()
-        if errors:  # the first that is not another's stop
-            raise next((e for e in errors if not isinstance(e, PipelineAborted)), errors[0])
-        return statistics.fmean(delays[len(delays) // 10:])
 
     def _stage_inputs(self, flat_inputs: Sequence[Any] | None) -> dict[int, dict[str, Any]]:
         """Per stage held here, its first micro-batch's inputs, as one forward of `flat_inputs`
