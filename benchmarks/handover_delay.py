@@ -59,13 +59,19 @@ def delays(busy: int, work: int, width: int, messages: int) -> list[float]:
         while not stop.is_set():
             _compute(width, work)
 
+    failed: list[BaseException] = []
+
     def second_stage() -> None:
-        for i in range(messages):
-            transport.recv(0, 1, "F", ("handover", i))
-            found.append(time.perf_counter() - sent["F", i])
-            _compute(width, work)
-            sent["B", i] = time.perf_counter()
-            transport.send(1, 0, "B", ("handover", i), {"value": torch.zeros(1)})
+        try:
+            for i in range(messages):
+                transport.recv(0, 1, "F", ("handover", i))
+                found.append(time.perf_counter() - sent["F", i])
+                _compute(width, work)
+                sent["B", i] = time.perf_counter()
+                transport.send(1, 0, "B", ("handover", i), {"value": torch.zeros(1)})
+        except BaseException as error:  # re-raised below; wakes the first stage
+            failed.append(error)
+            transport.abort(error)
 
     spinners = [threading.Thread(target=spin, daemon=True) for _ in range(busy)]
     peer = threading.Thread(target=second_stage, daemon=True)
@@ -78,11 +84,17 @@ def delays(busy: int, work: int, width: int, messages: int) -> list[float]:
             transport.send(0, 1, "F", ("handover", i), {"value": torch.zeros(1)})
             transport.recv(1, 0, "B", ("handover", i))
             found.append(time.perf_counter() - sent["B", i])
+    except BaseException as error:  # wakes the second stage, which may wait for a message
+        transport.abort(error)
+        if not failed:  # else the second stage's error, which stopped this one, is raised
+            raise
     finally:
         stop.set()
         peer.join()
         for thread in spinners:
             thread.join()
+    if failed:
+        raise failed[0]
     return found[len(found) // 10:]
 
 

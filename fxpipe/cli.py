@@ -76,13 +76,14 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"  step {step}: loss {loss.item():.4f}")
     # the machine's speed drifts: predict from units (and the loss) timed right beside the steps
     fresh = retime(pipe, (x,), target=y)
-    for _ in range(_SETTLING_STEPS + _REPORTED_STEPS):  # after the timing, the cores take a
-        pipe.step(x, y)  # while to settle
+    # after the timing, the cores take a while to settle
+    for _ in range(_SETTLING_STEPS + _REPORTED_STEPS):
+        pipe.step(x, y)
     optimizer.zero_grad()
     print()
     print(f"units and loss timed again, then {_SETTLING_STEPS} steps to settle and "
-          f"{_REPORTED_STEPS} more, without updating the weights; the last of them measured "
-          f"against predicted, and the {_REPORTED_STEPS}:")
+          f"{_REPORTED_STEPS} more, without updating the weights; the last measured against "
+          f"predicted, beside the range and median of all {_REPORTED_STEPS}:")
     pipe.report(partition=fresh)
 
 

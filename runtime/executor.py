@@ -310,7 +310,7 @@ class PipelineExecutor:
         losses = self._run_step(call, len(batches), loss, schedule)[0]
         self._recent_of = (schedule.name, self.last_sizes)
         alike = earlier if earlier_of == self._recent_of else []
-        self._recent = [*alike[1 - RECENT_STEPS:], (list(self._trace), self.trace_origin)]
+        self._recent = [*alike, (list(self._trace), self.trace_origin)][-RECENT_STEPS:]
         return losses
 
     def recent_steps(self) -> list[tuple[list[Event], float]]:

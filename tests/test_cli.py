@@ -40,7 +40,8 @@ def test_demo_prints_stage_table_graph_and_a_falling_loss(capsys):
               and line.strip().startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "units and loss timed again, then 10 steps to settle and 10 more, without updating " \
-           "the weights; the last of them measured against predicted, and the 10:" in out
+           "the weights; the last measured against predicted, beside the range and median of " \
+           "all 10:" in out
     assert "step (1f1b): measured " in out
     assert "\nthe last 10 steps like it: " in out  # the settled ones alone
 
