@@ -313,9 +313,10 @@ class CompiledPipeline(torch.nn.Module):
             split_sizes(self.cost.batch, self.partition.micro_batches) if known else None,
             self.executor.last_sizes or [], any(e.action.kind is ActionKind.B for e in measured))
         # every rank holds as many recent steps (the same runs); the last is `measured`
+        kept_steps = self.executor.recent_steps()
         recent = [step_time(self.executor.full_trace(kept), stages).makespan
-                  for kept in self.executor.recent_steps()[:-1]]
-        if self.executor.recent_steps():
+                  for kept in kept_steps[:-1]]
+        if kept_steps:
             recent.append(step_time(measured, stages).makespan)
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,

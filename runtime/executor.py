@@ -209,7 +209,6 @@ class PipelineExecutor:
         # the training steps up to the last run that ran its schedule on micro-batches of its
         # sizes ([] when the last run was not one): recent_steps()
         self._recent: list[tuple[list[Event], float]] = []
-        self._recent_of: tuple[str, list[int] | None] | None = None  # their schedule, sizes
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -306,10 +305,11 @@ class PipelineExecutor:
                                   f"loss of a micro-batch), got {type(value).__name__}.")
             return value * (call.sizes[mb] / calls[mb // p].total)
 
-        earlier, earlier_of = self._recent, self._recent_of
+        # a series is of the last run's schedule and sizes, which this run now replaces
+        earlier = self._recent
+        earlier_of = (self.last_schedule.name, self.last_sizes) if earlier else None
         losses = self._run_step(call, len(batches), loss, schedule)[0]
-        self._recent_of = (schedule.name, self.last_sizes)
-        alike = earlier if earlier_of == self._recent_of else []
+        alike = earlier if earlier_of == (schedule.name, self.last_sizes) else []
         self._recent = [*alike, (list(self._trace), self.trace_origin)][-RECENT_STEPS:]
         return losses
 
