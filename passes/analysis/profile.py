@@ -197,11 +197,11 @@ def profile_units(
     the slowdown that cores sharing caches and memory bandwidth cause, and threads sharing
     Python's interpreter lock (a unit alone on a quiet machine runs faster than it will inside
     the pipeline). Where they outnumber the CPU cores this process may use, the times leave
-    out what the timing thread waited for a core (`_timer`): the simulator shares the cores
-    among the stages computing at once. Where that wait cannot be left out (no schedstat, more
-    than one intra-op thread, or a GPU), and for a meta model (whose every timing thread holds
-    real copies of its units), the units are timed with only as many stage threads busy as
-    there are cores. `loss(outputs, size)`: the loss of a micro-batch of `size` samples from
+    out what the timing thread waited for a core (`_timer`; now and then a wait its reads of
+    the figure caused too): the simulator shares the cores among the stages computing at
+    once. Where that wait cannot be left out (no schedstat, more than one intra-op thread, or
+    a GPU), and for a meta model (whose every timing thread holds real copies of its units),
+    the units are timed with only as many stage threads busy as there are cores. `loss(outputs, size)`: the loss of a micro-batch of `size` samples from
     the graph's output values by name, timed forward and backward when given (never
     cached). `load`: what the background workers run, "crossed" (each kind of
     work timed beside the other: the forwards, and the loss's forward, beside workers running
@@ -762,7 +762,7 @@ def _timer(device: torch.device, core_waits_out: bool = False
            ) -> Callable[..., tuple[Any, float]]:
     """timer(fn, *args, **kwargs) -> (result, seconds): CUDA events on GPU, perf_counter else,
     less, with `core_waits_out`, the time the calling thread was ready to run but waited for a
-    core meanwhile (`_core_wait`)."""
+    core between a read of it (`_core_wait`) right before the call and one right after."""
     if device.type == "cuda":
         def cuda_timed(fn, *args, **kwargs):
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -779,8 +779,11 @@ def _timer(device: torch.device, core_waits_out: bool = False
         return result, time.perf_counter() - start
 
     def without_core_waits(fn, *args, **kwargs):
-        # read outside the timed span, as a read takes microseconds (a wait between a read and
-        # the clock is left out though not timed: the clamp, and the median, absorb it)
+        # read outside the timed span. A read through Python's files lets the interpreter lock
+        # go around its system calls, and taking it back from busy stage threads can wait for a
+        # core outside the span, which the difference counts too: the clamp keeps the time at
+        # 0 or more. The predictions past the cores were measured with times read this way;
+        # benchmarks/core_waits.py compares a read that keeps the lock
         waited = _core_wait()
         result, seconds = cpu_timed(fn, *args, **kwargs)
         return result, max(seconds - (_core_wait() - waited), 0.0)
