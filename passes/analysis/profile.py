@@ -201,9 +201,10 @@ def profile_units(
     the figure caused too): the simulator shares the cores among the stages computing at
     once. Where that wait cannot be left out (no schedstat, more than one intra-op thread, or
     a GPU), and for a meta model (whose every timing thread holds real copies of its units),
-    the units are timed with only as many stage threads busy as there are cores. `loss(outputs, size)`: the loss of a micro-batch of `size` samples from
-    the graph's output values by name, timed forward and backward when given (never
-    cached). `load`: what the background workers run, "crossed" (each kind of
+    the units are timed with only as many stage threads busy as there are cores.
+    `loss(outputs, size)`: the loss of a micro-batch of `size` samples from the graph's output
+    values by name, timed forward and backward when given (never cached). `load`: what the
+    background workers run, "crossed" (each kind of
     work timed beside the other: the forwards, and the loss's forward, beside workers running
     backwards only; the backwards, and the loss's backward, beside workers running forwards
     only: two timings of each size, so the timing takes about twice as long; once, as "stage",
