@@ -31,6 +31,7 @@ from fxpipe.report import late_messages, step_time
 __all__ = [
     "FILLING_STEPS_MAX",
     "MEASURE_SECONDS",
+    "PROFILE_SECONDS",
     "BenchRow",
     "StealMeter",
     "bench",
@@ -49,6 +50,11 @@ __all__ = [
 # seconds of timed steps per round at least: a round's two or so steps of a model whose steps
 # take milliseconds move with every stall of the machine, and its median with them
 MEASURE_SECONDS = 0.1
+# seconds of timed repetitions of the units per micro-batch size in each round's re-timing (10x
+# compile's MIN_TIMED): a stall of the machine as long as a short timing moves every unit in it,
+# and the prediction with them, while the steps' median over the round moves less
+# (benchmarks/timing_noise.py --min-time 0.05,0.5 and prediction_spread.py)
+PROFILE_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +138,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = 10, warmup: int = 2, progress: bool = True,
           rounds: int = 5, profile_repeats: int = 5, settle: float = 0.2,
-          measure: float = MEASURE_SECONDS) -> list[BenchRow]:
+          measure: float = MEASURE_SECONDS, profile_time: float = PROFILE_SECONDS
+          ) -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
     call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
 
@@ -151,7 +158,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     After anything else ran (a pause, re-timing the units) the cores of a virtual machine take
     tens of milliseconds to settle, and the steps meanwhile run at another speed than a
     training loop's back to back ones: slower for some models, faster for others
-    (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round."""
+    (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round, more
+    until they took `profile_time` seconds at each micro-batch size."""
     rows = []
     plans = bench_plans(stages, micro_batches, partitioners, schedules)
     check_stage_count_of(build, stages)
@@ -170,7 +178,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         round_steps = []  # each round's median step
         for steps in _split(repeats, rounds):
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
-            fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats)
+            fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats,
+                           min_time=profile_time)
             pipe.measure_runtime_overhead(x)  # per step, and per action (in the timeline)
             overhead = pipe.step_overhead
             timeline = pipe.predicted_timeline(fresh)

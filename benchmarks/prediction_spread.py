@@ -1,0 +1,112 @@
+"""Benchmark: which measurement moves a step's prediction from one timing to the next.
+
+`fxpipe bench` predicts each round from the units timed afresh (`fxpipe.retime`) and the
+runtime's own time measured afresh (`pipe.measure_runtime_overhead`), with the link measured
+again (`pipe.measure_link`), and its `pred spread` says how far those predictions moved. This
+script compiles a bundled model into `--stages` stage threads of one process, takes all three
+measurements in each of `--rounds` rounds, runs steps after each, and then predicts every
+round four ways: as measured; with the runtime's own times (per step and per action) replaced
+by their medians over the rounds; with the units replaced by those of the round whose units
+add up to the median; and with both, so that only the link moves. What a way holds steady,
+the spread it loses had come from.
+
+    OMP_NUM_THREADS=1 python benchmarks/prediction_spread.py --model mlp --stages 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import fxpipe
+from fxpipe.cli import at_least_one
+from fxpipe.cost import Link, Partition
+from fxpipe.models import bundled
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One round's measurements, and the median of the steps run after them."""
+
+    units: Partition
+    forward_overhead: tuple[float, ...]
+    backward_overhead: tuple[float, ...]
+    step_overhead: float
+    link: Link
+    measured: float
+
+
+def predicted(pipe: fxpipe.CompiledPipeline, units: Partition, forward: tuple,
+              backward: tuple, step: float, link: Link) -> float:
+    """The step `fxpipe bench` predicts from these measurements, in seconds."""
+    vars(pipe).update(forward_overhead=tuple(forward), backward_overhead=tuple(backward),
+                      link=link)
+    return pipe.predicted_timeline(units).makespan + step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--partitioner", default="even")
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--rounds", type=at_least_one, default=10)
+    parser.add_argument("--steps", type=at_least_one, default=50, help="timed steps per round")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = bundled(args.model)
+    torch.manual_seed(0)
+    x, y = spec.batch(args.batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=args.stages, micro_batches=args.micro_batches,
+                       partitioner=args.partitioner, schedule=args.schedule,
+                       loss_fn=spec.loss_fn)
+    pipe = fxpipe.compile(spec.build(), plan, example_inputs=(x,), example_target=y,
+                          cache=False)
+    rounds = []
+    for _ in range(args.rounds):
+        pipe.measure_link(x)
+        units = fxpipe.retime(pipe, (x,), target=y, warmup=1)  # as fxpipe bench times them
+        pipe.measure_runtime_overhead(x)
+        for _ in range(args.steps):  # the cores settle after the timing
+            pipe.step(x, y)
+        walls = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            pipe.step(x, y)
+            walls.append(time.perf_counter() - start)
+        rounds.append(Round(units, pipe.forward_overhead, pipe.backward_overhead,
+                            pipe.step_overhead, pipe.link, statistics.median(walls)))
+    totals = [sum(s.f + s.b for s in r.units.stages) for r in rounds]
+    middle = rounds[int(np.argsort(totals)[len(totals) // 2])].units
+    forward = tuple(np.median([r.forward_overhead for r in rounds], axis=0))
+    backward = tuple(np.median([r.backward_overhead for r in rounds], axis=0))
+    step = float(np.median([r.step_overhead for r in rounds]))
+    ways = {
+        "as measured": [predicted(pipe, r.units, r.forward_overhead, r.backward_overhead,
+                                  r.step_overhead, r.link) for r in rounds],
+        "runtime's own times: medians": [predicted(pipe, r.units, forward, backward, step,
+                                                   r.link) for r in rounds],
+        "units: the median round's": [predicted(pipe, middle, r.forward_overhead,
+                                                r.backward_overhead, r.step_overhead, r.link)
+                                      for r in rounds],
+        "both: only the link moves": [predicted(pipe, middle, forward, backward, step, r.link)
+                                      for r in rounds],
+    }
+    measured = [r.measured for r in rounds]
+    print(f"{args.model}, {args.stages} stage threads, {args.partitioner} "
+          f"{'+'.join(map(str, pipe.partition.sizes))}, {args.schedule}, "
+          f"{args.micro_batches} micro-batches; per round, ms; spread = largest / smallest - 1")
+    for name, values in [("measured", measured), *ways.items()]:
+        ms = " ".join(f"{v * 1e3:6.2f}" for v in values)
+        print(f"{name:30s} {ms}  spread {max(values) / min(values) - 1:.0%}")
+
+
+if __name__ == "__main__":
+    main()
