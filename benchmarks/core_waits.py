@@ -12,10 +12,12 @@ It compiles a bundled model into `--stages` stage threads and, in each of `--rou
 measures the link and the runtime's own time, re-times the units twice (`fxpipe.retime`, in
 turns which first): reading the waits as fxpipe does ("file"), and from one open file per
 thread read by a call that keeps the lock ("kept lock", libc's pread through ctypes.PyDLL);
-then it runs untimed steps for 0.2 s and timed ones for `--seconds`. It prints how many timed
-calls each read left at 0 (a wait at least as long as the call), the median wait each took off
-a call, and per round each read's predicted step (as `fxpipe bench` predicts it) beside the
-median measured one.
+then it runs untimed steps for 0.2 s and timed ones for `--seconds`. It prints how many calls
+of the timer each read left at 0 (a wait at least as long as the call; the warm-up's, the fused
+forwards' and the loss's count too), the median wait each took off a call, and per round each
+read's predicted step beside the median measured one. The prediction is made as `fxpipe bench`
+makes it, but for the units timed for `--min-time` seconds per micro-batch size (compile's, by
+default; the bench's rounds time them for its PROFILE_SECONDS since 37c6fc7).
 
     OMP_NUM_THREADS=1 python benchmarks/core_waits.py --model mlp --stages 4 --rounds 6
 """
@@ -39,6 +41,7 @@ from fxpipe.affinity import usable_cores
 from fxpipe.cli import at_least_one
 from fxpipe.models import bundled
 from fxpipe.passes.analysis import profile
+from fxpipe.pipeline import CompiledPipeline
 
 READS = ("file", "kept lock")
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -49,7 +52,7 @@ class LockKeepingRead:
     once per thread and read by libc's pread through ctypes.PyDLL, whose calls keep the lock."""
 
     def __init__(self) -> None:
-        self.pread = ctypes.PyDLL(None).pread
+        self.pread = ctypes.PyDLL(None, use_errno=True).pread
         self.pread.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long]
         self.pread.restype = ctypes.c_ssize_t
         self.threads = threading.local()
@@ -59,12 +62,14 @@ class LockKeepingRead:
             self.threads.fd = os.open(SCHEDSTAT, os.O_RDONLY)  # the opening thread's file
             self.threads.buffer = ctypes.create_string_buffer(128)
         count = self.pread(self.threads.fd, self.threads.buffer, 128, 0)
+        if count <= 0:
+            raise OSError(ctypes.get_errno(), f"could not read {SCHEDSTAT}")
         return int(self.threads.buffer.raw[:count].split()[1]) / 1e9
 
 
-class Recorder:
+class WaitNotingTimer:
     """profile's timer, noting each call's seconds once the wait is taken off, and the wait,
-    from the readings of the `_core_wait` it is given."""
+    from the readings of the `_core_wait` it is given (two per call: before and after)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[float, float]] = []  # (seconds kept, wait taken off)
@@ -77,13 +82,19 @@ class Recorder:
             return self.readings[-1]
         return noted
 
-    def __call__(self, device: torch.device, core_waits_out: bool = False) -> Any:
+    def __call__(self, device: torch.device, core_waits_out: bool = False
+                 ) -> Callable[..., tuple[Any, float]]:
         timer = self.timer(device, core_waits_out)
         if not core_waits_out:
             return timer
 
         def noting(fn, *args, **kwargs):
+            before = len(self.readings)
             result, seconds = timer(fn, *args, **kwargs)
+            if len(self.readings) != before + 2:
+                raise RuntimeError(f"profile's timer read the wait for a core "
+                                   f"{len(self.readings) - before} times in a call, not twice: "
+                                   "this script pairs the readings as it no longer does")
             self.calls.append((seconds, self.readings[-1] - self.readings[-2]))
             return result, seconds
         return noting
@@ -99,6 +110,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--rounds", type=at_least_one, default=6)
     parser.add_argument("--seconds", type=float, default=0.5, help="of timed steps per round")
+    parser.add_argument("--min-time", type=float, default=profile.MIN_TIMED,
+                        help="seconds of the units' timed repetitions per micro-batch size")
     args = parser.parse_args()
     cores = usable_cores()
     if args.stages <= cores:
@@ -115,7 +128,7 @@ def main() -> None:
                        loss_fn=spec.loss_fn)
     pipe = fxpipe.compile(spec.build(), plan, example_inputs=(x,), example_target=y,
                           cache=False)
-    recorder = Recorder()
+    recorder = WaitNotingTimer()
     reads = {"file": profile._core_wait, "kept lock": LockKeepingRead()}
     calls: dict[str, list[tuple[float, float]]] = {read: [] for read in READS}
     ratios: dict[str, list[float]] = {read: [] for read in READS}
@@ -130,7 +143,8 @@ def main() -> None:
             for read in READS if index % 2 == 0 else READS[::-1]:
                 recorder.calls = []
                 with mock.patch.object(profile, "_core_wait", recorder.reading(reads[read])):
-                    fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1)
+                    fresh = fxpipe.retime(pipe, (x,), target=y, warmup=1,
+                                          min_time=args.min_time)
                 calls[read] += recorder.calls
                 predicted[read] = pipe.predicted_timeline(fresh).makespan + pipe.step_overhead
             measured = _median_step(pipe, x, y, args.seconds)
@@ -140,6 +154,9 @@ def main() -> None:
                 cells.append(f"{read} {predicted[read] * 1e3:.2f} ({ratios[read][-1]:.2f})")
             print(f"round {index}: measured {measured * 1e3:.2f}; predicted " + ", ".join(cells)
                   + "; in brackets measured / predicted")
+    if not calls[READS[0]]:
+        raise SystemExit("the units were not timed with the waits for a core left out (a model "
+                         "on the meta device, or not on the CPU): nothing to compare")
     for read in READS:
         kept, waits = zip(*calls[read])
         zeros = sum(seconds == 0 for seconds in kept)
@@ -149,7 +166,7 @@ def main() -> None:
               f"median {statistics.median(ratios[read]):.2f}")
 
 
-def _median_step(pipe: Any, x: Any, y: Any, seconds: float) -> float:
+def _median_step(pipe: CompiledPipeline, x: Any, y: Any, seconds: float) -> float:
     """The median of the steps run for `seconds`, after untimed ones for 0.2 s."""
     for timed in (False, True):
         times: list[float] = []

@@ -4,11 +4,14 @@
 runtime's own time measured afresh (`pipe.measure_runtime_overhead`), with the link measured
 again (`pipe.measure_link`), and its `pred spread` says how far those predictions moved. This
 script compiles a bundled model into `--stages` stage threads of one process, takes all three
-measurements in each of `--rounds` rounds, runs steps after each, and then predicts every
-round four ways: as measured; with the runtime's own times (per step and per action) replaced
-by their medians over the rounds; with the units replaced by those of the round whose units
-add up to the median; and with both, so that only the link moves. What a way holds steady,
-the spread it loses had come from.
+measurements in each of `--rounds` rounds (the units timed for `--min-time` seconds per
+micro-batch size: compile's, by default; the bench's rounds time them for its PROFILE_SECONDS
+since 37c6fc7), runs steps after each, and then predicts every round four ways: as measured;
+with the runtime's own times (per step and per action) replaced by their medians over the
+rounds; with the units replaced by those of the middle round by their sum (of an even count,
+the upper of the two); and with both, so that only the link's per-message terms move (the
+time a message takes on the link is scored with the units). What a way holds steady, the
+spread it loses had come from.
 
     OMP_NUM_THREADS=1 python benchmarks/prediction_spread.py --model mlp --stages 4
 """
@@ -27,6 +30,7 @@ import fxpipe
 from fxpipe.cli import at_least_one
 from fxpipe.cost import Link, Partition
 from fxpipe.models import bundled
+from fxpipe.passes.analysis.profile import MIN_TIMED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +45,10 @@ class Round:
     measured: float
 
 
-def predicted(pipe: fxpipe.CompiledPipeline, units: Partition, forward: tuple,
-              backward: tuple, step: float, link: Link) -> float:
-    """The step `fxpipe bench` predicts from these measurements, in seconds."""
+def predicted(pipe: fxpipe.CompiledPipeline, units: Partition, forward: tuple[float, ...],
+              backward: tuple[float, ...], step: float, link: Link) -> float:
+    """The step `fxpipe bench` predicts from these measurements, in seconds; leaves `pipe`'s
+    runtime's own times per action and its link set to them."""
     vars(pipe).update(forward_overhead=tuple(forward), backward_overhead=tuple(backward),
                       link=link)
     return pipe.predicted_timeline(units).makespan + step
@@ -59,6 +64,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--rounds", type=at_least_one, default=10)
     parser.add_argument("--steps", type=at_least_one, default=50, help="timed steps per round")
+    parser.add_argument("--min-time", type=float, default=MIN_TIMED,
+                        help="seconds of the units' timed repetitions per micro-batch size")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = bundled(args.model)
@@ -72,7 +79,7 @@ def main() -> None:
     rounds = []
     for _ in range(args.rounds):
         pipe.measure_link(x)
-        units = fxpipe.retime(pipe, (x,), target=y, warmup=1)  # as fxpipe bench times them
+        units = fxpipe.retime(pipe, (x,), target=y, warmup=1, min_time=args.min_time)
         pipe.measure_runtime_overhead(x)
         for _ in range(args.steps):  # the cores settle after the timing
             pipe.step(x, y)
@@ -93,10 +100,10 @@ def main() -> None:
                                   r.step_overhead, r.link) for r in rounds],
         "runtime's own times: medians": [predicted(pipe, r.units, forward, backward, step,
                                                    r.link) for r in rounds],
-        "units: the median round's": [predicted(pipe, middle, r.forward_overhead,
+        "units: the middle round's": [predicted(pipe, middle, r.forward_overhead,
                                                 r.backward_overhead, r.step_overhead, r.link)
                                       for r in rounds],
-        "both: only the link moves": [predicted(pipe, middle, forward, backward, step, r.link)
+        "both: the link's terms move": [predicted(pipe, middle, forward, backward, step, r.link)
                                       for r in rounds],
     }
     measured = [r.measured for r in rounds]

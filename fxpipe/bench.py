@@ -159,7 +159,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     tens of milliseconds to settle, and the steps meanwhile run at another speed than a
     training loop's back to back ones: slower for some models, faster for others
     (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round, more
-    until they took `profile_time` seconds at each micro-batch size."""
+    until they took `profile_time` seconds at each micro-batch size (at most MOST_REPEATS)."""
     rows = []
     plans = bench_plans(stages, micro_batches, partitioners, schedules)
     check_stage_count_of(build, stages)

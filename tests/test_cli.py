@@ -310,10 +310,11 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
     from fxpipe.pipeline import CompiledPipeline
 
     spec = bundled("mlp")
-    scales, scored = iter([1.0, 1.6, 1.2]), []
+    scales, scored, timed_for = iter([1.0, 1.6, 1.2]), [], []
 
-    def retime(pipe, inputs, **_):  # the machine slows down by 60%, then recovers halfway
-        scale = next(scales)
+    def retime(pipe, inputs, min_time, **_):
+        timed_for.append(min_time)
+        scale = next(scales)  # the machine slows down by 60%, then recovers halfway
         cost = dataclasses.replace(pipe.cost, f=pipe.cost.f * scale, b=pipe.cost.b * scale)
         part = Partition.evaluate(cost, pipe.partition.bounds, pipe.partition.micro_batches,
                                   pipe.partition.partitioner, schedule=pipe.plan.schedule)
@@ -346,6 +347,7 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
     [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=9, rounds=3,
                                progress=False, measure=0.0)
     assert len(scored) == 3
+    assert timed_for == [fxpipe.bench.PROFILE_SECONDS] * 3  # longer than compile's timing
     assert (row.predicted_low_ms, row.predicted_ms, row.predicted_high_ms) == pytest.approx(
         [t * 1e3 for t in sorted(scored)])
     assert row.predicted_spread == pytest.approx(max(scored) / min(scored) - 1)
@@ -412,7 +414,7 @@ def test_bench_rows_keep_the_thread_capacity_compile_measured(monkeypatch, tmp_p
         return spec.build(), x, y, spec.loss_fn
 
     [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=1, rounds=1,
-                               progress=False, settle=0.0, measure=0.0)
+                               progress=False, settle=0.0, measure=0.0, profile_time=0.0)
     assert row.capacity_cores == 1.0 and row.capacity_stages > 0
     both = [row, dataclasses.replace(row, capacity_cores=math.nan, capacity_stages=math.nan)]
     path = str(tmp_path / "rows.json")
@@ -477,7 +479,8 @@ def test_each_round_of_bench_settles_then_times_its_share_or_what_fills_measure(
         return spec.build(), x, y, spec.loss_fn
 
     [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=4, rounds=2,
-                               warmup=3, progress=False, settle=0.05, measure=measure)
+                               warmup=3, progress=False, settle=0.05, measure=measure,
+                               profile_time=0.0)
     # per round 0.05 s of 2 ms steps untimed, then its 2 of the 4 repeats or, where more, the
     # 2 ms steps that fill `measure` seconds
     timed += another_rank_asks

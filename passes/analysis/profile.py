@@ -197,19 +197,19 @@ def profile_units(
     the slowdown that cores sharing caches and memory bandwidth cause, and threads sharing
     Python's interpreter lock (a unit alone on a quiet machine runs faster than it will inside
     the pipeline). Where they outnumber the CPU cores this process may use, the times leave
-    out what the timing thread waited for a core (`_timer`; now and then a wait its reads of
-    the figure caused too): the simulator shares the cores among the stages computing at
+    out what the timing thread waited for a core (`_timer`; now and then a wait its own reads
+    of schedstat caused too): the simulator shares the cores among the stages computing at
     once. Where that wait cannot be left out (no schedstat, more than one intra-op thread, or
     a GPU), and for a meta model (whose every timing thread holds real copies of its units),
     the units are timed with only as many stage threads busy as there are cores.
     `loss(outputs, size)`: the loss of a micro-batch of `size` samples from the graph's output
     values by name, timed forward and backward when given (never cached). `load`: what the
-    background workers run, "crossed" (each kind of
-    work timed beside the other: the forwards, and the loss's forward, beside workers running
-    backwards only; the backwards, and the loss's backward, beside workers running forwards
-    only: two timings of each size, so the timing takes about twice as long; once, as "stage",
-    on a meta model timed in several runs), "stage" (the units' forwards, then a backward, as a
-    pipeline stage does), "forwards" (forwards only) or "backwards" (backwards only, again and
+    background workers run, "crossed" (each kind of work timed beside the other: the
+    forwards, and the loss's forward, beside workers running backwards only; the backwards,
+    and the loss's backward, beside workers running forwards only: two timings of each size,
+    so the timing takes about twice as long; once, as "stage", on a meta model timed in
+    several runs), "stage" (the units' forwards, then a backward, as a pipeline stage does),
+    "forwards" (forwards only) or "backwards" (backwards only, again and
     again through one retained graph); profile_parts.py in benchmarks compares what each
     makes of the units. Stage threads of one process slow each other mostly through Python's
     interpreter lock, which a forward holds between its operators and a backward mostly does
