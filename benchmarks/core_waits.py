@@ -35,11 +35,10 @@ from typing import Any
 from unittest import mock
 
 import torch
+from two_stages import add_stage_thread_arguments, in_stage_threads
 
 import fxpipe
 from fxpipe.affinity import usable_cores
-from fxpipe.cli import at_least_one
-from fxpipe.models import bundled
 from fxpipe.passes.analysis import profile
 from fxpipe.pipeline import CompiledPipeline
 
@@ -102,16 +101,8 @@ class WaitNotingTimer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--partitioner", default="even")
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--rounds", type=at_least_one, default=6)
+    add_stage_thread_arguments(parser, rounds=6)
     parser.add_argument("--seconds", type=float, default=0.5, help="of timed steps per round")
-    parser.add_argument("--min-time", type=float, default=profile.MIN_TIMED,
-                        help="seconds of the units' timed repetitions per micro-batch size")
     args = parser.parse_args()
     cores = usable_cores()
     if args.stages <= cores:
@@ -119,15 +110,7 @@ def main() -> None:
                      f"out only with more stage threads than this machine's {cores} cores")
     if not profile._core_waits_known():
         parser.error(f"this kernel does not count a thread's waits for a core ({SCHEDSTAT})")
-    torch.set_num_threads(1)
-    spec = bundled(args.model)
-    torch.manual_seed(0)
-    x, y = spec.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=args.stages, micro_batches=args.micro_batches,
-                       partitioner=args.partitioner, schedule=args.schedule,
-                       loss_fn=spec.loss_fn)
-    pipe = fxpipe.compile(spec.build(), plan, example_inputs=(x,), example_target=y,
-                          cache=False)
+    pipe, x, y = in_stage_threads(args)
     recorder = WaitNotingTimer()
     reads = {"file": profile._core_wait, "kept lock": LockKeepingRead()}
     calls: dict[str, list[tuple[float, float]]] = {read: [] for read in READS}

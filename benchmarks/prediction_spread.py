@@ -24,13 +24,10 @@ import statistics
 import time
 
 import numpy as np
-import torch
+from two_stages import add_stage_thread_arguments, at_least_one, in_stage_threads
 
 import fxpipe
-from fxpipe.cli import at_least_one
 from fxpipe.cost import Link, Partition
-from fxpipe.models import bundled
-from fxpipe.passes.analysis.profile import MIN_TIMED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,26 +53,10 @@ def predicted(pipe: fxpipe.CompiledPipeline, units: Partition, forward: tuple[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--partitioner", default="even")
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--rounds", type=at_least_one, default=10)
+    add_stage_thread_arguments(parser, rounds=10)
     parser.add_argument("--steps", type=at_least_one, default=50, help="timed steps per round")
-    parser.add_argument("--min-time", type=float, default=MIN_TIMED,
-                        help="seconds of the units' timed repetitions per micro-batch size")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    spec = bundled(args.model)
-    torch.manual_seed(0)
-    x, y = spec.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=args.stages, micro_batches=args.micro_batches,
-                       partitioner=args.partitioner, schedule=args.schedule,
-                       loss_fn=spec.loss_fn)
-    pipe = fxpipe.compile(spec.build(), plan, example_inputs=(x,), example_target=y,
-                          cache=False)
+    pipe, x, y = in_stage_threads(args)
     rounds = []
     for _ in range(args.rounds):
         pipe.measure_link(x)

@@ -1,4 +1,4 @@
-"""What the diagnostic scripts share: a bundled model's arguments and its 2-stage pipeline.
+"""What the diagnostic scripts share: a bundled model's arguments and its compiled pipeline.
 
 Imported by the scripts beside it (`python benchmarks/step_breakdown.py` puts this folder on
 the import path, under torchrun too); not a benchmark of its own.
@@ -19,6 +19,7 @@ import fxpipe
 from fxpipe.cli import at_least_one  # the benchmarks' argparse type, as the CLI's
 from fxpipe.distributed import launched
 from fxpipe.models import BundledModel, bundled
+from fxpipe.passes.analysis.profile import MIN_TIMED
 from fxpipe.simulate import Event, Timeline
 
 
@@ -139,3 +140,34 @@ def two_stages(args: argparse.Namespace, **plan: Any) -> TwoStages:
                        loss_fn=model.loss_fn, **plan)
     pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
     return TwoStages(pipe, model, x, y, distributed)
+
+
+def add_stage_thread_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """For scripts that re-time a model in stage threads in rounds: --model (mlp), --batch,
+    --stages (4), --micro-batches (8), --partitioner (even), --schedule (1f1b), --rounds
+    (default `rounds`) and --min-time (the units' timing per micro-batch size, compile's)."""
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--partitioner", default="even")
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--rounds", type=at_least_one, default=rounds)
+    parser.add_argument("--min-time", type=float, default=MIN_TIMED,
+                        help="seconds of the units' timed repetitions per micro-batch size")
+
+
+def in_stage_threads(args: argparse.Namespace) -> tuple[fxpipe.CompiledPipeline, Any, Any]:
+    """`args.model` compiled into `args.stages` stage threads of this process (one intra-op
+    thread each), as add_stage_thread_arguments' arguments say, its loss timed with the units;
+    with a mini-batch of `args.batch` and its target."""
+    torch.set_num_threads(1)
+    model = bundled(args.model)
+    torch.manual_seed(0)
+    x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=args.stages, micro_batches=args.micro_batches,
+                       partitioner=args.partitioner, schedule=args.schedule,
+                       loss_fn=model.loss_fn)
+    pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), example_target=y,
+                          cache=False)
+    return pipe, x, y
