@@ -195,10 +195,13 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
     shown last (`shared_cores_lines`); `recent`: the measured step's makespan and those of the
     steps like it before it, told beside it where there are several (a single step moves with
     the machine's speed, their median less)."""
-    ratio = measured.makespan / predicted.makespan if predicted.makespan > 0 else float("nan")
+    def of_predicted(seconds: float) -> float:
+        return seconds / predicted.makespan if predicted.makespan > 0 else float("nan")
+
+    ratio = of_predicted(measured.makespan)
     if len(recent) > 1:
         middle = statistics.median(recent)
-        ratio_of_middle = middle / predicted.makespan if predicted.makespan > 0 else float("nan")
+        ratio_of_middle = of_predicted(middle)
         notes = [f"the last {len(recent)} steps like it: {_ms(min(recent))} to "
                  f"{_ms(max(recent))} ms, median {_ms(middle)} ms (measured / predicted = "
                  f"{ratio_of_middle:.2f}); one step moves with the machine's speed, their "
