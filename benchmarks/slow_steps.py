@@ -54,7 +54,7 @@ def main() -> None:
     for _ in range(args.steps):
         walls.append(setup.timed_step())
         kept.append((executor.last_trace(), executor.trace_origin))
-    kinds = [time_per_kind(executor.full_trace(k)) for k in kept]
+    kinds = [time_per_kind(events) for events in executor.full_traces(kept)]
     if not setup.reporting():
         return
     median = statistics.median(walls)

@@ -106,8 +106,7 @@ class TwoStages:
             walls.append(self.timed_step())
             kept.append((self.pipe.executor.last_trace(), self.pipe.executor.trace_origin))
         # gathered after the steps, as gathering communicates
-        return PredictedRun(fresh, predicted, walls,
-                            [self.pipe.executor.full_trace(k) for k in kept])
+        return PredictedRun(fresh, predicted, walls, self.pipe.executor.full_traces(kept))
 
     def everyones(self, lines: list[str]) -> list[str]:
         """Every rank's `lines`, in rank order (under torchrun every rank must call it)."""

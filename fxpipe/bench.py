@@ -199,7 +199,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 timed.append(time.perf_counter() - start)
                 kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
             # gathered after the round, so that only the barrier comes between its steps
-            late += [late_messages(pipe.executor.full_trace(k), timeline.events) for k in kept]
+            late += [late_messages(events, timeline.events)
+                     for events in pipe.executor.full_traces(kept)]
             times += timed
             round_steps.append(statistics.median(timed))
         totals = sorted((timeline.makespan + overhead, i)

@@ -296,7 +296,12 @@ class CompiledPipeline(torch.nn.Module):
         if file is not None and not hasattr(file, "write"):
             raise FxpipeError(f"pipe.report(file=...) takes an open text file (or None for "
                               f"stdout), not {file!r}: e.g. open('report.txt', 'w').")
-        measured = self.full_trace("pipe.report()")
+        # every rank holds as many recent training steps (the same runs), the last run the
+        # last of them: their traces in one exchange
+        kept_steps = self.executor.recent_steps() if self.executor is not None else []
+        traces = (self.executor.full_traces(kept_steps) if kept_steps
+                  else [self.full_trace("pipe.report()")])
+        measured = traces[-1]
         predicted = self.predicted_timeline(partition).events
         stages = self.plan.stages
         # stage threads of one process sharing the cores it may use, or under torchrun the
@@ -312,12 +317,7 @@ class CompiledPipeline(torch.nn.Module):
         notes = unlike_prediction_lines(
             split_sizes(self.cost.batch, self.partition.micro_batches) if known else None,
             self.executor.last_sizes or [], any(e.action.kind is ActionKind.B for e in measured))
-        # every rank holds as many recent steps (the same runs); the last is `measured`
-        kept_steps = self.executor.recent_steps()
-        recent = [step_time(self.executor.full_trace(kept), stages).makespan
-                  for kept in kept_steps[:-1]]
-        if kept_steps:
-            recent.append(step_time(measured, stages).makespan)
+        recent = [step_time(events, stages).makespan for events in traces] if kept_steps else []
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              (self.executor.last_schedule or self.executor.schedule).name,
                              self.step_overhead, interference(measured),

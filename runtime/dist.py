@@ -175,26 +175,31 @@ class DistCoordinator:
             dist.broadcast(data, self.last, self.group)
         return data.cpu()
 
-    def gather_events(self, events, origin):
-        return self._gathered(events, origin, self.group)[self.group_index]
+    def gather_events(self, runs):
+        return [by_group[self.group_index] for by_group in self._gathered(runs, self.group)]
 
     def gather_job_events(self, events, origin):
-        return self._gathered(events, origin, None)
+        return self._gathered([(events, origin)], None)[0]
 
-    def _gathered(self, events, origin, group) -> dict[int, list[Event]]:
-        """Events of the ranks of `group` (None: the job) by pipeline group, on one time axis
-        from the earliest start among them."""
-        mine = [(self.group_index, e.stage, str(e.action), origin + e.start, origin + e.end)
-                for e in events]
+    def _gathered(self, runs, group) -> list[dict[int, list[Event]]]:
+        """Per run of `runs` (this rank's events, and the wall-clock time they count from),
+        the events of the ranks of `group` (None: the job) by pipeline group, on one time axis
+        from the earliest start among them; one collective for all the runs."""
+        mine = [[(self.group_index, e.stage, str(e.action), origin + e.start, origin + e.end)
+                 for e in events] for events, origin in runs]
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
-        flat = [item for share in everyone for item in share]
-        start = min((item[3] for item in flat), default=0.0)
-        by_group: dict[int, list[Event]] = {self.group_index: []}
-        for g, stage, action, a, b in flat:
-            by_group.setdefault(g, []).append(Event(stage, Action.parse(action), a - start,
-                                                    b - start))
-        return {g: sorted(evs, key=lambda e: (e.stage, e.start)) for g, evs in by_group.items()}
+        gathered = []
+        for run in range(len(runs)):
+            flat = [item for share in everyone for item in share[run]]
+            start = min((item[3] for item in flat), default=0.0)
+            by_group: dict[int, list[Event]] = {self.group_index: []}
+            for g, stage, action, a, b in flat:
+                by_group.setdefault(g, []).append(Event(stage, Action.parse(action), a - start,
+                                                        b - start))
+            gathered.append({g: sorted(evs, key=lambda e: (e.stage, e.start))
+                             for g, evs in by_group.items()})
+        return gathered
 
     def drain_events(self):
         if self.sync is None:

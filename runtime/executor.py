@@ -114,13 +114,14 @@ class Coordinator(Protocol):
     def drain_events(self) -> list[Event]:
         """Timed work it did (all-reduces), in wall-clock seconds, since the last call."""
 
-    def gather_events(self, events: list[Event], origin: float) -> list[Event]:
-        """Every stage's events of the last run (each rank's own under torchrun: a collective)
-        on one time axis, seconds from the earliest start."""
+    def gather_events(self, runs: Sequence[tuple[list[Event], float]]) -> list[list[Event]]:
+        """Every stage's events of each run in `runs` (this rank's events of it and the
+        wall-clock time they count from; each rank's own under torchrun: one collective for
+        all of them), each run on a time axis of its own, seconds from its earliest start."""
 
     def gather_job_events(self, events: list[Event], origin: float) -> dict[int, list[Event]]:
-        """As gather_events, for every pipeline group of the job (a collective over all
-        ranks), keyed by group."""
+        """As gather_events for one run, for every pipeline group of the job (a collective
+        over all ranks), keyed by group."""
 
 
 class LocalCoordinator:
@@ -162,8 +163,8 @@ class LocalCoordinator:
     def drain_events(self) -> list[Event]:
         return []
 
-    def gather_events(self, events, origin):
-        return events
+    def gather_events(self, runs):
+        return [list(events) for events, _ in runs]
 
     def gather_job_events(self, events, origin):
         return {0: events}
@@ -537,13 +538,16 @@ class PipelineExecutor:
         from its start)."""
         return list(self._trace)
 
-    def full_trace(self, kept: tuple[list[Event], float] | None = None) -> list[Event]:
-        """The last run's actions of every stage of this pipeline, or those of a run `kept`
-        (its `last_trace()` and `trace_origin`, taken right after it), so that several runs
-        can be gathered after they all ran (under torchrun every rank of the pipeline must
-        call it: the ranks exchange their traces)."""
-        events, origin = kept if kept is not None else (self._trace, self.trace_origin)
-        return self.coordinator.gather_events(list(events), origin)
+    def full_trace(self) -> list[Event]:
+        """The last run's actions of every stage of this pipeline (under torchrun every rank of
+        the pipeline must call it: the ranks exchange their traces)."""
+        return self.full_traces([(self._trace, self.trace_origin)])[0]
+
+    def full_traces(self, kept: Sequence[tuple[list[Event], float]]) -> list[list[Event]]:
+        """full_trace of each run `kept` (its `last_trace()` and `trace_origin`, taken right
+        after it), so that several runs are gathered at once after they all ran (under
+        torchrun every rank of the pipeline must call it, with as many runs)."""
+        return self.coordinator.gather_events([(list(events), origin) for events, origin in kept])
 
     def job_trace(self) -> dict[int, list[Event]]:
         """full_trace for every pipeline group of the job (every rank of the job must call it)."""

@@ -375,7 +375,7 @@ def test_report_sets_the_last_steps_like_the_last_run_beside_it():
         pipe.measure_runtime_overhead(x)  # rehearsals neither count nor end the series
     kept = pipe.executor.recent_steps()
     assert len(kept) == 10 and kept[-1] == (pipe.last_trace(), pipe.executor.trace_origin)
-    spans = [step_time(pipe.executor.full_trace(k), 2).makespan for k in kept]
+    spans = [step_time(events, 2).makespan for events in pipe.executor.full_traces(kept)]
     predicted = step_time(pipe.predicted_timeline().events, 2).makespan
     assert recent_line() == (
         f"the last 10 steps like it: {min(spans) * 1e3:.2f} to {max(spans) * 1e3:.2f} ms, "

@@ -188,7 +188,19 @@ def train(name, stages, schedule, micro_batches, out):
         ranks, cores = pipe.host_cores  # counted before pinning, which may narrow affinity
         assert ranks == dist.get_world_size()
         assert len(os.sched_getaffinity(0)) <= cores <= os.cpu_count()
-        report = pipe.report(file=io.StringIO())
+        kept = pipe.executor.recent_steps()
+        traces = pipe.executor.full_traces(kept)  # each run on every rank, on its own axis
+        assert len(traces) == len(kept) > 1 and traces[-1] == pipe.full_trace()
+        assert all({e.stage for e in trace} == set(range(stages)) for trace in traces)
+        assert all(min(e.start for e in trace) == 0 for trace in traces)
+        exchanges = []
+        gather = dist.all_gather_object
+        dist.all_gather_object = lambda *a, **k: (exchanges.append(a), gather(*a, **k))[1]
+        try:
+            report = pipe.report(file=io.StringIO())
+        finally:
+            dist.all_gather_object = gather
+        assert len(exchanges) == 1  # the recent steps' traces, all in one
         assert report.startswith("step (")
         # the training steps, of one size each, beside the last (the measures since, none)
         assert f"\nthe last {min(len(data), 10)} steps like it: " in report
