@@ -29,18 +29,16 @@ import ctypes
 import os
 import statistics
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
 import torch
-from two_stages import add_stage_thread_arguments, in_stage_threads
+from two_stages import add_stage_thread_arguments, in_stage_threads, median_step
 
 import fxpipe
 from fxpipe.affinity import usable_cores
 from fxpipe.passes.analysis import profile
-from fxpipe.pipeline import CompiledPipeline
 
 READS = ("file", "kept lock")
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -130,7 +128,7 @@ def main() -> None:
                                           min_time=args.min_time)
                 calls[read] += recorder.calls
                 predicted[read] = pipe.predicted_timeline(fresh).makespan + pipe.step_overhead
-            measured = _median_step(pipe, x, y, args.seconds)
+            measured = median_step(pipe, x, y, steps=3, seconds=args.seconds)
             cells = []
             for read in READS:
                 ratios[read].append(measured / predicted[read])
@@ -147,18 +145,6 @@ def main() -> None:
               f"{statistics.median(waits) * 1e6:.0f} us; measured / predicted "
               f"{min(ratios[read]):.2f} to {max(ratios[read]):.2f}, "
               f"median {statistics.median(ratios[read]):.2f}")
-
-
-def _median_step(pipe: CompiledPipeline, x: Any, y: Any, seconds: float) -> float:
-    """The median of the steps run for `seconds`, after untimed ones for 0.2 s."""
-    for timed in (False, True):
-        times: list[float] = []
-        end = time.perf_counter() + (seconds if timed else 0.2)
-        while time.perf_counter() < end or (timed and len(times) < 3):
-            start = time.perf_counter()
-            pipe.step(x, y)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 if __name__ == "__main__":

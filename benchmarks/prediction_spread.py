@@ -6,12 +6,12 @@ again (`pipe.measure_link`), and its `pred spread` says how far those prediction
 script compiles a bundled model into `--stages` stage threads of one process, takes all three
 measurements in each of `--rounds` rounds (the units timed for `--min-time` seconds per
 micro-batch size: compile's, by default; the bench's rounds time them for its PROFILE_SECONDS
-since 37c6fc7), runs steps after each, and then predicts every round four ways: as measured;
-with the runtime's own times (per step and per action) replaced by their medians over the
-rounds; with the units replaced by those of the middle round by their sum (of an even count,
-the upper of the two); and with both, so that only the link's per-message terms move (the
-time a message takes on the link is scored with the units). What a way holds steady, the
-spread it loses had come from.
+since 37c6fc7), times `--steps` steps after each (after 0.2 s of untimed ones, as the bench runs
+a round), and then predicts every round four ways: as measured; with the runtime's own times
+(per step and per action) replaced by their medians over the rounds; with the units replaced by
+those of the middle round by their sum (of an even count, the upper of the two); and with both,
+so that only the link's per-message terms move (the time a message takes on the link is scored
+with the units). What a way holds steady, the spread it loses had come from.
 
     OMP_NUM_THREADS=1 python benchmarks/prediction_spread.py --model mlp --stages 4
 """
@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import numpy as np
-from two_stages import add_stage_thread_arguments, at_least_one, in_stage_threads
+from two_stages import add_stage_thread_arguments, at_least_one, in_stage_threads, median_step
 
 import fxpipe
 from fxpipe.cost import Link, Partition
@@ -62,15 +60,8 @@ def main() -> None:
         pipe.measure_link(x)
         units = fxpipe.retime(pipe, (x,), target=y, warmup=1, min_time=args.min_time)
         pipe.measure_runtime_overhead(x)
-        for _ in range(args.steps):  # the cores settle after the timing
-            pipe.step(x, y)
-        walls = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            pipe.step(x, y)
-            walls.append(time.perf_counter() - start)
         rounds.append(Round(units, pipe.forward_overhead, pipe.backward_overhead,
-                            pipe.step_overhead, pipe.link, statistics.median(walls)))
+                            pipe.step_overhead, pipe.link, median_step(pipe, x, y, args.steps)))
     totals = [sum(s.f + s.b for s in r.units.stages) for r in rounds]
     middle = rounds[int(np.argsort(totals)[len(totals) // 2])].units
     forward = tuple(np.median([r.forward_overhead for r in rounds], axis=0))

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import types
 
 import torch
-from two_stages import add_model_arguments, at_least_one
+from two_stages import add_model_arguments, at_least_one, median_step
 
 import fxpipe
 from fxpipe.models import bundled
@@ -60,15 +59,7 @@ def main() -> None:
                 transport.send = types.MethodType(wake_every_stage, transport)
             else:
                 vars(transport).pop("send", None)  # the class's send again
-            settled = time.perf_counter() + 0.2
-            while time.perf_counter() < settled:
-                pipe.step(x, y)
-            timed = []
-            for _ in range(10):
-                start = time.perf_counter()
-                pipe.step(x, y)
-                timed.append(time.perf_counter() - start)
-            steps[woken].append(statistics.median(timed))
+            steps[woken].append(median_step(pipe, x, y, 10))
     own, every = (statistics.median(v) for v in steps.values())
     print(f"{args.model}, {args.stages} stage threads, {args.schedule}, batch {args.batch}, "
           f"{args.micro_batches} micro-batches, {args.rounds} rounds (medians):")

@@ -38,6 +38,25 @@ def add_model_arguments(parser: argparse.ArgumentParser, model: str,
         parser.add_argument("--steps", type=at_least_one, default=steps, help="timed steps")
 
 
+def median_step(pipe: fxpipe.CompiledPipeline, x: Any, y: Any, steps: int = 1,
+                seconds: float = 0.0, settle: float = 0.2) -> float:
+    """The median of timed training steps' seconds, `steps` of them or as many as fill
+    `seconds` where that is more, after untimed steps for `settle` seconds, as `fxpipe bench`
+    runs a round (after a pause, steps run at another speed for a while:
+    benchmarks/after_pause.py). In one process: under torchrun, ranks timing their own seconds
+    would run different numbers of steps."""
+    settled = time.perf_counter() + settle
+    while time.perf_counter() < settled:
+        pipe.step(x, y)
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(times) < steps or time.perf_counter() < end:
+        start = time.perf_counter()
+        pipe.step(x, y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def time_per_kind(events: list[Event]) -> dict[tuple[int, str], float]:
     """Seconds per (stage, kind of action) over one step's events."""
     total: dict[tuple[int, str], float] = {}
@@ -84,14 +103,12 @@ class TwoStages:
         self.pipe.step(self.x, self.y)
         return time.perf_counter() - start
 
-    def settled_step(self, steps: int, settle: float = 0.2) -> float:
-        """The median of `steps` timed steps' seconds, after untimed steps for `settle`
-        seconds, as `fxpipe bench` runs them (after a pause, steps run at another speed for a
-        while)."""
-        settled = time.perf_counter() + settle
-        while time.perf_counter() < settled:
-            self.pipe.step(self.x, self.y)
-        return statistics.median(self.timed_step() for _ in range(steps))
+    def settled_step(self, steps: int) -> float:
+        """median_step of `steps` steps (in stage threads of one process)."""
+        if self.distributed:
+            raise SystemExit("this script times its steps in one process: run it with python, "
+                             "not torchrun")
+        return median_step(self.pipe, self.x, self.y, steps)
 
     def predicted_then_run(self, steps: int) -> PredictedRun:
         """Time the units and the runtime's own work per action afresh and predict a step
