@@ -1,0 +1,78 @@
+"""Benchmark: 2 stage threads' steps on a core each, both on one core, or where the OS puts them.
+
+Stage threads of one process share Python's interpreter lock, and every operator of a forward
+takes it again. Where a model's operators are short, as the bundled MLP's are, the lock passes
+between the threads many times per action, and it passes faster between threads on one core
+than between cores. This script compiles a bundled model into 2 stage threads and alternates,
+round by round, between three placements of the stage threads (the main thread stays where it
+may run): each on a core of its own, both on the first core, and unbound. Each round runs
+untimed steps for 0.2 s, then timed ones for `--seconds` (as `fxpipe bench` runs a round). It
+prints each round's median step per placement, and per placement the median and the spread
+(largest / smallest) of the rounds'.
+
+    OMP_NUM_THREADS=1 python benchmarks/thread_placement.py --model mlp --schedule gpipe
+    OMP_NUM_THREADS=1 python benchmarks/thread_placement.py --model gpt --schedule 1f1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+from collections.abc import Callable
+
+from two_stages import add_model_arguments, at_least_one, median_step, two_stages
+
+import fxpipe
+
+
+def place(pipe: fxpipe.CompiledPipeline, cpus_of_stage: Callable[[int], set[int]]) -> None:
+    """Bind each stage's worker thread to `cpus_of_stage(s)`, on that thread. Every worker
+    takes one stage (they meet at a barrier), whichever worker takes which."""
+    workers = len(pipe.executor.runners)
+    met = threading.Barrier(workers)
+
+    def bind(s: int) -> None:
+        met.wait()
+        os.sched_setaffinity(0, cpus_of_stage(s))
+
+    pipe.executor.driver.on_stage_workers(bind)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, "mlp", schedule=True)
+    parser.add_argument("--rounds", type=at_least_one, default=8, help="rounds per placement")
+    parser.add_argument("--seconds", type=float, default=0.2, help="of timed steps per round")
+    args = parser.parse_args()
+    if not hasattr(os, "sched_setaffinity"):
+        parser.error("binding threads to cores needs os.sched_setaffinity (Linux)")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        parser.error("this process may use one CPU: nothing to place apart")
+    setup = two_stages(args, schedule=args.schedule, partitioner="even")
+    if setup.distributed:
+        parser.error("stage threads of one process: run it with python, not torchrun")
+    placements = {"a core each": lambda s: {cpus[s % len(cpus)]},
+                  "one core": lambda s: {cpus[0]},
+                  "unbound": lambda s: set(cpus)}
+    medians: dict[str, list[float]] = {name: [] for name in placements}
+    names = list(placements)
+    try:
+        for index in range(args.rounds):
+            for name in names[index % 3:] + names[:index % 3]:  # each placement first in turn
+                place(setup.pipe, placements[name])
+                medians[name].append(median_step(setup.pipe, setup.x, setup.y, steps=3,
+                                                 seconds=args.seconds) * 1e3)
+    finally:
+        place(setup.pipe, placements["unbound"])
+    print(f"{args.model}, {setup.where}, even {setup.pipe.partition.bounds}, {args.schedule}, "
+          f"batch {args.batch}, {args.micro_batches} micro-batches: median step ms per round")
+    for name, values in medians.items():
+        print(f"  {name:12s} {' '.join(f'{v:.2f}' for v in values)}   median "
+              f"{statistics.median(values):.2f}, spread {max(values) / min(values):.2f}")
+
+
+if __name__ == "__main__":
+    main()
