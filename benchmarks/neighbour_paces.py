@@ -40,8 +40,9 @@ import fxpipe.simulate as simulate
 from fxpipe.affinity import usable_cores
 from fxpipe.bench import PROFILE_SECONDS
 from fxpipe.cost import Partition
-from fxpipe.schedules import ActionKind
-from fxpipe.simulate import _Run
+from fxpipe.distributed import launched
+from fxpipe.schedules import ActionKind, one_f_one_b
+from fxpipe.simulate import _Run, _Work
 
 F, B = ActionKind.F, ActionKind.B
 Slowdowns = list[dict[ActionKind, dict[ActionKind, float]]]  # [stage][own kind][beside kind]
@@ -57,15 +58,17 @@ class NeighbourPaced(_Run):
         self.slowdowns = slowdowns
 
     def run(self) -> None:
-        paces: dict[int, float] = {}  # the pace each work's end was last worked out at
+        paces: dict[int, tuple[_Work, float]] = {}  # each work, the pace its end is set at
         while True:
             self._settle()
             now = {s: self._pace_of(s) for s in self.work}
             for s, work in self.work.items():
-                before = paces.get(s, 1.0)  # a work just begun ends as at its own pace
+                earlier, before = paces.get(s, (None, 1.0))
+                if earlier is not work:  # begun since: its end was set at its own pace
+                    before = 1.0
                 if now[s] != before:
                     work.end = self.now + (work.end - self.now) * before / now[s]
-            paces = now
+            paces = {s: (work, now[s]) for s, work in self.work.items()}
             times = [w.end for w in self.work.values()] + [
                 self.finished[m] for m in map(self._message, self.posted) if m in self.finished]
             if not times:
@@ -82,6 +85,25 @@ class NeighbourPaced(_Run):
         if own is None or not beside:
             return 1.0
         return 1.0 / max(self.slowdowns[s][own][k] for k in beside)
+
+
+def check_event_loop() -> None:
+    """Stop unless NeighbourPaced times a schedule as the simulator's own loop does where they
+    agree: computes at half their pace beside any other compute, and one core shared by
+    stages whose only work is their computes (no link, posting or slowdown terms)."""
+    schedule = one_f_one_b(2, 4)
+    forward, backward = [1.0, 1.5], [2.0, 2.5]
+    shared = simulate.simulate(schedule, forward, backward, cores=1).makespan
+    halved = [{k: {j: 2.0 for j in (F, B)} for k in (F, B)} for _ in range(2)]
+    simulate._Run = functools.partial(NeighbourPaced, slowdowns=halved)
+    try:
+        paced = simulate.simulate(schedule, forward, backward).makespan
+    finally:
+        simulate._Run = _Run
+    if not math.isclose(paced, shared, rel_tol=1e-9):
+        raise SystemExit(f"the paced event loop timed a step at {paced} where the simulator's "
+                         f"own, on one shared core, timed it at {shared}: compare NeighbourPaced "
+                         "with fxpipe.simulate._Run")
 
 
 def paced_prediction(pipe: fxpipe.CompiledPipeline, base: Partition,
@@ -131,12 +153,13 @@ def main() -> None:
                         help="seconds of the units' timed repetitions per micro-batch size "
                              "(the bench's, by default)")
     args = parser.parse_args()
-    if usable_cores() < 2:
-        parser.error("2 stage threads need a core each for this comparison")
-    setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
-    if setup.distributed:
+    if launched():
         parser.error("the stages pace each other as threads of one process: run it with "
                      "python, not torchrun")
+    if usable_cores() < 2:
+        parser.error("2 stage threads need a core each for this comparison")
+    check_event_loop()
+    setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
     pipe, x, y = setup.pipe, setup.x, setup.y
     compiled = pipe.timing
     timings = {"crossed": compiled, "alone": dataclasses.replace(compiled, concurrency=1),
@@ -160,14 +183,14 @@ def main() -> None:
         finally:
             pipe.timing = compiled
         beside = {F: timed["forwards"], B: timed["backwards"]}
-        alone = by_neighbour(pipe, timed["alone"], beside)
+        neighbour_slowdowns = by_neighbour(pipe, timed["alone"], beside)
         round_predictions = {
             "crossed": pipe.predicted_timeline(timed["crossed"]).makespan + pipe.step_overhead,
-            "by neighbour": paced_prediction(pipe, timed["alone"], alone),
+            "by neighbour": paced_prediction(pipe, timed["alone"], neighbour_slowdowns),
             "same kind slowed": paced_prediction(pipe, timed["crossed"],
                                                  same_kind(pipe, timed["crossed"], beside)),
         }
-        unpaced = [{k: {j: 1.0 for j in (F, B)} for k in (F, B)} for _ in alone]
+        unpaced = [{k: {j: 1.0 for j in (F, B)} for k in (F, B)} for _ in neighbour_slowdowns]
         if not math.isclose(paced_prediction(pipe, timed["crossed"], unpaced),
                             round_predictions["crossed"], rel_tol=1e-9):
             raise SystemExit("the paced event loop no longer times a step as the simulator "
@@ -180,7 +203,7 @@ def main() -> None:
                          f"({measured[-1] / round_predictions[way]:.2f})")
         paces = "  ".join(f"s{s} " + " ".join(f"{k.name}|{j.name} {stage[k][j]:.2f}"
                                               for k in (F, B) for j in (F, B))
-                          for s, stage in enumerate(alone))
+                          for s, stage in enumerate(neighbour_slowdowns))
         print(f"round {index}: measured {measured[-1] * 1e3:.2f}; " + "; ".join(cells)
               + f" | {paces}", flush=True)
     for way in ways:

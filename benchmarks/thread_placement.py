@@ -25,6 +25,7 @@ from collections.abc import Callable
 from two_stages import add_model_arguments, at_least_one, median_step, two_stages
 
 import fxpipe
+from fxpipe.distributed import launched
 
 
 def place(pipe: fxpipe.CompiledPipeline, cpus_of_stage: Callable[[int], set[int]]) -> None:
@@ -51,9 +52,9 @@ def main() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         parser.error("this process may use one CPU: nothing to place apart")
-    setup = two_stages(args, schedule=args.schedule, partitioner="even")
-    if setup.distributed:
+    if launched():
         parser.error("stage threads of one process: run it with python, not torchrun")
+    setup = two_stages(args, schedule=args.schedule, partitioner="even")
     placements = {"a core each": lambda s: {cpus[s % len(cpus)]},
                   "one core": lambda s: {cpus[0]},
                   "unbound": lambda s: set(cpus)}

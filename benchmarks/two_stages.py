@@ -43,8 +43,11 @@ def median_step(pipe: fxpipe.CompiledPipeline, x: Any, y: Any, steps: int = 1,
     """The median of timed training steps' seconds, `steps` of them or as many as fill
     `seconds` where that is more, after untimed steps for `settle` seconds, as `fxpipe bench`
     runs a round (after a pause, steps run at another speed for a while:
-    benchmarks/after_pause.py). In one process: under torchrun, ranks timing their own seconds
-    would run different numbers of steps."""
+    benchmarks/after_pause.py). In one process only: under torchrun, ranks timing their own
+    seconds would run different numbers of steps, and wait for each other forever."""
+    if launched():
+        raise SystemExit("median_step times steps in one process: run this script with python, "
+                         "not torchrun")
     settled = time.perf_counter() + settle
     while time.perf_counter() < settled:
         pipe.step(x, y)

@@ -189,6 +189,10 @@ class DistCoordinator:
                  for e in events] for events, origin in runs]
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
+        if len({len(share) for share in everyone}) > 1:  # every rank sees it, and raises
+            counts = ", ".join(f"rank {r}: {len(share)}" for r, share in enumerate(everyone))
+            raise FxpipeError(f"the ranks gathered the traces of different numbers of runs "
+                              f"({counts}); every rank must pass the same runs")
         gathered = []
         for run in range(len(runs)):
             flat = [item for share in everyone for item in share[run]]

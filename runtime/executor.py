@@ -116,8 +116,10 @@ class Coordinator(Protocol):
 
     def gather_events(self, runs: Sequence[tuple[list[Event], float]]) -> list[list[Event]]:
         """Every stage's events of each run in `runs` (this rank's events of it and the
-        wall-clock time they count from; each rank's own under torchrun: one collective for
-        all of them), each run on a time axis of its own, seconds from its earliest start."""
+        wall-clock time they count from), each run on a time axis of its own: under torchrun,
+        where each rank holds its own events, seconds from the earliest start among the ranks
+        (one collective for all the runs; every rank must pass as many); in one process, the
+        run's own."""
 
     def gather_job_events(self, events: list[Event], origin: float) -> dict[int, list[Event]]:
         """As gather_events for one run, for every pipeline group of the job (a collective
@@ -316,7 +318,7 @@ class PipelineExecutor:
 
     def recent_steps(self) -> list[tuple[list[Event], float]]:
         """The last training steps (at most RECENT_STEPS), the last run the newest, that ran its
-        schedule on micro-batches of its sizes, each as `full_trace` takes it (its last_trace()
+        schedule on micro-batches of its sizes, each as `full_traces` takes it (its last_trace()
         and trace_origin); [] when the last run was not a training step."""
         return list(self._recent)
 

@@ -201,6 +201,12 @@ def train(name, stages, schedule, micro_batches, out):
         finally:
             dist.all_gather_object = gather
         assert len(exchanges) == 1  # the recent steps' traces, all in one
+        try:  # as many runs on no two ranks: every rank says so
+            pipe.executor.full_traces(kept[:1 + dist.get_rank()])
+        except fxpipe.FxpipeError as error:
+            assert "different numbers of runs (rank 0: 1, rank 1: 2" in str(error), error
+        else:
+            raise AssertionError("ranks gathering different numbers of runs went unnoticed")
         assert report.startswith("step (")
         # the training steps, of one size each, beside the last (the measures since, none)
         assert f"\nthe last {min(len(data), 10)} steps like it: " in report
