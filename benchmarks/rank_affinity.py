@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch.distributed as dist
-from two_stages import add_model_arguments, at_least_one, two_stages
+from two_stages import add_model_arguments, at_least_one, rounds_line, two_stages
 
 from fxpipe.affinity import core_share, pin_process
 
@@ -54,8 +54,7 @@ def main() -> None:
         print(f"{args.model}, {args.schedule}, {setup.where}: median step ms of each round "
               f"of {args.steps} steps")
         for binding, values in medians.items():
-            print(f"  {binding:8s} {' '.join(f'{v:.2f}' for v in values)}   median "
-                  f"{statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}")
+            print(rounds_line(binding, values, 8))
 
 
 if __name__ == "__main__":

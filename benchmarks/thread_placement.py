@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import threading
 from collections.abc import Callable
 
-from two_stages import add_model_arguments, at_least_one, median_step, two_stages
+from two_stages import add_model_arguments, at_least_one, median_step, rounds_line, two_stages
 
 import fxpipe
 from fxpipe.distributed import launched
@@ -71,8 +70,7 @@ def main() -> None:
     print(f"{args.model}, {setup.where}, even {setup.pipe.partition.bounds}, {args.schedule}, "
           f"batch {args.batch}, {args.micro_batches} micro-batches: median step ms per round")
     for name, values in medians.items():
-        print(f"  {name:12s} {' '.join(f'{v:.2f}' for v in values)}   median "
-              f"{statistics.median(values):.2f}, spread {max(values) / min(values):.2f}")
+        print(rounds_line(name, values, 12))
 
 
 if __name__ == "__main__":
