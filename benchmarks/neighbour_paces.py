@@ -26,11 +26,12 @@ way's measured / predicted and how far its predictions spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from two_stages import add_model_arguments, at_least_one, median_step, two_stages
@@ -87,6 +88,16 @@ class NeighbourPaced(_Run):
         return 1.0 / max(self.slowdowns[s][own][k] for k in beside)
 
 
+@contextlib.contextmanager
+def paced(slowdowns: Slowdowns) -> Iterator[None]:
+    """Within it, fxpipe.simulate.simulate runs its schedules with NeighbourPaced."""
+    simulate._Run = functools.partial(NeighbourPaced, slowdowns=slowdowns)
+    try:
+        yield
+    finally:
+        simulate._Run = _Run
+
+
 def check_event_loop() -> None:
     """Stop unless NeighbourPaced times a schedule as the simulator's own loop does where they
     agree: computes at half their pace beside any other compute, and one core shared by
@@ -95,13 +106,10 @@ def check_event_loop() -> None:
     forward, backward = [1.0, 1.5], [2.0, 2.5]
     shared = simulate.simulate(schedule, forward, backward, cores=1).makespan
     halved = [{k: {j: 2.0 for j in (F, B)} for k in (F, B)} for _ in range(2)]
-    simulate._Run = functools.partial(NeighbourPaced, slowdowns=halved)
-    try:
-        paced = simulate.simulate(schedule, forward, backward).makespan
-    finally:
-        simulate._Run = _Run
-    if not math.isclose(paced, shared, rel_tol=1e-9):
-        raise SystemExit(f"the paced event loop timed a step at {paced} where the simulator's "
+    with paced(halved):
+        halving = simulate.simulate(schedule, forward, backward).makespan
+    if not math.isclose(halving, shared, rel_tol=1e-9):
+        raise SystemExit(f"the paced event loop timed a step at {halving} where the simulator's "
                          f"own, on one shared core, timed it at {shared}: compare NeighbourPaced "
                          "with fxpipe.simulate._Run")
 
@@ -109,12 +117,8 @@ def check_event_loop() -> None:
 def paced_prediction(pipe: fxpipe.CompiledPipeline, base: Partition,
                      slowdowns: Slowdowns) -> float:
     """The step predicted from `base`'s stage costs, each compute paced by `slowdowns`."""
-    # what fxpipe.simulate.simulate runs the schedule with
-    simulate._Run = functools.partial(NeighbourPaced, slowdowns=slowdowns)
-    try:
+    with paced(slowdowns):
         return pipe.predicted_timeline(base).makespan + pipe.step_overhead
-    finally:
-        simulate._Run = _Run
 
 
 def action_time(pipe: fxpipe.CompiledPipeline, partition: Partition, s: int,

@@ -117,9 +117,6 @@ class TwoStages:
 
     def settled_step(self, steps: int) -> float:
         """median_step of `steps` steps (in stage threads of one process)."""
-        if self.distributed:
-            raise SystemExit("this script times its steps in one process: run it with python, "
-                             "not torchrun")
         return median_step(self.pipe, self.x, self.y, steps)
 
     def predicted_then_run(self, steps: int) -> PredictedRun:

@@ -549,7 +549,7 @@ class PipelineExecutor:
         """full_trace of each run `kept` (its `last_trace()` and `trace_origin`, taken right
         after it), so that several runs are gathered at once after they all ran (under
         torchrun every rank of the pipeline must call it, with as many runs)."""
-        return self.coordinator.gather_events([(list(events), origin) for events, origin in kept])
+        return self.coordinator.gather_events(kept)  # which copies the events
 
     def job_trace(self) -> dict[int, list[Event]]:
         """full_trace for every pipeline group of the job (every rank of the job must call it)."""
