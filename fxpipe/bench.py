@@ -71,18 +71,15 @@ class BenchRow:
     measured_bubble: float
     memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the measured peak
     memory_kind: str = "estimate"  # or "peak" (measured: per device, or per rank on the CPU)
-    # the smallest and largest of the rounds' predictions (predicted_ms is their median)
-    predicted_low_ms: float = float("nan")
-    predicted_high_ms: float = float("nan")
-    # the smallest and largest of the rounds' median steps (measured_ms: all steps' median)
-    measured_low_ms: float = float("nan")
-    measured_high_ms: float = float("nan")
+    # each round's prediction (predicted_ms is their median) and median step (measured_ms:
+    # all timed steps' median), in the order the rounds ran; empty where not known
+    round_predicted_ms: tuple[float, ...] = ()
+    round_measured_ms: tuple[float, ...] = ()
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
     late_steps: float = float("nan")
     # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
     late_ms: float = float("nan")
     on_cpu: bool = True  # whether the stages computed on the CPU (else on GPUs)
-    rounds: int = 0  # how many predictions predicted_ms is the median of (0: not known)
     timed_steps: int = 0  # how many steps measured_ms is the median of (0: not known)
     # stage threads beyond the cores (pipe.thread_capacity): how much of the units' work as
     # many threads as the cores, and as the stages, got through at once against one (else nan)
@@ -94,24 +91,45 @@ class BenchRow:
         return self.measured_ms / self.predicted_ms if self.predicted_ms > 0 else float("nan")
 
     @property
+    def rounds(self) -> int:
+        """How many predictions predicted_ms is the median of (0: not known)."""
+        return len(self.round_predicted_ms)
+
+    @property
+    def predicted_low_ms(self) -> float:
+        return min(self.round_predicted_ms, default=float("nan"))
+
+    @property
+    def predicted_high_ms(self) -> float:
+        return max(self.round_predicted_ms, default=float("nan"))
+
+    @property
+    def measured_low_ms(self) -> float:
+        return min(self.round_measured_ms, default=float("nan"))
+
+    @property
+    def measured_high_ms(self) -> float:
+        return max(self.round_measured_ms, default=float("nan"))
+
+    @property
     def predicted_spread(self) -> float:
         """How far the rounds' predictions spread (largest / smallest - 1). Each round times
         the units afresh, so this is how much the machine's speed moved during the row."""
-        return _spread(self.predicted_low_ms, self.predicted_high_ms, self.rounds)
+        return _spread(self.round_predicted_ms)
 
     @property
     def measured_spread(self) -> float:
         """How far the rounds' median steps spread (largest / smallest - 1): the same plan
         run again, its steps moved by the machine's drift and by their own step-to-step noise
         (a round's median is of few steps)."""
-        return _spread(self.measured_low_ms, self.measured_high_ms, self.rounds)
+        return _spread(self.round_measured_ms)
 
 
-def _spread(low: float, high: float, rounds: int) -> float:
-    """high / low - 1, or nan where it is not known or there was one round to compare."""
-    if not low > 0 or rounds == 1:
+def _spread(values: Sequence[float]) -> float:
+    """max / min - 1, or nan where there are fewer than two values to compare."""
+    if len(values) < 2 or not min(values) > 0:
         return float("nan")
-    return high / low - 1
+    return max(values) / min(values) - 1
 
 
 def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[str],
@@ -203,9 +221,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                      for events in pipe.executor.full_traces(kept)]
             times += timed
             round_steps.append(statistics.median(timed))
-        totals = sorted((timeline.makespan + overhead, i)
-                        for i, (timeline, overhead) in enumerate(predictions))
-        predicted, overhead = predictions[totals[(len(totals) - 1) // 2][1]]
+        totals = [timeline.makespan + overhead for timeline, overhead in predictions]
+        middle = sorted(range(len(totals)), key=totals.__getitem__)[(len(totals) - 1) // 2]
+        predicted, overhead = predictions[middle]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
         memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
         if on_cuda:
@@ -219,13 +237,13 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             predicted_ms=(predicted.makespan + overhead) * 1e3,
             measured_ms=statistics.median(times) * 1e3, predicted_bubble=predicted.bubble,
             measured_bubble=measured.bubble, memory=memory, memory_kind=kind,
-            predicted_low_ms=totals[0][0] * 1e3, predicted_high_ms=totals[-1][0] * 1e3,
-            measured_low_ms=min(round_steps) * 1e3, measured_high_ms=max(round_steps) * 1e3,
+            round_predicted_ms=tuple(t * 1e3 for t in totals),
+            round_measured_ms=tuple(t * 1e3 for t in round_steps),
             late_steps=statistics.fmean(found.late > 0 for found in late),
             late_ms=statistics.fmean(found.excess for found in late) * 1e3,
             # this process's stages (under torchrun, this rank's)
             on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
-            rounds=len(predictions), timed_steps=len(times), **_capacities(pipe)))
+            timed_steps=len(times), **_capacities(pipe)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")
         if not launched():  # a bar of its own line ends with it
@@ -348,12 +366,19 @@ def _percent(share: float) -> str:
 def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow([f.name for f in dataclasses.fields(BenchRow)]
-                        + ["ratio", "predicted_spread", "measured_spread"])
+        writer.writerow([f.name for f in dataclasses.fields(BenchRow)] + list(_DERIVED))
         for r in rows:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),  # as the table
-                     "memory": " ".join(f"{m:.0f}" for m in r.memory)}  # bytes per stage
-            writer.writerow([*cells.values(), r.ratio, r.predicted_spread, r.measured_spread])
+                     "memory": " ".join(f"{m:.0f}" for m in r.memory),  # bytes per stage
+                     # ms per round, in the order the rounds ran
+                     "round_predicted_ms": " ".join(f"{v:.4f}" for v in r.round_predicted_ms),
+                     "round_measured_ms": " ".join(f"{v:.4f}" for v in r.round_measured_ms)}
+            writer.writerow([*cells.values(), *(getattr(r, name) for name in _DERIVED)])
+
+
+# the CSV's columns after the fields: what the rows derive from them
+_DERIVED = ("ratio", "rounds", "predicted_low_ms", "predicted_high_ms", "measured_low_ms",
+            "measured_high_ms", "predicted_spread", "measured_spread")
 
 
 def pyplot() -> Any:
@@ -411,8 +436,11 @@ def rows_to_json(path: str, rows: Sequence[BenchRow]) -> None:
 def rows_from_json(path: str) -> list[BenchRow]:
     """The rows rows_to_json wrote."""
     with open(path) as handle:
-        return [BenchRow(**{**row, "sizes": tuple(row["sizes"]), "memory": tuple(row["memory"])})
+        return [BenchRow(**{**row, **{name: tuple(row[name]) for name in _TUPLES}})
                 for row in json.load(handle)]
+
+
+_TUPLES = [f.name for f in dataclasses.fields(BenchRow) if str(f.type).startswith("tuple")]
 
 
 def _rank_peaks(pipe: torch.nn.Module, x: Any, y: Any) -> tuple[float, ...]:

@@ -271,6 +271,12 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in rows)
     assert all(float(r["predicted_low_ms"]) <= float(r["predicted_ms"])
                <= float(r["predicted_high_ms"]) for r in rows)
+    for r in rows:  # each round's figures, as many as the rounds, that low and high sum up
+        for kind in ("predicted", "measured"):
+            figures = [float(v) for v in r[f"round_{kind}_ms"].split()]
+            assert len(figures) == int(r["rounds"]) == 1  # --repeats 1: one round
+            assert (min(figures), max(figures)) == pytest.approx(
+                (float(r[f"{kind}_low_ms"]), float(r[f"{kind}_high_ms"])), rel=1e-4)
     assert "pred spread" in out and "late steps: the timed steps in which a message" in out
     assert "meas spread: how far the rounds' median steps moved" in out
     assert all(0.0 <= float(r["late_steps"]) <= 1.0 for r in rows)
@@ -348,6 +354,7 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
                                progress=False, measure=0.0)
     assert len(scored) == 3
     assert timed_for == [fxpipe.bench.PROFILE_SECONDS] * 3  # longer than compile's timing
+    assert row.round_predicted_ms == pytest.approx([t * 1e3 for t in scored])  # in order
     assert (row.predicted_low_ms, row.predicted_ms, row.predicted_high_ms) == pytest.approx(
         [t * 1e3 for t in sorted(scored)])
     assert row.predicted_spread == pytest.approx(max(scored) / min(scored) - 1)
@@ -356,6 +363,7 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
     # and the median of all nine
     assert (row.measured_low_ms, row.measured_ms, row.measured_high_ms) == pytest.approx(
         (1, 11, 21))
+    assert row.round_measured_ms == pytest.approx((1, 21, 11))  # in the order they ran
     assert row.measured_spread == pytest.approx(20)
 
 
@@ -363,8 +371,7 @@ def test_the_bench_charts_whiskers_span_the_rounds_lowest_to_highest():
     from fxpipe.bench import _whiskers
 
     rows = [BenchRow("even", "gpipe", (2, 2), 2, 2.0, 3.0, 0.0, 0.0, (0.0, 0.0),
-                     predicted_low_ms=1.5, predicted_high_ms=2.25, measured_low_ms=2.0,
-                     measured_high_ms=4.5, rounds=3),
+                     round_predicted_ms=(2.25, 1.5, 2.0), round_measured_ms=(3.0, 4.5, 2.0)),
             BenchRow("even", "1f1b", (2, 2), 2, 2.0, 3.0, 0.0, 0.0, (0.0, 0.0))]  # not known
     (below, above) = _whiskers(rows, "predicted")
     assert (below[0], above[0]) == (0.5, 0.25)
