@@ -4,9 +4,10 @@ Reads the CSVs of `fxpipe bench --csv` runs made with many rounds (`--rounds 15 
 15`) and, for each row, computes measured/predicted again from consecutive groups of
 `--group` of its rounds (rounds 1 to 5, 6 to 10, ...: what a bench run of that many rounds
 would have measured) and from the first N rounds for each N of `--first`. A group's
-measured figure is the median of its rounds' median steps (the bench's own is the median of
-all its timed steps, which comes out close to it). It prints one line per row and counts the
-figures within the target (measured/predicted from 1/1.15 to 1/0.85).
+prediction is its rounds' median (the lower middle one of an even count), as the bench takes
+it; its measured step is the median of its rounds' median steps (the bench's own is the median
+of all its timed steps, which comes out close to it). It prints one line per row and counts
+the figures within the target (measured/predicted from 1/1.15 to 1/0.85).
 
     OMP_NUM_THREADS=1 fxpipe bench mlp --stages 2 --batch 32 --micro-batches 4 \\
         --partitioners even,balanced --schedules gpipe,1f1b --rounds 15 --repeats 15 --csv a.csv
@@ -18,18 +19,33 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 
 LOW, HIGH = 1 / 1.15, 1 / 0.85  # the target: the prediction within 15% of the measured step
 
 
 def ratio(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """Measured over predicted, from rounds' predictions and median steps."""
-    return statistics.median(measured) / statistics.median(predicted)
+    return statistics.median(measured) / statistics.median_low(predicted)
 
 
 def within(value: float) -> bool:
     return LOW <= value <= HIGH
+
+
+def row_ratios(row: Mapping[str, str], group: int, firsts: Sequence[int]
+               ) -> dict[str, list[float]]:
+    """The row's meas/pred: the bench's own, each group's, and each of the first N rounds'."""
+    predicted = [float(v) for v in row["round_predicted_ms"].split()]
+    measured = [float(v) for v in row["round_measured_ms"].split()]
+    ratios = {"the bench's own": [float(row["ratio"])],
+              f"groups of {group}": [ratio(predicted[i:i + group], measured[i:i + group])
+                                     for i in range(0, len(predicted) - group + 1, group)]}
+    for n in firsts:
+        if n <= len(predicted):
+            ratios[f"first {n}"] = [ratio(predicted[:n], measured[:n])]
+    return ratios
 
 
 def main() -> None:
@@ -39,34 +55,22 @@ def main() -> None:
     parser.add_argument("--first", default="5,10,15", help="the first N rounds, for each N")
     args = parser.parse_args()
     firsts = [int(n) for n in args.first.split(",")]
-    counts = {"the bench's own": [0, 0], f"groups of {args.group}": [0, 0],
-              **{f"first {n}": [0, 0] for n in firsts}}
-
-    def count(kind: str, value: float) -> None:
-        counts[kind][0] += within(value)
-        counts[kind][1] += 1
-
+    good, total = Counter(), Counter()
     for path in args.csv:
         with open(path) as handle:
             rows = list(csv.DictReader(handle))
         for row in rows:
-            predicted = [float(v) for v in row["round_predicted_ms"].split()]
-            measured = [float(v) for v in row["round_measured_ms"].split()]
-            groups = [ratio(predicted[i:i + args.group], measured[i:i + args.group])
-                      for i in range(0, len(predicted) - args.group + 1, args.group)]
-            first = {n: ratio(predicted[:n], measured[:n]) for n in firsts
-                     if n <= len(predicted)}
-            count("the bench's own", float(row["ratio"]))
-            for value in groups:
-                count(f"groups of {args.group}", value)
-            for n, value in first.items():
-                count(f"first {n}", value)
-            print(f"{path} {row['partitioner']}/{row['schedule']}: bench {float(row['ratio']):.3f};"
-                  f" groups {' '.join(f'{v:.3f}' for v in groups)};"
-                  f" first {' '.join(f'{n}: {v:.3f}' for n, v in first.items())}"
-                  + ("" if all(map(within, [*groups, *first.values()])) else "  (a miss)"))
-    for kind, (good, total) in counts.items():
-        print(f"{kind}: {good} of {total} within 15%")
+            ratios = row_ratios(row, args.group, firsts)
+            for kind, values in ratios.items():
+                good[kind] += sum(map(within, values))
+                total[kind] += len(values)
+            missed = not all(within(v) for values in ratios.values() for v in values)
+            shown = "; ".join(f"{kind} {' '.join(f'{v:.3f}' for v in values)}"
+                              for kind, values in ratios.items())
+            print(f"{path} {row['partitioner']}/{row['schedule']}: {shown}"
+                  + ("  (a miss)" if missed else ""))
+    for kind in total:
+        print(f"{kind}: {good[kind]} of {total[kind]} within 15%")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -71,8 +71,9 @@ class BenchRow:
     measured_bubble: float
     memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the measured peak
     memory_kind: str = "estimate"  # or "peak" (measured: per device, or per rank on the CPU)
-    # each round's prediction (predicted_ms is their median) and median step (measured_ms:
-    # all timed steps' median), in the order the rounds ran; empty where not known
+    # each round's prediction (predicted_ms: their median, the lower of an even count's two
+    # middle ones) and median step (measured_ms: all timed steps' median), in the order the
+    # rounds ran; empty where not known
     round_predicted_ms: tuple[float, ...] = ()
     round_measured_ms: tuple[float, ...] = ()
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
@@ -123,6 +124,11 @@ class BenchRow:
         run again, its steps moved by the machine's drift and by their own step-to-step noise
         (a round's median is of few steps)."""
         return _spread(self.round_measured_ms)
+
+
+# the CSV's columns after BenchRow's fields: what a row derives from them
+_DERIVED = ("ratio", "rounds", "predicted_low_ms", "predicted_high_ms", "measured_low_ms",
+            "measured_high_ms", "predicted_spread", "measured_spread")
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -222,8 +228,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             times += timed
             round_steps.append(statistics.median(timed))
         totals = [timeline.makespan + overhead for timeline, overhead in predictions]
-        middle = sorted(range(len(totals)), key=totals.__getitem__)[(len(totals) - 1) // 2]
-        predicted, overhead = predictions[middle]
+        predicted, overhead = predictions[_lower_median_index(totals)]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
         memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
         if on_cuda:
@@ -249,6 +254,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         if not launched():  # a bar of its own line ends with it
             print(file=sys.stderr)
     return rows
+
+
+def _lower_median_index(values: Sequence[float]) -> int:
+    """The index of the values' median, the lower middle one of an even count (a round's
+    prediction, whose timeline the row then shows, rather than a mean of two)."""
+    return sorted(range(len(values)), key=values.__getitem__)[(len(values) - 1) // 2]
 
 
 def _capacities(pipe) -> dict[str, float]:
@@ -364,21 +375,21 @@ def _percent(share: float) -> str:
 
 
 def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
+    """One line per row: its fields (a tuple's values space-separated, ms per round in the
+    order the rounds ran), then the figures the row derives from them (_DERIVED)."""
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow([f.name for f in dataclasses.fields(BenchRow)] + list(_DERIVED))
         for r in rows:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),  # as the table
-                     "memory": " ".join(f"{m:.0f}" for m in r.memory),  # bytes per stage
-                     # ms per round, in the order the rounds ran
-                     "round_predicted_ms": " ".join(f"{v:.4f}" for v in r.round_predicted_ms),
-                     "round_measured_ms": " ".join(f"{v:.4f}" for v in r.round_measured_ms)}
+                     "memory": _spaced(f"{m:.0f}" for m in r.memory),  # bytes per stage
+                     "round_predicted_ms": _spaced(map(repr, r.round_predicted_ms)),
+                     "round_measured_ms": _spaced(map(repr, r.round_measured_ms))}
             writer.writerow([*cells.values(), *(getattr(r, name) for name in _DERIVED)])
 
 
-# the CSV's columns after the fields: what the rows derive from them
-_DERIVED = ("ratio", "rounds", "predicted_low_ms", "predicted_high_ms", "measured_low_ms",
-            "measured_high_ms", "predicted_spread", "measured_spread")
+def _spaced(words: Iterable[str]) -> str:
+    return " ".join(words)
 
 
 def pyplot() -> Any:
@@ -436,11 +447,9 @@ def rows_to_json(path: str, rows: Sequence[BenchRow]) -> None:
 def rows_from_json(path: str) -> list[BenchRow]:
     """The rows rows_to_json wrote."""
     with open(path) as handle:
-        return [BenchRow(**{**row, **{name: tuple(row[name]) for name in _TUPLES}})
+        return [BenchRow(**{name: tuple(value) if isinstance(value, list) else value
+                            for name, value in row.items()})  # JSON's arrays: the tuples
                 for row in json.load(handle)]
-
-
-_TUPLES = [f.name for f in dataclasses.fields(BenchRow) if str(f.type).startswith("tuple")]
 
 
 def _rank_peaks(pipe: torch.nn.Module, x: Any, y: Any) -> tuple[float, ...]:
