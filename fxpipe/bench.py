@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -382,14 +382,10 @@ def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
         writer.writerow([f.name for f in dataclasses.fields(BenchRow)] + list(_DERIVED))
         for r in rows:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),  # as the table
-                     "memory": _spaced(f"{m:.0f}" for m in r.memory),  # bytes per stage
-                     "round_predicted_ms": _spaced(map(repr, r.round_predicted_ms)),
-                     "round_measured_ms": _spaced(map(repr, r.round_measured_ms))}
+                     "memory": " ".join(f"{m:.0f}" for m in r.memory),  # bytes per stage
+                     "round_predicted_ms": " ".join(map(repr, r.round_predicted_ms)),
+                     "round_measured_ms": " ".join(map(repr, r.round_measured_ms))}
             writer.writerow([*cells.values(), *(getattr(r, name) for name in _DERIVED)])
-
-
-def _spaced(words: Iterable[str]) -> str:
-    return " ".join(words)
 
 
 def pyplot() -> Any:

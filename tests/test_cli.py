@@ -271,7 +271,7 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in rows)
     assert all(float(r["predicted_low_ms"]) <= float(r["predicted_ms"])
                <= float(r["predicted_high_ms"]) for r in rows)
-    for r in rows:  # each round's figures, as many as the rounds, that low and high sum up
+    for r in rows:  # a figure per round, whose smallest and largest are the low and high
         for kind in ("predicted", "measured"):
             figures = [float(v) for v in r[f"round_{kind}_ms"].split()]
             assert len(figures) == int(r["rounds"]) == 1  # --repeats 1: one round
