@@ -15,6 +15,8 @@ measured steps.
     python benchmarks/timing_noise.py --model mlp --batch 32 --rounds 8 --steps 10
     python benchmarks/timing_noise.py --model mlp --batch 32 --rounds 15 --steps 10 \
         --partitioner even --min-time 0,0.05
+    python benchmarks/timing_noise.py --model mlp --batch 32 --rounds 10 --steps 50 \
+        --partitioner balanced --schedule 1f1b --min-time 0.05,0.5
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
                         help="seconds the timed runs of the units take at least, per "
                              "re-timing; several, comma-separated, to compare them")
     parser.add_argument("--partitioner", default="balanced")
+    parser.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
@@ -52,14 +55,14 @@ def main() -> None:
     net = model.build()
     x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
     plan = fxpipe.Plan(stages=2, partitioner=args.partitioner, micro_batches=args.micro_batches,
-                       loss_fn=model.loss_fn)
+                       schedule=args.schedule, loss_fn=model.loss_fn)
     pipe = fxpipe.compile(net, plan, example_inputs=(x,), cache=False)
     setup = TwoStages(pipe, model, x, y, distributed=False)
     setup.warm_up(2)
     predicted: dict[float, list[float]] = {t: [] for t in args.min_time}
     measured = []
     print(f"{args.model}, 2 stages {list(pipe.partition.sizes)}, batch {args.batch}, "
-          f"{args.micro_batches} micro-batches, gpipe")
+          f"{args.micro_batches} micro-batches, {args.schedule}")
     labels = [f"predicted ms ({t:g} s)" for t in args.min_time]
     print("round  " + "  ".join(labels) + "  measured ms")
     for r in range(args.rounds):
