@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch.distributed as dist
-from two_stages import add_model_arguments, at_least_one, rounds_line, two_stages
+from two_stages import add_model_arguments, at_least_one, print_rounds, two_stages
 
 from fxpipe.affinity import core_share, pin_process
 
@@ -51,10 +51,8 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         medians[binding].append(statistics.median(times) * 1e3)
     if setup.reporting():
-        print(f"{args.model}, {args.schedule}, {setup.where}: median step ms of each round "
-              f"of {args.steps} steps")
-        for binding, values in medians.items():
-            print(rounds_line(binding, values, 8))
+        print_rounds(f"{args.model}, {args.schedule}, {setup.where}: median step ms of each "
+                     f"round of {args.steps} steps", medians)
 
 
 if __name__ == "__main__":

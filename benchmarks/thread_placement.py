@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from two_stages import add_model_arguments, at_least_one, median_step, rounds_line, two_stages
+from two_stages import add_model_arguments, at_least_one, median_step, print_rounds, two_stages
 
 import fxpipe
 from fxpipe.distributed import launched
@@ -67,10 +67,9 @@ def main() -> None:
                                                  seconds=args.seconds) * 1e3)
     finally:
         place(setup.pipe, placements["unbound"])
-    print(f"{args.model}, {setup.where}, even {setup.pipe.partition.bounds}, {args.schedule}, "
-          f"batch {args.batch}, {args.micro_batches} micro-batches: median step ms per round")
-    for name, values in medians.items():
-        print(rounds_line(name, values, 12))
+    print_rounds(f"{args.model}, {setup.where}, even {setup.pipe.partition.bounds}, "
+                 f"{args.schedule}, batch {args.batch}, {args.micro_batches} micro-batches: "
+                 "median step ms per round", medians)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,12 +61,15 @@ def median_step(pipe: fxpipe.CompiledPipeline, x: Any, y: Any, steps: int = 1,
     return statistics.median(times)
 
 
-def rounds_line(label: str, values: Sequence[float], width: int) -> str:
-    """One line for the rounds' figures of one setting: `label` padded to `width`, every
-    round's, then their median and range, and the spread (largest / smallest)."""
-    return (f"  {label:{width}s} {' '.join(f'{v:.2f}' for v in values)}   median "
-            f"{statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}, "
-            f"spread {max(values) / min(values):.2f}")
+def print_rounds(title: str, rounds: Mapping[str, Sequence[float]]) -> None:
+    """Print `title`, then a line per setting of `rounds` (setting -> each round's figure):
+    every round's figure, their median and range, and the spread (largest / smallest)."""
+    print(title)
+    width = max(map(len, rounds), default=0)
+    for label, values in rounds.items():
+        print(f"  {label:{width}s} {' '.join(f'{v:.2f}' for v in values)}   median "
+              f"{statistics.median(values):.2f}, range {min(values):.2f}-{max(values):.2f}, "
+              f"spread {max(values) / min(values):.2f}")
 
 
 def time_per_kind(events: list[Event]) -> dict[tuple[int, str], float]:
