@@ -32,6 +32,7 @@ __all__ = [
     "FILLING_STEPS_MAX",
     "MEASURE_SECONDS",
     "PROFILE_SECONDS",
+    "ROUNDS",
     "BenchRow",
     "StealMeter",
     "bench",
@@ -55,6 +56,11 @@ MEASURE_SECONDS = 0.1
 # and the prediction with them, while the steps' median over the round moves less
 # (benchmarks/timing_noise.py --min-time 0.05,0.5 and prediction_spread.py)
 PROFILE_SECONDS = 0.5
+# rounds per configuration, and timed steps at least (one a round at least): a machine that
+# runs slow for a stretch moves a row of 5 rounds past 15% of its prediction now and then (2
+# stages: 6 of 384 groups of 5 rounds), and a row of 15 rounds less often (none of the 128 rows
+# those groups came from; benchmarks/ACCURACY.md, "over 15 rounds")
+ROUNDS = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +166,8 @@ def check_stage_count_of(build: Callable[[], tuple[torch.nn.Module, Any, Any, Ca
 
 def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stages: int,
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
-          repeats: int = 10, warmup: int = 2, progress: bool = True,
-          rounds: int = 5, profile_repeats: int = 5, settle: float = 0.2,
+          repeats: int = ROUNDS, warmup: int = 2, progress: bool = True,
+          rounds: int = ROUNDS, profile_repeats: int = 5, settle: float = 0.2,
           measure: float = MEASURE_SECONDS, profile_time: float = PROFILE_SECONDS
           ) -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:

@@ -16,6 +16,7 @@ from fxpipe.affinity import usable_cores
 from fxpipe.bench import (
     FILLING_STEPS_MAX,
     MEASURE_SECONDS,
+    ROUNDS,
     BenchRow,
     StealMeter,
     bench,
@@ -539,10 +540,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="the partitioners to compare, comma-separated")
     bench_cmd.add_argument("--schedules", default="gpipe,1f1b",
                            help="the schedules to compare, comma-separated")
-    bench_cmd.add_argument("--repeats", type=at_least_one, default=10,
+    bench_cmd.add_argument("--repeats", type=at_least_one, default=ROUNDS,
                            help="timed steps per configuration, at least (more where "
                                 "--measure asks for them)")
-    bench_cmd.add_argument("--rounds", type=at_least_one, default=5,
+    bench_cmd.add_argument("--rounds", type=at_least_one, default=ROUNDS,
                            help="the timed steps come in this many rounds, each right after "
                                 "the units are timed again for the prediction")
     bench_cmd.add_argument("--measure", type=seconds, default=MEASURE_SECONDS,
