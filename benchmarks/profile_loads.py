@@ -4,11 +4,11 @@ measured step.
 Stage threads of one process slow each other, so compile times the units beside a busy
 neighbour, and what that neighbour runs (profile_units' `load`) shapes the prediction. This
 script compiles a bundled model into stage threads (`--stages`, 2 by default), then alternates,
-round by round: for each
-load, re-time the units with it (`fxpipe.retime`, the target's loss too) and predict the step
-as `fxpipe bench` does (the schedule plus the runtime's time per step, per forward and per
-backward, measured once per round); then run untimed steps for 0.2 s and a few timed ones. The
-load that goes first rotates from round to round. It prints, per load, the median measured step
+round by round: for each load, re-time the units with it (`fxpipe.retime` for `--min-time`
+seconds per micro-batch size, the target's loss too) and predict the step as `fxpipe bench`
+does (the schedule plus the runtime's time per step, per forward and per backward, measured
+once per round); then run untimed steps for 0.2 s and `--steps` timed ones. The load that goes
+first rotates from round to round. It prints, per load, the median measured step
 over the median predicted one, and how far the rounds' predictions spread (max / min): ratios
 measured side by side, against the same steps.
 

@@ -80,8 +80,10 @@ DEFAULT_LOAD = "crossed"
 # 1.43x and 1.45x, max/min), and at 1.08 and 1.10 of the one from "stage" timings (1.58x and
 # 1.98x); with `--partitioner balanced --rounds 6` the GPT (1f1b), ResNet (1f1b) and VGG (gpipe,
 # --batch 64) came to 0.96, 0.98 and 0.97 crossed, and 0.92, 0.99 and 1.04 beside a stage
-# (spreads 1.03x to 1.24x). All of it on 2 cores: with more stage threads every neighbour runs
-# the other kind as well, which nothing here measured.
+# (spreads 1.03x to 1.24x). With 4 stage threads on 2 cores (`--stages 4 --micro-batches 8
+# --min-time 0.5`, the MLP, even), crossed came closest in three of four comparisons, the
+# stage load 0.02 closer in the fourth, and timing beside forwards or backwards alone was off by
+# 13% to 42% (benchmarks/ACCURACY.md, "What the neighbours run, with 4 stage threads").
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
