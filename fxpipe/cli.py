@@ -545,7 +545,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "--measure asks for them)")
     bench_cmd.add_argument("--rounds", type=at_least_one, default=ROUNDS,
                            help="the timed steps come in this many rounds, each right after "
-                                "the units are timed again for the prediction")
+                                "the units are timed again for the prediction (at most "
+                                "--repeats: a round times one step at least)")
     bench_cmd.add_argument("--measure", type=seconds, default=MEASURE_SECONDS,
                            help="each round times as many steps as the prediction says fill "
                                 f"this many seconds (at most {FILLING_STEPS_MAX}) where that is "
