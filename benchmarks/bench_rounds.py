@@ -1,7 +1,7 @@
 """Benchmark: how a bench row's meas/pred depends on how many rounds measured it.
 
-Reads the CSVs of `fxpipe bench --csv` runs made with many rounds (`--rounds 15 --repeats
-15`) and, for each row, computes measured/predicted again from consecutive groups of
+Reads the CSVs of `fxpipe bench --csv` runs made with many rounds (15, the bench's default
+since b97be3a) and, for each row, computes measured/predicted again from consecutive groups of
 `--group` of its rounds (rounds 1 to 5, 6 to 10, ...: what a bench run of that many rounds
 would have measured) and from the first N rounds for each N of `--first`. A group's
 prediction is its rounds' median (the lower middle one of an even count), as the bench takes

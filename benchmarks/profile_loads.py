@@ -5,7 +5,8 @@ Stage threads of one process slow each other, so compile times the units beside 
 neighbour, and what that neighbour runs (profile_units' `load`) shapes the prediction. This
 script compiles a bundled model into stage threads (`--stages`, 2 by default), then alternates,
 round by round: for each load, re-time the units with it (`fxpipe.retime` for `--min-time`
-seconds per micro-batch size, the target's loss too) and predict the step as `fxpipe bench`
+seconds per micro-batch size, the target's loss too: compile counts it in the partition, as
+the bench does) and predict the step as `fxpipe bench`
 does (the schedule plus the runtime's time per step, per forward and per backward, measured
 once per round); then run untimed steps for 0.2 s and `--steps` timed ones. The load that goes
 first rotates from round to round. It prints, per load, the median measured step
@@ -14,7 +15,7 @@ measured side by side, against the same steps.
 
     python benchmarks/profile_loads.py --model mlp --schedule 1f1b
     python benchmarks/profile_loads.py --model gpt --schedule gpipe --rounds 6
-    python benchmarks/profile_loads.py --model mlp --schedule gpipe --stages 4 \
+    python benchmarks/profile_loads.py --model mlp --schedule gpipe --stages 4 \\
         --micro-batches 8 --min-time 0.5
 """
 

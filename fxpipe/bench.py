@@ -57,9 +57,9 @@ MEASURE_SECONDS = 0.1
 # (benchmarks/timing_noise.py --min-time 0.05,0.5 and prediction_spread.py)
 PROFILE_SECONDS = 0.5
 # rounds per configuration, and timed steps at least (one a round at least): a machine that
-# runs slow for a stretch moves a row of 5 rounds past 15% of its prediction now and then, and
-# a row of 15 rounds less often (2 stages: 8 of 576 groups of 5 rounds, none of the 192 rows
-# they came from; benchmarks/ACCURACY.md, "with the bench's defaults of 15 rounds")
+# runs slow for a stretch moves a row of 5 rounds out of the 15% target now and then, and a row
+# of 15 rounds less often (2 stages: 8 of 576 groups of 5 rounds missed it, and none of the 192
+# rows of 15 rounds; benchmarks/ACCURACY.md, "with the bench's defaults of 15 rounds")
 ROUNDS = 15
 
 

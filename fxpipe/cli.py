@@ -205,6 +205,7 @@ def _bench(args: argparse.Namespace) -> None:
         rows = _bench_rows(args, build, micro_batches, partitioners, schedules)
     if rows is None:  # a rank under torchrun: rank 0 of the job reports
         return
+    title += _rounds_of(rows)
     if args.nproc:
         title += f", {args.nproc} processes under torchrun"
     print(title)
@@ -250,6 +251,16 @@ def _bench_build(args: argparse.Namespace) -> Callable[[], tuple]:
         return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
 
     return build
+
+
+def _rounds_of(rows: Sequence[BenchRow]) -> str:
+    """How many rounds the rows were measured in, for the table's title (at most --repeats, so
+    it can be fewer than --rounds asked for); "" where not known."""
+    counts = sorted({row.rounds for row in rows if row.rounds})
+    if not counts:
+        return ""
+    span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    return f", {span} round{'s' if counts[-1] > 1 else ''}"
 
 
 def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],

@@ -259,7 +259,9 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
             "--csv", str(csv_path), "--png", str(png_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "mlp: 2 stages, batch 8" in out and "memory per stage (estimate)" in out
+    # --repeats 1 leaves one round of the default 15: the title says how many ran
+    assert "mlp: 2 stages, batch 8, micro-batches 2, 1 round\n" in out
+    assert "memory per stage (estimate)" in out
     for schedule in ("gpipe", "1f1b"):  # the best automatic partition against even, each
         assert f"{schedule}: best automatic partition csimd (" in out
     assert out.count("the speed of even") == 2
@@ -305,6 +307,17 @@ def test_progress_of_a_torchrun_bench_is_relayed_and_the_rest_kept_for_errors(ca
     assert "UserWarning" not in shown and "boom" not in shown
     assert "UserWarning: something" in rest and "Traceback: boom" in rest
     assert "1/2" not in rest
+
+
+@pytest.mark.parametrize(("rounds", "title"), [
+    ([15, 15], ", 15 rounds"), ([1], ", 1 round"), ([3, 5, 3], ", 3 to 5 rounds"), ([0], "")])
+def test_bench_title_says_how_many_rounds_its_rows_ran(rounds, title):
+    from fxpipe.cli import _rounds_of
+
+    rows = [BenchRow("even", "gpipe", (2, 2), 2, 1.0, 1.0, 0.0, 0.0, (0.0, 0.0),
+                     round_predicted_ms=(1.0,) * n, round_measured_ms=(1.0,) * n)
+            for n in rounds]
+    assert _rounds_of(rows) == title
 
 
 def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypatch):

@@ -80,10 +80,11 @@ DEFAULT_LOAD = "crossed"
 # 1.43x and 1.45x, max/min), and at 1.08 and 1.10 of the one from "stage" timings (1.58x and
 # 1.98x); with `--partitioner balanced --rounds 6` the GPT (1f1b), ResNet (1f1b) and VGG (gpipe,
 # --batch 64) came to 0.96, 0.98 and 0.97 crossed, and 0.92, 0.99 and 1.04 beside a stage
-# (spreads 1.03x to 1.24x). With 4 stage threads on 2 cores (`--stages 4 --micro-batches 8
-# --min-time 0.5`, the MLP, even), crossed came closest in three of four comparisons, the
-# stage load 0.02 closer in the fourth, and timing beside forwards or backwards alone was off by
-# 13% to 42% (benchmarks/ACCURACY.md, "What the neighbours run, with 4 stage threads").
+# (spreads 1.03x to 1.24x; before 0e39144, the script compiled without the target). With 4
+# stage threads on 2 cores (`--stages 4 --micro-batches 8 --min-time 0.5`, the MLP, even),
+# crossed came closest in two of four comparisons, "stage" and "backwards" each 0.02 closer in
+# one, and timing beside forwards or backwards alone put measured/predicted at 0.58 to 1.38
+# (benchmarks/ACCURACY.md, "What the neighbours run, with 4 stage threads").
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
