@@ -72,7 +72,7 @@ __all__ = [
 _FORMAT = 11  # bump when the cached record changes (or how it is measured)
 
 # what the background workers can run while the units are timed (profile_units' `load`)
-LOADS = ("crossed", "stage", "forwards", "backwards")
+LOADS = ("crossed", "same", "stage", "forwards", "backwards")
 DEFAULT_LOAD = "crossed"
 # Why "crossed" by default: `python benchmarks/profile_loads.py --model mlp --schedule S` (10
 # rounds, one run each) measured the bundled MLP's step in 2 stage threads at 1.05 (1f1b) and
@@ -211,7 +211,10 @@ def profile_units(
     forwards, and the loss's forward, beside workers running backwards only; the backwards,
     and the loss's backward, beside workers running forwards only: two timings of each size,
     so the timing takes about twice as long; once, as "stage", on a meta model timed in
-    several runs), "stage" (the units' forwards, then a backward, as a pipeline stage does),
+    several runs), "same" (the other way round: the forwards beside workers running forwards
+    only, the backwards beside workers running backwards only, as GPipe's phases run them;
+    as "stage" where "crossed" is), "stage" (the units' forwards, then a backward, as a
+    pipeline stage does),
     "forwards" (forwards only) or "backwards" (backwards only, again and
     again through one retained graph); profile_parts.py in benchmarks compares what each
     makes of the units. Stage threads of one process slow each other mostly through Python's
@@ -289,11 +292,14 @@ def profile_units(
 
         # a meta model timed in several runs has its neighbours time copies of the units run
         # by run, whatever the load
-        if load != "crossed" or concurrency < 2 or (runs.meta and len(runs.ranges) > 1):
-            rows = timed_beside("stage" if load == "crossed" else load)
-        else:
+        paired = load in ("crossed", "same")
+        if not paired or concurrency < 2 or (runs.meta and len(runs.ranges) > 1):
+            rows = timed_beside("stage" if paired else load)
+        else:  # the forward figures from the first timing, the backward ones from the second
+            first, second = (("backwards", "forwards") if load == "crossed"
+                             else ("forwards", "backwards"))
             rows = [_crossed(forwards, backwards) for forwards, backwards in
-                    zip(timed_beside("backwards"), timed_beside("forwards"))]
+                    zip(timed_beside(first), timed_beside(second))]
         with preserved_state(graph), gradients_set_aside(graph):
             saved, peak = _memory(graph, table, [_on(resize(flat_inputs, dims, size), device)
                                                  for size in sizes], device, runs)

@@ -297,16 +297,19 @@ def test_the_loss_backward_leaves_out_the_call_the_last_stage_pays_once(three_un
 def test_an_unknown_background_load_is_named_with_the_choices():
     model, x = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), torch.randn(4, 4)
     _, graph, table = _per_unit(model, x)
-    with pytest.raises(ValueError, match="'crossed', 'stage', 'forwards', 'backwards'"):
+    with pytest.raises(ValueError, match="'crossed', 'same', 'stage', 'forwards', 'backwards'"):
         profile_units(graph, table, [x], [2], concurrency=2, load="sideways")
 
 
+@pytest.mark.parametrize("load", ["crossed", "same"])
 @pytest.mark.parametrize("concurrency", [1, 2])
-def test_crossed_timings_take_each_kind_beside_the_other(three_units, concurrency):
+def test_paired_timings_take_each_kind_beside_the_kind_they_name(three_units, concurrency,
+                                                                  load):
     """On a clock whose every reading depends on what the neighbour runs, a crossed profile
     keeps the forward figures timed beside backwards only and the backward figures (the
-    units', the fixed cost of a call, the loss's) timed beside forwards only; with one busy
-    stage, the timed one, nothing runs beside the units."""
+    units', the fixed cost of a call, the loss's) timed beside forwards only, and a "same"
+    profile the other way round; with one busy stage, the timed one, nothing runs beside the
+    units."""
     graph, table, x = three_units
     beside: list[str | None] = [None]
     enter = profile_module._Load.__enter__
@@ -334,9 +337,11 @@ def test_crossed_timings_take_each_kind_beside_the_other(three_units, concurrenc
         patch.setattr(profile_module._Load, "__enter__", noting_the_neighbour)
         patch.setattr(profile_module, "_timer", clock)
         prof = profile_units(graph, table, [x], [2, 4], warmup=0, repeats=1,
-                             concurrency=concurrency,
+                             concurrency=concurrency, load=load,
                              loss=lambda outputs, size: outputs[table.graph_outputs[0]].sum())
-    forward, backward = (scale["backwards"], scale["forwards"]) if concurrency == 2 \
+    beside_forward, beside_backward = (("backwards", "forwards") if load == "crossed"
+                                       else ("forwards", "backwards"))
+    forward, backward = (scale[beside_forward], scale[beside_backward]) if concurrency == 2 \
         else (scale[None], scale[None])
     # 3 units of 1 each, 2.1 as one graph: 0.7 each as part of a stage's forward
     np.testing.assert_allclose(prof.forward, 0.7 * forward)
