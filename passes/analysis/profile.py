@@ -83,8 +83,9 @@ DEFAULT_LOAD = "crossed"
 # (spreads 1.03x to 1.24x; before 0e39144, the script compiled without the target). With 4
 # stage threads on 2 cores (`--stages 4 --micro-batches 8 --min-time 0.5`, the MLP, even),
 # crossed came closest in two of four comparisons, "stage" and "backwards" each 0.02 closer in
-# one, and timing beside forwards or backwards alone put measured/predicted at 0.58 to 1.38
-# (benchmarks/ACCURACY.md, "What the neighbours run, with 4 stage threads").
+# one, timing beside forwards or backwards alone put measured/predicted at 0.58 to 1.38, and
+# "same" read 0.68 and 0.67 with gpipe where crossed read 0.84 and 0.89 (benchmarks/ACCURACY.md,
+# "What the neighbours run, with 4 stage threads").
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
