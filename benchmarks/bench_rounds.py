@@ -10,7 +10,7 @@ of all its timed steps, which comes out close to it). It prints one line per row
 the figures within the target (measured/predicted from 1/1.15 to 1/0.85).
 
     OMP_NUM_THREADS=1 fxpipe bench mlp --stages 2 --batch 32 --micro-batches 4 \\
-        --partitioners even,balanced --schedules gpipe,1f1b --rounds 15 --repeats 15 --csv a.csv
+        --partitioners even,balanced --schedules gpipe,1f1b --csv a.csv
     python benchmarks/bench_rounds.py a.csv b.csv --group 5 --first 5,10,15
 """
 
