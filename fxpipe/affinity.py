@@ -12,15 +12,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
-           "pin_process", "pin_rank", "ranks_on_host", "scheduler_slice", "usable_cores"]
+           "pin_process", "pin_rank", "ranks_on_host", "usable_cores"]
 
 AFFINITIES = ("auto", "none")
-# Linux's scheduler (EEVDF, since 6.6) lets a thread run for a base slice of 0.75 ms times
-# 1 + log2 of the CPUs online (at most 8) before a woken one may take its core: its defaults in
-# kernel/sched/fair.c (sysctl_sched_base_slice, SCHED_TUNABLESCALING_LOG). Where the setting
-# can be read (debugfs, as root), it counts instead.
-BASE_SLICE = 0.75e-3
-_BASE_SLICE_FILE = "/sys/kernel/debug/sched/base_slice_ns"
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
 Host = tuple[str, bool, tuple[int, ...], bool]  # a rank's (host, on the CPU, CPUs, bound)
 
@@ -129,13 +123,3 @@ def hosts(device: str) -> list[Host]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
-
-
-def scheduler_slice() -> float:
-    """Seconds a thread runs on a core before the OS scheduler lets a woken thread on it: the
-    kernel's base slice where it can be read, else Linux's default for this machine's CPUs
-    (see BASE_SLICE; other systems' schedulers slice time on a like scale)."""
-    with contextlib.suppress(OSError, ValueError), open(_BASE_SLICE_FILE) as f:
-        return int(f.read()) / 1e9
-    cpus = max(1, min(os.cpu_count() or 1, 8))
-    return BASE_SLICE * cpus.bit_length()  # bit_length: 1 + log2, rounded down

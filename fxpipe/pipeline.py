@@ -12,7 +12,7 @@ import torch
 from torch import fx
 from torch.utils.hooks import RemovableHandle
 
-from fxpipe.affinity import format_cpus, scheduler_slice, usable_cores
+from fxpipe.affinity import format_cpus, usable_cores
 from fxpipe.allocator import describe
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
@@ -191,8 +191,7 @@ class CompiledPipeline(torch.nn.Module):
                         after_wake_f=wake_f, after_wake_b=wake_b,
                         after_receive_f=landing_f, after_receive_b=landing_b,
                         after_post_f=after_post_f, after_post_b=after_post_b,
-                        cores=cores, sharing=sharing,
-                        core_wait=scheduler_slice() if cores is not None else 0.0)
+                        cores=cores, sharing=sharing)
 
     def cpu_sharing(self) -> tuple[int | None, tuple[int, ...]]:
         """The CPU cores the stage threads computing on this process's CPU have between them,

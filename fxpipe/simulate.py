@@ -139,7 +139,6 @@ def simulate(
     after_post_b: LinkCosts = 0.0,
     cores: float | None = None,
     sharing: Iterable[int] | None = None,
-    core_wait: float = 0.0,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -175,12 +174,7 @@ def simulate(
     them work at once, everything but a RECV's wait and an ALLREDUCE counting as work
     (processor sharing; the given times are each stage's pace with a core of its own, as
     measured beside the others busy, less the waits for a core; None: each a core of its own,
-    and `sharing` is not used). Such sharing is even at every instant, but a thread woken
-    while every core runs another waits for one: a sharing stage whose message arrives while
-    it waits in a RECV, with as many sharing stages working as `cores`, stays in the RECV until
-    fewer work (one blocked or finished its list) or for `core_wait` seconds, whichever comes
-    first (the OS scheduler's slice, after which it lets the woken thread on; 0 by default),
-    the longest waiting first. A compute-only schedule is lowered with
+    and `sharing` is not used). A compute-only schedule is lowered with
     `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
     checked with `check_communication`.
 
@@ -195,8 +189,7 @@ def simulate(
     compute after each SEND of them, after_receive_f, after_receive_b: the receiver's compute
     after each RECV of them that did not wait, and after_post_f, after_post_b: its compute
     that posts the receive, given the same ways. resume: a scalar or one per stage. cores: a
-    number above 0, or None; sharing: stage indices (default: all); core_wait: seconds, at
-    least 0 (used only with `cores`).
+    number above 0, or None; sharing: stage indices (default: all).
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -215,9 +208,6 @@ def simulate(
     if cores is not None and not 0 < cores < math.inf:
         raise ValueError(f"cores={cores!r}: give the cores the sharing stages have between "
                          "them, a finite number above 0, or None for a core of their own each")
-    if not 0 <= core_wait < math.inf:
-        raise ValueError(f"core_wait={core_wait!r}: give the longest a woken stage waits for a "
-                         "core, in seconds, a finite number of at least 0")
     if not sharing <= set(range(n)):
         raise ValueError(f"sharing={sorted(sharing)} names stages a schedule of {n} stages "
                          f"does not have; give stages among 0..{n - 1}")
@@ -239,7 +229,7 @@ def simulate(
     after_post = _by_direction("after_post", after_post_f, after_post_b, n)
     durations = _Durations(compute, other, link, post, receive, after, landing, wake,
                            after_post, _per_stage("resume", resume, n))
-    run = _Run(lowered, durations, cores, sharing, core_wait)
+    run = _Run(lowered, durations, cores, sharing)
     run.run()
     stuck = run.stuck()
     if stuck:
@@ -282,16 +272,13 @@ class _Run:
     A stage is in one of three states: running an action's CPU work (`work`), blocked in a
     RECV whose receive it posted (`posted`), or between actions for no time at all. CPU work
     of the `sharing` stages goes at min(1, cores / how many of them work) of its pace, and a
-    change of pace moves the end of every such work still going on (processor sharing). A
-    fourth state: woken by its message while the cores are all taken, waiting for one (`queued`,
-    still in its RECV)."""
+    change of pace moves the end of every such work still going on (processor sharing)."""
 
     def __init__(self, schedule: Schedule, durations: _Durations, cores: float | None,
-                 sharing: frozenset[int], core_wait: float = 0.0) -> None:
+                 sharing: frozenset[int]) -> None:
         n = schedule.stages
         self.schedule, self.durations = schedule, durations
-        self.cores, self.sharing, self.core_wait = cores, sharing, core_wait
-        self.queued: dict[int, float] = {}  # stages woken, waiting for a core: until when
+        self.cores, self.sharing = cores, sharing
         self.pc = [0] * n
         self.waited = [True] * n  # whether the stage blocked since its last compute
         self.owed = [0.0] * n  # the slowdown of the SENDs and unwaited RECVs since it computed
@@ -312,11 +299,6 @@ class _Run:
         """Run every stage's list as far as it goes."""
         while True:
             self._settle()
-            if self.queued and self._working() < self.cores:  # a core is free: the stage
-                first = next(iter(self.queued))  # woken longest ago takes it
-                del self.queued[first]
-                self._finish(first)
-                continue
             pace = self._pace()
             if pace != self.pace:  # what is left of the shared work goes at the new pace
                 for s, w in self.work.items():
@@ -324,8 +306,7 @@ class _Run:
                         w.end = self.now + (w.end - self.now) * self.pace / pace
                 self.pace = pace
             times = [w.end for w in self.work.values()] + [
-                self.finished[m] for m in map(self._message, self.posted) if m in self.finished
-            ] + list(self.queued.values())
+                self.finished[m] for m in map(self._message, self.posted) if m in self.finished]
             if not times:
                 return
             self.now = min(times)
@@ -343,10 +324,6 @@ class _Run:
             for s in [s for s in self.posted if self._arrived(s)]:
                 self._landed(s)
                 progress = True
-            for s in [s for s, until in self.queued.items() if until <= self.now]:
-                del self.queued[s]  # the scheduler's slice is over: it gets a core
-                self._finish(s)
-                progress = True
             for s in [s for s, w in self.work.items() if w.end <= self.now]:
                 self._end(s)
                 progress = True
@@ -356,8 +333,7 @@ class _Run:
     def _begin(self, s: int) -> bool:
         """Start stage s's next action, if it is between actions and may; whether it did."""
         actions, d = self.schedule.actions[s], self.durations
-        if (self.pc[s] == len(actions) or s in self.work or s in self.posted
-                or s in self.queued):
+        if self.pc[s] == len(actions) or s in self.work or s in self.posted:
             return False
         a = actions[self.pc[s]]
         needs = _needs(a)
@@ -412,10 +388,6 @@ class _Run:
         # (so a tie, which rounding may decide, switches between resume and landing)
         if self.finished[message] > self.posted.pop(s):
             self.waited[s] = True
-            if (self.core_wait > 0 and self._shares(s, True)
-                    and self._working() >= self.cores):
-                self.queued[s] = self.now + self.core_wait  # woken, it waits for a core
-                return
         else:  # it landed while the stage computed, whose CPU took it in
             self.owed[s] += self.durations.landing[message.kind](message.stage, s)
         self._finish(s)
@@ -448,12 +420,8 @@ class _Run:
     def _shares(self, s: int, cpu_bound: bool) -> bool:
         return self.cores is not None and cpu_bound and s in self.sharing
 
-    def _working(self) -> int:
-        """How many sharing stages take a share of the cores now."""
-        return sum(self._shares(s, w.cpu_bound) for s, w in self.work.items())
-
     def _pace(self) -> float:
-        working = self._working()
+        working = sum(self._shares(s, w.cpu_bound) for s, w in self.work.items())
         return min(1.0, self.cores / working) if working and self.cores is not None else 1.0
 
 

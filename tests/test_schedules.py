@@ -735,55 +735,6 @@ def test_one_core_for_every_stage_is_never_idle_while_work_is_left(schedule: Sch
     assert timeline.makespan == pytest.approx(fwd.sum() + bwd.sum())
 
 
-@given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.0, 3.0))
-def test_a_woken_stage_waiting_for_a_core_never_leaves_one_idle(schedule: Schedule, seed: int,
-                                                                 core_wait: float):
-    """A stage woken while the one core is taken waits for it, and gets it the moment the
-    stage on it blocks: the core still works the whole step through."""
-    n, m = schedule.stages, micro_batch_count(schedule)
-    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
-    timeline = simulate(schedule, fwd, bwd, cores=1.0, core_wait=core_wait)
-    assert timeline.makespan == pytest.approx(fwd.sum() + bwd.sum())
-
-
-@given(schedules(), st.integers(0, 2**32 - 1), st.floats(0.25, 4.0), st.floats(0.0, 3.0))
-def test_a_woken_stage_waits_for_a_core_at_most_core_wait(schedule: Schedule, seed: int,
-                                                          cores: float, core_wait: float):
-    """Every receive ends at its message's arrival or after it, and no later than core_wait
-    past the arrival (receives take no time to post here); with a core per stage, or no
-    wait, the step is as without one."""
-    n, m = schedule.stages, micro_batch_count(schedule)
-    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
-    timeline = simulate(schedule, fwd, bwd, 0.3, 0.3, cores=cores, core_wait=core_wait)
-    arrival = {t.action: t.end for t in timeline.transfers}
-    for e in timeline.events:
-        if e.action.kind.is_recv:
-            landed = max(arrival[e.action.partner], e.start)
-            assert landed - 1e-9 <= e.end <= landed + core_wait + 1e-9
-    plain = simulate(schedule, fwd, bwd, 0.3, 0.3, cores=cores)
-    if cores >= n or core_wait == 0:
-        assert _spans(timeline) == _spans(plain)
-
-
-def test_a_stage_woken_while_the_cores_are_taken_waits_for_one():
-    # gpipe(2, 2) on one core, every compute 1: stage 1's first message lands at 1, while
-    # stage 0 computes F1
-    at = {str(e.action): (e.start, e.end)
-          for e in simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, core_wait=0.3).events}
-    # after the slice it shares the core: stage 0's F1 has 0.7 left at 1.3, both at half pace
-    assert at["1RF0<0"] == pytest.approx((0.0, 1.3))
-    assert at["0F1"] == pytest.approx((1.0, 2.7)) and at["1F0"] == pytest.approx((1.3, 3.0))
-    # with a longer slice it gets the core when stage 0 blocks, waiting for its gradient
-    at = {str(e.action): (e.start, e.end)
-          for e in simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, core_wait=5.0).events}
-    assert at["0F1"] == (1.0, 2.0) and at["1RF0<0"] == (0.0, 2.0) and at["1F0"] == (2.0, 3.0)
-    # a stage that does not share the cores (a GPU's) takes its message at once
-    at = {str(e.action): (e.start, e.end)
-          for e in simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, sharing=[0],
-                            core_wait=5.0).events}
-    assert at["1RF0<0"] == (0.0, 1.0)
-
-
 def test_two_stages_on_one_core_split_it_while_both_compute():
     # gpipe(2, 2), every compute 1: alone, stage 1's F0 runs beside stage 0's F1, and its B1
     # beside stage 0's B0 (step 6); on one core each pair takes 2 where they overlap (step 8)
@@ -822,8 +773,5 @@ def test_sharing_takes_a_positive_core_count_and_stages_of_the_schedule():
     for cores in (0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match=rf"cores={cores}: give the cores the sharing"):
             simulate(gpipe(2, 2), 1.0, 1.0, cores=cores)
-    for core_wait in (-1.0, math.inf, math.nan):
-        with pytest.raises(ValueError, match=rf"core_wait={core_wait}: give the longest a woken"):
-            simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, core_wait=core_wait)
     with pytest.raises(ValueError, match=r"sharing=\[0, 2\] names stages a schedule of 2"):
         simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, sharing=[0, 2])
