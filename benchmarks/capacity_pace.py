@@ -8,18 +8,20 @@ script tries two predictions that take that slowdown from the measured thread ca
 instead (`thread_capacity`: the share of one thread's work that k threads get through at once,
 running all the units as a stage does), so that it follows how many stages compute:
 
-- "busy, by capacity": the units timed as fxpipe times them, whose pace is taken to be
-  c(K) / K / min(1, cores / K) of one thread alone (K: the stage threads); k computing stages
-  go at c(k) / k of it each, relative to that.
+- "busy, by capacity": the units timed as fxpipe times them, taken to run at
+  busy = c(K) / K / min(1, cores / K) of one thread alone (K: the stage threads); each of k
+  computing stages goes at c(k) / k of one thread alone, so at (c(k) / k) / busy of its timed
+  pace.
 - "alone, by capacity": the units timed with no other stage thread busy, and k computing
   stages at c(k) / k of that pace each.
 
 It compiles a bundled model into `--stages` stage threads and, in each of `--rounds` rounds,
 measures the thread capacity at every k up to the stages, the link and the runtime's own time,
-re-times the units both ways for `--min-time` seconds per micro-batch size (the bench's
-PROFILE_SECONDS by default) and predicts the step the three ways, then runs untimed steps for
-0.2 s and timed ones for `--seconds`. It prints each round's figures, and per prediction the
-median measured step over its median prediction and how far the rounds' predictions spread.
+re-times the units both ways, in turns which first, for `--min-time` seconds per micro-batch
+size (the bench's PROFILE_SECONDS by default) and predicts the step the three ways, then runs
+untimed steps for 0.2 s and timed ones for `--seconds`. It prints each round's figures, and
+per prediction the median measured step over its median prediction and how far the rounds'
+predictions spread.
 
     OMP_NUM_THREADS=1 python benchmarks/capacity_pace.py --model mlp --schedule gpipe
 """
@@ -29,9 +31,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+from collections.abc import Callable
 from unittest import mock
 
-import torch
 from two_stages import add_stage_thread_arguments, in_stage_threads, median_step
 
 import fxpipe
@@ -43,20 +45,20 @@ from fxpipe.compile.front import split_into_units
 from fxpipe.passes.analysis.capacity import thread_capacity
 
 PREDICTIONS = ("fxpipe", "busy, by capacity", "alone, by capacity")
+Pace = Callable[[simulate._Run], float]
 
 
-def paced_by(capacity: dict[int, float], timed_pace: float):
+def paced_by(capacity: dict[int, float], timed_pace: float) -> Pace:
     """A replacement for the simulator's pace: k computing stages at c(k) / k of one thread
     alone each, over `timed_pace`, the pace the units' times stand for."""
     def pace(run: simulate._Run) -> float:
         working = sum(run._shares(s, w.cpu_bound) for s, w in run.work.items())
-        if not working or run.cores is None:
-            return 1.0
-        return capacity[working] / working / timed_pace
+        return capacity[working] / working / timed_pace if working else 1.0
     return pace
 
 
-def predicted_ms(pipe: fxpipe.CompiledPipeline, costs: fxpipe.Partition, pace=None) -> float:
+def predicted_ms(pipe: fxpipe.CompiledPipeline, costs: fxpipe.Partition,
+                 pace: Pace | None = None) -> float:
     """The bench's prediction from `costs`, with the simulator's pace replaced by `pace`."""
     if pace is None:
         return (pipe.predicted_timeline(costs).makespan + pipe.step_overhead) * 1e3
@@ -88,16 +90,20 @@ def main() -> None:
           f"{args.micro_batches} micro-batches; ms")
     for index in range(args.rounds):
         capacity = thread_capacity(unit_graph, unit_table, flat, size,
-                                   range(1, stages + 1), threads=torch.get_num_threads(),
+                                   range(1, stages + 1), threads=busy.threads,
                                    whole=pipe.executor.whole)
         pipe.measure_link(x)
         pipe.measure_runtime_overhead(x)
-        timed = fxpipe.retime(pipe, (x,), target=y, warmup=1, min_time=args.min_time)
-        pipe.timing = alone
-        try:
-            timed_alone = fxpipe.retime(pipe, (x,), target=y, warmup=1, min_time=args.min_time)
-        finally:
-            pipe.timing = busy
+        ways = {"busy": busy, "alone": alone}
+        timings = {}
+        for way in ways if index % 2 == 0 else reversed(ways):
+            pipe.timing = ways[way]
+            try:
+                timings[way] = fxpipe.retime(pipe, (x,), target=y, warmup=1,
+                                             min_time=args.min_time)
+            finally:
+                pipe.timing = busy
+        timed, timed_alone = timings["busy"], timings["alone"]
         busy_pace = capacity[stages] / stages / min(1.0, cores / stages)
         round_figures = {
             "fxpipe": predicted_ms(pipe, timed),
