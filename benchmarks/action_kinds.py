@@ -1,16 +1,18 @@
 """Benchmark: each kind of action's time per step and stage, predicted against measured.
 
 A step's prediction can come out right while its parts are wrong and make up for each other
-(sends predicted too long, backwards too short). This script compiles a bundled model into 2
-stages (one per rank under torchrun, or 2 stage threads) and, in each of `--rounds` rounds,
-times the units and the runtime's own work per step afresh, predicts the step, runs `--steps`
-steps, and sums each stage's actions of one kind (F, B, SEND_F, RECV_B, ...) over the
-schedule: the predicted timeline's sum beside the median of the measured steps' sums. It
-prints one line per round: the measured step, the predicted one (schedule plus the runtime's
-own time), and per stage and kind "predicted / measured" milliseconds.
+(sends predicted too long, backwards too short). This script compiles a bundled model into
+`--stages` stages (2 by default; one per rank under torchrun, else stage threads) and, in each
+of `--rounds` rounds, times the units and the runtime's own work per step afresh, predicts the
+step, runs `--steps` steps, and sums each stage's actions of one kind (F, B, SEND_F, RECV_B,
+...) over the schedule: the predicted timeline's sum beside the median of the measured steps'
+sums. It prints per round a line with the measured step and the predicted one (schedule plus the
+runtime's own time), then one per stage with each kind's "predicted / measured" milliseconds.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
         benchmarks/action_kinds.py --model mlp --schedule 1f1b
+    OMP_NUM_THREADS=1 python benchmarks/action_kinds.py --model resnet --stages 4 \\
+        --micro-batches 8
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from two_stages import add_model_arguments, at_least_one, time_per_kind, two_sta
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, "mlp", schedule=True, steps=100)
+    parser.add_argument("--stages", type=at_least_one, default=2)
     parser.add_argument("--partitioner", default="even")
     parser.add_argument("--rounds", type=at_least_one, default=3)
     args = parser.parse_args()
@@ -35,11 +38,13 @@ def main() -> None:
         run = setup.predicted_then_run(args.steps)
         measured = [time_per_kind(events) for events in run.traces]
         expected = time_per_kind(run.predicted.events)
-        parts = "  ".join(f"{s}{kind} {seconds * 1e3:.2f}/"
-                          f"{statistics.median(m.get((s, kind), 0.0) for m in measured) * 1e3:.2f}"
-                          for (s, kind), seconds in sorted(expected.items()))
         lines.append(f"step {statistics.median(run.seconds) * 1e3:.2f} measured, "
-                     f"{(run.predicted.makespan + overhead) * 1e3:.2f} predicted | {parts}")
+                     f"{(run.predicted.makespan + overhead) * 1e3:.2f} predicted")
+        for stage in range(args.stages):
+            lines.append(f"  stage {stage}: " + "  ".join(
+                f"{kind} {seconds * 1e3:.2f}/"
+                f"{statistics.median(m.get((s, kind), 0.0) for m in measured) * 1e3:.2f}"
+                for (s, kind), seconds in sorted(expected.items()) if s == stage))
     if not setup.reporting():
         return
     print(f"{args.model}, {setup.where}, {args.partitioner}, {args.schedule}, "

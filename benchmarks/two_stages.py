@@ -93,17 +93,19 @@ class PredictedRun:
 
 @dataclasses.dataclass
 class TwoStages:
-    """A bundled model compiled into 2 stages, with one mini-batch of it."""
+    """A bundled model compiled into 2 stages (more where a script asks), with one mini-batch
+    of it."""
 
     pipe: fxpipe.CompiledPipeline
     model: BundledModel
     x: Any
     y: Any
-    distributed: bool  # one stage per rank under torchrun, else 2 stage threads
+    distributed: bool  # one stage per rank under torchrun, else stage threads
 
     @property
     def where(self) -> str:
-        return "2 ranks under torchrun" if self.distributed else "2 stage threads"
+        stages = self.pipe.plan.stages
+        return f"{stages} ranks under torchrun" if self.distributed else f"{stages} stage threads"
 
     def warm_up(self, steps: int) -> None:
         """Run `steps` training steps untimed, so the ones timed after find everything warm."""
@@ -156,15 +158,17 @@ class TwoStages:
 
 
 def two_stages(args: argparse.Namespace, **plan: Any) -> TwoStages:
-    """Compile `args.model` into 2 stages (one intra-op thread per stage; under torchrun, one
-    stage per rank) with a mini-batch of `args.batch`, `args.micro_batches` (4 without the
-    argument) and the model's loss; `plan`: more Plan fields."""
+    """Compile `args.model` into 2 stages, or `args.stages` where the script has that argument
+    (one intra-op thread per stage; under torchrun, one stage per rank), with a mini-batch of
+    `args.batch`, `args.micro_batches` (4 without the argument) and the model's loss; `plan`:
+    more Plan fields."""
     distributed = launched()  # compile joins the process group torchrun describes
     torch.set_num_threads(1)
     model = bundled(args.model)
     torch.manual_seed(0)
     x, y = model.batch(args.batch, torch.Generator().manual_seed(0))
-    plan = fxpipe.Plan(stages=2, micro_batches=getattr(args, "micro_batches", 4),
+    plan = fxpipe.Plan(stages=getattr(args, "stages", 2),
+                       micro_batches=getattr(args, "micro_batches", 4),
                        loss_fn=model.loss_fn, **plan)
     pipe = fxpipe.compile(model.build(), plan, example_inputs=(x,), cache=False)
     return TwoStages(pipe, model, x, y, distributed)
