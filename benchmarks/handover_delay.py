@@ -8,8 +8,13 @@ other stages of a pipeline with more stage threads than cores do. For each numbe
 threads it prints the one-way delay, from a send's start to its receiver's return from the
 receive: median, mean and 90th percentile. `fxpipe.compile` measures the hand-over between two
 otherwise idle threads (`pipe.link`), and the prediction uses that figure for every message.
+`--spin` says what the busy threads run: "torch", small operators in a loop as the stages do;
+"long-op", one matrix product after another of about 10 ms each, which let Python's interpreter
+lock go for all that time (so a wait left is one for a core); or "python", a loop of Python
+code, which holds the lock but for the interpreter's switch interval.
 
     python benchmarks/handover_delay.py --busy 0,1,2,3 --compute-us 150,700
+    python benchmarks/handover_delay.py --busy 0,2,3 --compute-us 700 --spin long-op
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import time
 import torch
 
 from fxpipe.runtime.transport import LocalTransport
+
+SPINS = ("torch", "long-op", "python")
 
 
 def _counts(text: str) -> list[int]:
@@ -47,17 +54,30 @@ def _rounds_for(seconds: float, width: int) -> int:
     return max(1, round(seconds / per_round))
 
 
-def delays(busy: int, work: int, width: int, messages: int) -> list[float]:
+def _python_loop() -> None:
+    total = 0
+    for i in range(20_000):
+        total += i
+
+
+def delays(busy: int, work: int, width: int, messages: int, kind: str = "torch") -> list[float]:
     """Seconds from each send's start to its receiver's return from the receive, both ways,
-    while `busy` threads compute without a pause (the first tenth left out, as warm-up)."""
+    while `busy` threads run `kind` of work (SPINS) without a pause (the first tenth left out,
+    as warm-up)."""
     transport = LocalTransport(["cpu", "cpu"], 60.0)
     stop = threading.Event()
     sent: dict[tuple[str, int], float] = {}
     found: list[float] = []
+    square = torch.randn(700, 700)  # a product of two takes about 10 ms here
 
     def spin() -> None:
         while not stop.is_set():
-            _compute(width, work)
+            if kind == "torch":
+                _compute(width, work)
+            elif kind == "long-op":
+                torch.mm(square, square)
+            else:
+                _python_loop()
 
     failed: list[BaseException] = []
 
@@ -106,14 +126,17 @@ def main() -> None:
                         help="microseconds each stage thread computes between messages")
     parser.add_argument("--width", type=int, default=256, help="the computes' matrix width")
     parser.add_argument("--messages", type=int, default=300, help="round trips per setting")
+    parser.add_argument("--spin", choices=SPINS, default="torch",
+                        help="what the busy threads run")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"one-way hand-over delay between two stage threads, us; {args.messages} round trips "
-          f"per setting; {torch.get_num_threads()} intra-op thread per thread")
+          f"per setting; {torch.get_num_threads()} intra-op thread per thread; busy threads "
+          f"run {args.spin}")
     for micro in args.compute_us:
         work = _rounds_for(micro * 1e-6, args.width)
         for busy in args.busy:
-            found = sorted(delays(busy, work, args.width, args.messages))
+            found = sorted(delays(busy, work, args.width, args.messages, args.spin))
             print(f"compute {micro} us, {busy} busy: median "
                   f"{statistics.median(found) * 1e6:.0f}, mean {statistics.fmean(found) * 1e6:.0f},"
                   f" 90th percentile {found[int(0.9 * len(found))] * 1e6:.0f}")
