@@ -139,6 +139,7 @@ def simulate(
     after_post_b: LinkCosts = 0.0,
     cores: float | None = None,
     sharing: Iterable[int] | None = None,
+    bound: Mapping[int, int] | None = None,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -174,7 +175,10 @@ def simulate(
     them work at once, everything but a RECV's wait and an ALLREDUCE counting as work
     (processor sharing; the given times are each stage's pace with a core of its own, as
     measured beside the others busy, less the waits for a core; None: each a core of its own,
-    and `sharing` is not used). A compute-only schedule is lowered with
+    and `sharing` is not used). With `bound` as well, each sharing stage is bound to one of the
+    whole `cores` (stage -> core, 0 .. cores - 1) and shares only that core, with the stages
+    bound to it: its work goes at 1 / k of its pace while k of them work at once. A
+    compute-only schedule is lowered with
     `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
     checked with `check_communication`.
 
@@ -189,7 +193,8 @@ def simulate(
     compute after each SEND of them, after_receive_f, after_receive_b: the receiver's compute
     after each RECV of them that did not wait, and after_post_f, after_post_b: its compute
     that posts the receive, given the same ways. resume: a scalar or one per stage. cores: a
-    number above 0, or None; sharing: stage indices (default: all).
+    number above 0, or None; sharing: stage indices (default: all); bound: a core for every
+    sharing stage, or None.
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -211,6 +216,7 @@ def simulate(
     if not sharing <= set(range(n)):
         raise ValueError(f"sharing={sorted(sharing)} names stages a schedule of {n} stages "
                          f"does not have; give stages among 0..{n - 1}")
+    groups = _core_groups(cores, sharing, bound)
     compute = {
         ActionKind.F: _per_micro_batch("forward", forward, n, p, k),
         ActionKind.B: _per_micro_batch("backward", backward, n, p, k),
@@ -229,7 +235,7 @@ def simulate(
     after_post = _by_direction("after_post", after_post_f, after_post_b, n)
     durations = _Durations(compute, other, link, post, receive, after, landing, wake,
                            after_post, _per_stage("resume", resume, n))
-    run = _Run(lowered, durations, cores, sharing)
+    run = _Run(lowered, durations, groups)
     run.run()
     stuck = run.stuck()
     if stuck:
@@ -271,14 +277,17 @@ class _Run:
 
     A stage is in one of three states: running an action's CPU work (`work`), blocked in a
     RECV whose receive it posted (`posted`), or between actions for no time at all. CPU work
-    of the `sharing` stages goes at min(1, cores / how many of them work) of its pace, and a
-    change of pace moves the end of every such work still going on (processor sharing)."""
+    of the stages of a group that share cores goes at min(1, cores / how many of them work)
+    of its pace, and a change of pace moves the end of every such work still going on
+    (processor sharing)."""
 
-    def __init__(self, schedule: Schedule, durations: _Durations, cores: float | None,
-                 sharing: frozenset[int]) -> None:
+    def __init__(self, schedule: Schedule, durations: _Durations,
+                 groups: Sequence[tuple[float, frozenset[int]]]) -> None:
         n = schedule.stages
         self.schedule, self.durations = schedule, durations
-        self.cores, self.sharing = cores, sharing
+        self.groups = groups  # (cores, the stages sharing them)
+        self.group_of = {s: g for g, (_, stages) in enumerate(groups) for s in stages}
+        self.paces = [1.0] * len(groups)
         self.pc = [0] * n
         self.waited = [True] * n  # whether the stage blocked since its last compute
         self.owed = [0.0] * n  # the slowdown of the SENDs and unwaited RECVs since it computed
@@ -293,18 +302,18 @@ class _Run:
         self.posted: dict[int, float] = {}  # blocked stages: when they posted their receive
         self.events: list[list[Event]] = [[] for _ in range(n)]
         self.transfers: list[Event] = []
-        self.now, self.pace = 0.0, 1.0
+        self.now = 0.0
 
     def run(self) -> None:
         """Run every stage's list as far as it goes."""
         while True:
             self._settle()
-            pace = self._pace()
-            if pace != self.pace:  # what is left of the shared work goes at the new pace
-                for s, w in self.work.items():
-                    if self._shares(s, w.cpu_bound):
-                        w.end = self.now + (w.end - self.now) * self.pace / pace
-                self.pace = pace
+            for g, pace in enumerate(self._paces()):
+                if pace != self.paces[g]:  # what is left of the shared work goes at the new pace
+                    for s, w in self.work.items():
+                        if self._shares(s, w.cpu_bound) and self.group_of[s] == g:
+                            w.end = self.now + (w.end - self.now) * self.paces[g] / pace
+                    self.paces[g] = pace
             times = [w.end for w in self.work.values()] + [
                 self.finished[m] for m in map(self._message, self.posted) if m in self.finished]
             if not times:
@@ -353,7 +362,7 @@ class _Run:
         else:
             seconds = float(d.other[a.kind][s])
         cpu_bound = a.kind is not ActionKind.ALLREDUCE
-        pace = self.pace if self._shares(s, cpu_bound) else 1.0
+        pace = self.paces[self.group_of[s]] if self._shares(s, cpu_bound) else 1.0
         # added in this order, a compute ends at exactly the time a list scheduler gives it:
         # a message arriving then decides by a strict comparison whether its receiver waited
         self.work[s] = _Work(self.now + seconds / pace + extra / pace, cpu_bound)
@@ -418,11 +427,39 @@ class _Run:
         return message in self.finished and self.finished[message] <= self.now
 
     def _shares(self, s: int, cpu_bound: bool) -> bool:
-        return self.cores is not None and cpu_bound and s in self.sharing
+        return cpu_bound and s in self.group_of
 
-    def _pace(self) -> float:
-        working = sum(self._shares(s, w.cpu_bound) for s, w in self.work.items())
-        return min(1.0, self.cores / working) if working and self.cores is not None else 1.0
+    def _paces(self) -> list[float]:
+        """Each group's pace: min(1, its cores / how many of its stages work now)."""
+        working = [0] * len(self.groups)
+        for s, w in self.work.items():
+            if self._shares(s, w.cpu_bound):
+                working[self.group_of[s]] += 1
+        return [min(1.0, cores / k) if k else 1.0
+                for (cores, _), k in zip(self.groups, working)]
+
+
+def _core_groups(cores: float | None, sharing: frozenset[int], bound: Mapping[int, int] | None
+                 ) -> list[tuple[float, frozenset[int]]]:
+    """The groups of stages that share cores, each with how many: none without `cores`, all
+    `sharing` stages on `cores` together, or with `bound`, a core's stages on that core."""
+    if cores is None:
+        if bound is not None:
+            raise ValueError("bound= places stages on cores: give cores= as well")
+        return []
+    if bound is None:
+        return [(cores, sharing)]
+    if cores != int(cores):
+        raise ValueError(f"cores={cores!r} with bound=: stages are bound to whole cores; give "
+                         "a whole number of cores")
+    if set(bound) != sharing:
+        raise ValueError(f"bound= places stages {sorted(bound)}, but the sharing stages are "
+                         f"{sorted(sharing)}; bind every sharing stage, and only those")
+    if not set(bound.values()) <= set(range(int(cores))):
+        raise ValueError(f"bound={dict(bound)} names cores outside 0..{int(cores) - 1}; bind "
+                         f"stages to cores among the {int(cores)} given")
+    return [(1.0, frozenset(s for s in sharing if bound[s] == core))
+            for core in sorted(set(bound.values()))]
 
 
 def _needs(a: Action) -> Action | None:

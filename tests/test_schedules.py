@@ -752,6 +752,56 @@ def test_two_stages_on_one_core_split_it_while_both_compute():
     assert three.event(Action(2, F, 0)).end == pytest.approx(3.5)
 
 
+@given(schedules(), st.integers(0, 2**32 - 1), st.integers(1, 4), st.data())
+def test_stages_bound_to_a_core_share_only_that_core(schedule: Schedule, seed: int,
+                                                      cores: int, data):
+    """Bound, each core works its own stages' actions as one core shared by them alone: no
+    action ends earlier than with a core per stage, and the step takes at least the work of
+    the busiest core. All on one core, the step is the one a single shared core gives."""
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    bound = {s: data.draw(st.integers(0, cores - 1)) for s in range(n)}
+    alone = simulate(schedule, fwd, bwd, 0.3, 0.3, post_f=0.05)
+    timeline = simulate(schedule, fwd, bwd, 0.3, 0.3, post_f=0.05, cores=cores, bound=bound)
+    for a, b in zip(_spans(alone), _spans(timeline)):
+        assert b[3] >= a[3] - 1e-9
+    busiest = max(sum(e.duration for e in alone.events if bound[e.stage] == core
+                      and not e.action.kind.is_recv) for core in range(cores))
+    assert timeline.makespan >= busiest * (1 - 1e-9)
+    one = simulate(schedule, fwd, bwd, 0.3, 0.3, post_f=0.05, cores=cores,
+                   bound=dict.fromkeys(range(n), 0))
+    shared = simulate(schedule, fwd, bwd, 0.3, 0.3, post_f=0.05, cores=1.0)
+    assert [t for s in _spans(one) for t in s[2:]] == pytest.approx(
+        [t for s in _spans(shared) for t in s[2:]])
+
+
+def test_stages_bound_to_cores_split_only_their_own():
+    # gpipe(2, 2), every compute 1: bound to one core the two stages share it (step 8, as
+    # cores=1); bound to a core each they share nothing (step 6), though 2 cores shared
+    # evenly among 4 stages would slow them while 3 compute
+    assert simulate(gpipe(2, 2), 1.0, 1.0, cores=2, bound={0: 1, 1: 1}).makespan == 8.0
+    assert simulate(gpipe(2, 2), 1.0, 1.0, cores=2, bound={0: 0, 1: 1}).makespan == 6.0
+    # four stages, 0 and 1 on core 0: stage 0's F1 and stage 1's F0 split it (both end at 3,
+    # where 2 cores split evenly give each a core: 2); 1 and 2 on cores of their own do not
+    blocks = simulate(gpipe(4, 2), 1.0, 1.0, cores=2, bound={0: 0, 1: 0, 2: 1, 3: 1})
+    assert blocks.event(Action(0, F, 1)).end == 3.0 and blocks.event(Action(1, F, 0)).end == 3.0
+    assert simulate(gpipe(4, 2), 1.0, 1.0, cores=2).event(Action(0, F, 1)).end == 2.0
+    alternate = simulate(gpipe(4, 2), 1.0, 1.0, cores=2, bound={0: 0, 1: 1, 2: 0, 3: 1})
+    assert alternate.event(Action(1, F, 0)).end == 2.0
+
+
+def test_bound_takes_whole_cores_and_every_sharing_stage():
+    with pytest.raises(ValueError, match="bound= places stages on cores: give cores="):
+        simulate(gpipe(2, 2), 1.0, 1.0, bound={0: 0, 1: 0})
+    with pytest.raises(ValueError, match=r"cores=1.5 with bound=: .* a whole number"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores=1.5, bound={0: 0, 1: 0})
+    with pytest.raises(ValueError, match=r"places stages \[0\], but the sharing stages are "
+                                         r"\[0, 1\]"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores=2, bound={0: 0})
+    with pytest.raises(ValueError, match=r"names cores outside 0..1"):
+        simulate(gpipe(2, 2), 1.0, 1.0, cores=2, bound={0: 0, 1: 2})
+
+
 def test_an_allreduce_waits_on_its_peers_and_an_optimizer_step_computes():
     """Sharing one core, two stages' optimizer steps run one after the other; their
     all-reduces, which wait on their peers, do not."""
