@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
-           "pin_process", "pin_rank", "ranks_on_host", "usable_cores"]
+           "pin_process", "pin_rank", "ranks_on_host", "stage_cores", "usable_cores"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
@@ -39,6 +39,15 @@ def choose_share(rank: int, everyone: Sequence[tuple[str, Any]]) -> tuple[int, .
     if any(everyone[r][1] != allowed for r in local):
         return None
     return core_share(local.index(rank), len(local), allowed)
+
+
+def stage_cores(stages: Sequence[int], cpus: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """The CPU each of `stages` (stage threads of one process, in pipeline order) is bound to
+    where they outnumber `cpus`: the next one round, so neighbours, which hand each other
+    their messages, compute on different cores (bound in blocks, the bundled VGG and ResNet
+    stepped slower: benchmarks/thread_placement.py)."""
+    cpus = sorted(cpus)
+    return {s: (cpus[i % len(cpus)],) for i, s in enumerate(stages)}
 
 
 def pin_process(cpus: Sequence[int]) -> bool:

@@ -183,6 +183,9 @@ class CompiledPipeline(torch.nn.Module):
         forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
         backward = [s.b + overhead for s, overhead in zip(stages, self.backward_overhead)]
         cores, sharing = self.cpu_sharing()
+        bound = {s: core for s, core in (self.bound_cores() or {}).items() if s in sharing}
+        if bound:  # the cores they are bound to (bound_cores numbers them from 0)
+            cores = max(bound.values()) + 1
         return simulate(schedule, forward, backward,
                         [s.cf for s in stages], [s.cb for s in stages],
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
@@ -191,7 +194,7 @@ class CompiledPipeline(torch.nn.Module):
                         after_wake_f=wake_f, after_wake_b=wake_b,
                         after_receive_f=landing_f, after_receive_b=landing_b,
                         after_post_f=after_post_f, after_post_b=after_post_b,
-                        cores=cores, sharing=sharing)
+                        cores=cores, sharing=sharing, bound=bound or None)
 
     def cpu_sharing(self) -> tuple[int | None, tuple[int, ...]]:
         """The CPU cores the stage threads computing on this process's CPU have between them,
@@ -203,6 +206,17 @@ class CompiledPipeline(torch.nn.Module):
             return None, ()
         on_cpu = tuple(s for s, r in self.executor.runners.items() if r.device.type == "cpu")
         return usable_cores(), on_cpu
+
+    def bound_cores(self) -> dict[int, int] | None:
+        """Where compile bound the stage threads to cores (`Plan(cpu_affinity="auto")`), each
+        stage's core, numbered among the usable ones, for the simulator to share each core
+        between the stages on it; else None."""
+        here = self.executor is not None and self.executor.everything_here
+        cores_of = self.executor.driver.cores_of if here else {}
+        if not cores_of:
+            return None
+        cpus = sorted(set().union(*map(set, cores_of.values())))
+        return {s: cpus.index(min(c)) for s, c in cores_of.items()}  # one CPU each
 
     def _posting(self, per_tensor: float, per_gradient: float | None = None
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
@@ -308,7 +322,8 @@ class CompiledPipeline(torch.nn.Module):
         # ranks on this rank's host (which compile found out)
         if self.executor.everything_here:
             cores, on_cpu = self.cpu_sharing()
-            shared = shared_cores_lines(len(on_cpu), cores, capacity=self.thread_capacity)
+            shared = shared_cores_lines(len(on_cpu), cores, capacity=self.thread_capacity,
+                                        bound=self.bound_cores() is not None)
         else:
             shared = shared_cores_lines(*self.host_cores, ranks=True) if self.host_cores else []
         # compile's prediction is of its example's micro-batches (under data parallelism a

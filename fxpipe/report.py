@@ -16,7 +16,7 @@ from fxpipe.simulate import Event
 if TYPE_CHECKING:
     from fxpipe.passes.analysis.capacity import ThreadCapacity
 
-__all__ = ["FEWER_THREADS_BELOW", "LATE_AFTER", "Interference", "LateMessages", "StageTime",
+__all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime",
            "StepTime", "format_report", "interference", "late_messages", "receive_waits",
            "shared_cores_lines", "step_time", "unlike_prediction_lines"]
 
@@ -233,24 +233,19 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         + list(tail))
 
 
-# fewer stage threads are advised where as many threads as the stages got through less than
-# this share of the work as many as the cores did (the measurement moves by a few percent from
-# run to run)
-FEWER_THREADS_BELOW = 0.9
-
-
 def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
-                       capacity: ThreadCapacity | None = None) -> list[str]:
+                       capacity: ThreadCapacity | None = None, bound: bool = False
+                       ) -> list[str]:
     """What to tell a user whose `stages` stages (stage threads of one process, or with
     `ranks` one per rank under torchrun) compute on a host's CPU of `cores` cores: nothing
     when each can have a core, else that they share them, and how the prediction takes that
-    in: stage threads get an even split of the cores among the ones computing at once (their
+    in: stage threads get an even split of the cores among the ones computing at once, or with
+    `bound` (compile bound each to a core) of their own core among those bound to it (their
     units timed beside every other one, less the time they waited for a core); ranks run at
     the pace of the units timed on every rank at once. `capacity` (stage threads: compile's
     `thread_capacity`): how much of the units' work threads as many as its stages and as its
-    cores got through at once, against one; where the former got through under
-    FEWER_THREADS_BELOW of the latter, the user learns that fewer stages per process are
-    likely faster."""
+    cores got through at once, against one; where more threads got less done
+    (`more_threads_lose`), the user learns that fewer stages per process are likely faster."""
     if stages <= cores:
         return []
     who = "ranks" if ranks else "stages"
@@ -258,9 +253,11 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
         how = ("the prediction runs every rank at the pace of the units timed on all the ranks "
                "at once, even where fewer compute")
     else:
+        split = ("each stage thread is bound to a core, its neighbours to others, and the "
+                 "prediction splits each core among the stages on it computing at once" if bound
+                 else "the prediction splits the cores evenly among the stages computing at once")
         how = ("the units were timed with every stage thread busy, less the timing thread's "
-               "waits for a core, and the prediction splits the cores evenly among the stages "
-               "computing at once")
+               f"waits for a core, and {split}")
     lines = [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
              f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
              "has one"]
@@ -269,7 +266,7 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
                 f"units, got through {capacity.at_stages:.2f}x the work of one thread at once, "
                 f"{capacity.cores} thread{'s' if capacity.cores > 1 else ''} "
                 f"{capacity.at_cores:.2f}x")
-        if capacity.at_stages < FEWER_THREADS_BELOW * capacity.at_cores:
+        if capacity.more_threads_lose:
             line += (": past the cores, more threads got less done here (they share the "
                      "cores, their caches and Python's interpreter lock), so at most "
                      f"{capacity.cores} stage{'s' if capacity.cores > 1 else ''} per process, "

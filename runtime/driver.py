@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -62,6 +63,19 @@ class Driver:
         self.pool = (ThreadPoolExecutor(len(runners), thread_name_prefix="fxpipe-stage")
                      if len(runners) > 1 else None)
         self._state: dict[int, _StageState] = {}
+        self.cores_of: dict[int, tuple[int, ...]] = {}  # stage -> the CPUs its worker runs on
+
+    def bind(self, cores_of: Mapping[int, Sequence[int]]) -> None:
+        """From the next run on, run each stage s of `cores_of` on the CPUs cores_of[s] only:
+        the worker taking it binds itself to them (a pool's workers take whichever stage comes
+        next, so each binds afresh). Only with a worker per stage: never the caller's thread."""
+        if self.pool is None or not hasattr(os, "sched_setaffinity"):
+            return
+        self.cores_of = {s: tuple(cpus) for s, cpus in cores_of.items()}
+
+    def _on_own_cores(self, s: int) -> None:
+        if s in self.cores_of:
+            os.sched_setaffinity(0, self.cores_of[s])
 
     def run(self, programs: Sequence[Sequence[Action]], run: Run, key: Any = None) -> Run:
         """Execute `programs[s]` on every stage s held here; `key` keeps this run's in-flight
@@ -100,6 +114,7 @@ class Driver:
         def on_worker(s: int) -> T:
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
+            self._on_own_cores(s)
             return fn(s)
 
         if self.pool is None:
@@ -112,6 +127,7 @@ class Driver:
         torch.set_grad_enabled(run.grad_enabled)
         if self.threads is not None:
             torch.set_num_threads(self.threads)  # per thread: this worker's parallel regions
+        self._on_own_cores(s)
         state = self._state.setdefault(s, _StageState())
         device = self.runners[s].device
         context = contextlib.ExitStack()

@@ -16,6 +16,7 @@ from fxpipe.affinity import (
     pin_process,
     pin_rank,
     ranks_on_host,
+    stage_cores,
     usable_cores,
 )
 
@@ -114,3 +115,18 @@ def test_usable_cores_are_the_cpus_the_process_may_run_on():
     finally:
         os.sched_setaffinity(0, allowed)
     assert usable_cores() == len(allowed)
+
+
+@given(stages=st.lists(st.integers(0, 63), min_size=1, max_size=32, unique=True),
+       cpus=st.sets(st.integers(0, 127), min_size=1, max_size=16))
+def test_stage_threads_go_round_the_cores(stages, cpus):
+    """One CPU each, of those given; stages next to each other on different ones when there
+    are two or more; every CPU taken before any takes a second stage."""
+    stages = sorted(stages)
+    placed = stage_cores(stages, cpus)
+    assert set(placed) == set(stages)
+    assert all(len(c) == 1 and c[0] in cpus for c in placed.values())
+    if len(cpus) > 1:
+        assert all(placed[a] != placed[b] for a, b in zip(stages, stages[1:]))
+    counts = [sum(placed[s] == (cpu,) for s in stages) for cpu in cpus]
+    assert max(counts) - min(counts) <= 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import time
 
 import pytest
@@ -398,3 +399,53 @@ def test_compile_measures_the_thread_capacity_where_stage_threads_outnumber_the_
         assert capacity.at_stages > 0
     else:
         assert pipe.thread_capacity is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding stage threads to cores needs 2 CPUs and Linux")
+@pytest.mark.parametrize("affinity, more_threads_lose, bound", [
+    ("auto", False, True), ("auto", True, False), ("none", False, False)])
+def test_stage_threads_past_the_cores_are_bound_round_them(monkeypatch, affinity,
+                                                           more_threads_lose, bound):
+    """Three stage threads on one core's worth of usable cores: bound round the CPUs, each
+    stage's forward runs there, and the prediction shares each core between its stages, only
+    with cpu_affinity="auto" and where more threads did not get less done."""
+    import importlib
+
+    from fxpipe.passes.analysis.capacity import ThreadCapacity
+
+    local = importlib.import_module("fxpipe.compile.local")
+    at_stages = 0.5 if more_threads_lose else 1.0
+    monkeypatch.setattr(local, "measure_thread_capacity",
+                        lambda *args, **kwargs: ThreadCapacity(2, 3, 1.0, at_stages))
+    where = os.sched_getaffinity
+    cpus = sorted(where(0))[:2]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 4))
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=2, cpu_affinity=affinity),
+                          example_inputs=(x,), cache=False)
+    ran_on = {}
+    for s, stage in enumerate(pipe.stages):  # each stage's first layer says where it runs
+        layer = next(m for m in stage.modules() if isinstance(m, nn.Linear))
+        layer.register_forward_pre_hook(
+            lambda module, args, s=s: ran_on.__setitem__(s, where(0)))
+    try:
+        pipe(x).sum().backward()
+        placed, seen = pipe.bound_cores(), dict(ran_on)
+        simulated = []  # what the prediction gives the simulator
+        monkeypatch.setattr(fxpipe.pipeline, "simulate",
+                            lambda *args, **kwargs: simulated.append(kwargs["bound"]))
+        pipe.predicted_timeline()
+    finally:
+        monkeypatch.undo()  # the real sched_getaffinity again, and every stage let go
+        everywhere = os.sched_getaffinity(0)
+        pipe.executor.driver.bind({s: everywhere for s in range(3)})
+        pipe(x)  # its workers let go of their cores
+    if bound:
+        assert seen == {0: {cpus[0]}, 1: {cpus[1]}, 2: {cpus[0]}}
+        assert placed == simulated[0] == {0: 0, 1: 1, 2: 0}
+    else:
+        assert placed is None and simulated == [None]
+        assert all(len(c) >= 2 for c in seen.values())

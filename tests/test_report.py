@@ -36,7 +36,9 @@ from fxpipe.simulate import Event
 def trained():
     model = VGG()
     x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    plan = fxpipe.Plan(stages=3, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy)
+    # unbound, whatever the thread capacity measured (tests give the cores they need)
+    plan = fxpipe.Plan(stages=3, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy,
+                       cpu_affinity="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(x,))
     pipe.step(x, y)
     return pipe
@@ -289,15 +291,18 @@ def test_replan_moves_work_away_from_a_stage_measured_slower():
     assert result.proposed.sizes[0] < result.current.sizes[0]
 
 
-@given(stages=st.integers(1, 16), cores=st.integers(1, 16), ranks=st.booleans())
+@given(stages=st.integers(1, 16), cores=st.integers(1, 16), ranks=st.booleans(),
+       bound=st.booleans())
 def test_stages_sharing_cores_are_named_exactly_when_there_are_more_than_cores(stages, cores,
-                                                                              ranks):
-    lines = shared_cores_lines(stages, cores, ranks=ranks)
+                                                                              ranks, bound):
+    lines = shared_cores_lines(stages, cores, ranks=ranks, bound=bound and not ranks)
     assert bool(lines) == (stages > cores)
     who = "ranks" if ranks else "stages"
     for line in lines:
         assert f"{stages} {who} compute on this host's {cores} CPU core" in line
         assert ("timed on all the ranks at once" in line) == ranks
+        assert ("splits each core among the stages on it" in line) == (bound and not ranks)
+        assert ("splits the cores evenly" in line) == (not bound and not ranks)
 
 
 @pytest.mark.parametrize("cores, device", [(2, "cpu"), (3, "cpu"), (2, "cuda:0")])
@@ -687,8 +692,7 @@ def test_each_stage_pays_its_own_slowdown_after_a_wait():
        at_stages=st.floats(0.01, 16.0))
 def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_done(
         stages, cores, at_cores, at_stages):
-    from fxpipe.passes.analysis.capacity import ThreadCapacity
-    from fxpipe.report import FEWER_THREADS_BELOW
+    from fxpipe.passes.analysis.capacity import FEWER_THREADS_BELOW, ThreadCapacity
 
     assume(stages > cores)
     capacity = ThreadCapacity(cores, stages, at_cores, at_stages)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.affinity import stage_cores
 from fxpipe.allocator import keep_for
 from fxpipe.compile.distributed import compile_distributed
 from fxpipe.compile.front import (
@@ -139,9 +140,27 @@ def compile(
         partition.micro_batches, traced.bind.unflatten, threads=threads,
     )
     pipe.executor.whole = whole
-    if plan.costs != "none":  # the runtime's own time, for predicting whole steps
-        pipe.measure_runtime_overhead(*args, **kwargs)
+    if plan.costs != "none":
         # stage threads beyond the cores: how much work they get through, for the report
         pipe.thread_capacity = measure_thread_capacity(traced.gm, units, flat, partition,
                                                        devices, threads, whole)
+        bind_stage_threads(pipe)
+        # the runtime's own time, for predicting whole steps, where the steps will run
+        pipe.measure_runtime_overhead(*args, **kwargs)
     return pipe
+
+
+def bind_stage_threads(pipe: CompiledPipeline) -> None:
+    """With Plan(cpu_affinity="auto"), where stage threads outnumber the cores and more of
+    them did not get less done (`thread_capacity`, measured only then), bind each to a core
+    (`stage_cores`): the cores are then what they share, each between the stages on it, as
+    the prediction has it. Left unbound, a stage woken by a message may wait for a core while
+    another goes idle, which the prediction cannot know; bound, the bundled VGG and ResNet
+    stepped about as fast and were predicted closer (benchmarks/thread_placement.py,
+    ACCURACY.md). Where more threads got less done (the interpreter lock, mostly: the
+    bundled MLP and GPT), binding is no model of what limits them, and they stay unbound."""
+    capacity = pipe.thread_capacity
+    if pipe.plan.cpu_affinity != "auto" or capacity is None or capacity.more_threads_lose:
+        return
+    stages = sorted(pipe.executor.runners)
+    pipe.executor.driver.bind(stage_cores(stages, sorted(os.sched_getaffinity(0))))

@@ -17,7 +17,12 @@ from fxpipe.materialize import has_meta_tensors
 from fxpipe.passes.analysis.profile import run_as_a_stage, values_needing_grad
 from fxpipe.probes import gradients_set_aside, preserved_state
 
-__all__ = ["ThreadCapacity", "thread_capacity"]
+__all__ = ["FEWER_THREADS_BELOW", "ThreadCapacity", "thread_capacity"]
+
+# past the cores, more threads count as getting less done where as many threads as the stages
+# got through less than this share of the work as many as the cores did (the measurement moves
+# by a few percent from run to run)
+FEWER_THREADS_BELOW = 0.9
 
 
 class ThreadCapacity(NamedTuple):
@@ -28,6 +33,13 @@ class ThreadCapacity(NamedTuple):
     stages: int
     at_cores: float
     at_stages: float
+
+    @property
+    def more_threads_lose(self) -> bool:
+        """Whether as many threads as the stages got less done than as many as the cores (by
+        FEWER_THREADS_BELOW): then the threads contend for more than the cores (Python's
+        interpreter lock, mostly), and fewer stages per process are likely faster."""
+        return self.at_stages < FEWER_THREADS_BELOW * self.at_cores
 
 
 def thread_capacity(graph: fx.GraphModule, table: CommTable, flat_inputs: Sequence[Any],
