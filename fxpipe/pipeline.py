@@ -210,13 +210,13 @@ class CompiledPipeline(torch.nn.Module):
     def bound_cores(self) -> dict[int, int] | None:
         """Where compile bound the stage threads to cores (`Plan(cpu_affinity="auto")`), each
         stage's core, numbered among the usable ones, for the simulator to share each core
-        between the stages on it; else None."""
+        between the stages on it; else None (also where a stage may run on several CPUs)."""
         here = self.executor is not None and self.executor.everything_here
         cores_of = self.executor.driver.cores_of if here else {}
-        if not cores_of:
+        if not cores_of or any(len(c) != 1 for c in cores_of.values()):
             return None
         cpus = sorted(set().union(*map(set, cores_of.values())))
-        return {s: cpus.index(min(c)) for s, c in cores_of.items()}  # one CPU each
+        return {s: cpus.index(c[0]) for s, c in cores_of.items()}
 
     def _posting(self, per_tensor: float, per_gradient: float | None = None
                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
