@@ -92,6 +92,7 @@ class BenchRow:
     # many threads as the cores, and as the stages, got through at once against one (else nan)
     capacity_cores: float = float("nan")
     capacity_stages: float = float("nan")
+    bound: bool = False  # whether compile bound the stage threads to cores (pipe.bound_cores)
 
     @property
     def ratio(self) -> float:
@@ -254,7 +255,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             late_ms=statistics.fmean(found.excess for found in late) * 1e3,
             # this process's stages (under torchrun, this rank's)
             on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
-            timed_steps=len(times), **_capacities(pipe)))
+            timed_steps=len(times), bound=pipe.bound_cores() is not None,
+            **_capacities(pipe)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")
         if not launched():  # a bar of its own line ends with it

@@ -214,9 +214,15 @@ def _bench(args: argparse.Namespace) -> None:
         print(line)
     if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
         cores = usable_cores()
+        bound = sum(row.bound for row in rows)
         for line in shared_cores_lines(args.stages, cores, ranks=bool(args.nproc),
-                                       capacity=median_thread_capacity(rows, cores, args.stages)):
+                                       capacity=median_thread_capacity(rows, cores, args.stages),
+                                       bound=bound == len(rows)):
             print(line)
+        if 0 < bound < len(rows):  # compile decides per row, from the capacity it measured
+            print(f"bound stage threads: compile bound them to cores in {bound} of the "
+                  f"{len(rows)} rows, where more threads did not get less done, and left them "
+                  "unbound, the cores split evenly, in the others")
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
           "than that may be drift alone ('-': one round, nothing to compare); meas spread: "

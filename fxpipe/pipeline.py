@@ -465,6 +465,12 @@ class CompiledPipeline(torch.nn.Module):
         memory = describe(self.plan.cpu_memory)
         if memory and any(str(d).startswith("cpu") for d in self.devices):
             table += "\n" + memory
+        if self.bound_cores() is not None:
+            places = ", ".join(f"stage {s} on CPU {format_cpus(cpus)}"
+                               for s, cpus in sorted(self.executor.driver.cores_of.items()))
+            table += ("\nstage threads bound to cores (Plan(cpu_affinity='auto'), as they "
+                      f"outnumber the cores): {places}; the prediction shares each core among "
+                      "the stages on it")
         return table
 
     def _weight_copies_line(self) -> str:

@@ -444,6 +444,21 @@ def test_bench_rows_keep_the_thread_capacity_compile_measured(monkeypatch, tmp_p
     assert math.isnan(again[1].capacity_cores) and math.isnan(again[1].capacity_stages)
 
 
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_bench_says_whether_compile_bound_its_stage_threads(capsys, monkeypatch, bound):
+    import fxpipe.cli
+
+    rows = [BenchRow("even", s, (1, 1, 1, 1), 2, 1.0, 1.0, 0.0, 0.0, (0.0,) * 4,
+                     bound=index < bound) for index, s in enumerate(["gpipe", "1f1b"])]
+    monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: rows)
+    monkeypatch.setattr(fxpipe.cli, "usable_cores", lambda: 2)
+    assert main(["bench", "mlp", "--stages", "4", "--partitioners", "even"]) == 0
+    out = capsys.readouterr().out
+    assert ("splits each core among the stages on it" in out) == (bound == 2)
+    assert ("splits the cores evenly" in out) == (bound < 2)
+    assert ("compile bound them to cores in 1 of the 2 rows" in out) == (bound == 1)
+
+
 def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch):
     """Rows that measured it (stage threads beyond the cores) give the capacity line their
     median; a row without it (nan) is left out of the median, not counted as nothing."""

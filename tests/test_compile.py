@@ -433,7 +433,7 @@ def test_stage_threads_past_the_cores_are_bound_round_them(monkeypatch, affinity
             lambda module, args, s=s: ran_on.__setitem__(s, where(0)))
     try:
         pipe(x).sum().backward()
-        placed, seen = pipe.bound_cores(), dict(ran_on)
+        placed, seen, shown = pipe.bound_cores(), dict(ran_on), repr(pipe)
         simulated = []  # what the prediction gives the simulator
         monkeypatch.setattr(fxpipe.pipeline, "simulate",
                             lambda *args, **kwargs: simulated.append(kwargs["bound"]))
@@ -446,6 +446,9 @@ def test_stage_threads_past_the_cores_are_bound_round_them(monkeypatch, affinity
     if bound:
         assert seen == {0: {cpus[0]}, 1: {cpus[1]}, 2: {cpus[0]}}
         assert placed == simulated[0] == {0: 0, 1: 1, 2: 0}
+        assert (f"stage threads bound to cores (Plan(cpu_affinity='auto'), as they outnumber "
+                f"the cores): stage 0 on CPU {cpus[0]}, stage 1 on CPU {cpus[1]}, stage 2 on "
+                f"CPU {cpus[0]}; the prediction shares each core") in shown
     else:
-        assert placed is None and simulated == [None]
+        assert placed is None and simulated == [None] and "bound to cores" not in shown
         assert all(len(c) >= 2 for c in seen.values())
