@@ -44,8 +44,8 @@ def choose_share(rank: int, everyone: Sequence[tuple[str, Any]]) -> tuple[int, .
 def stage_cores(stages: Sequence[int], cpus: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """The CPU each of `stages` (stage threads of one process, in pipeline order) is bound to
     where they outnumber `cpus`: the next one round, so neighbours, which hand each other
-    their messages, compute on different cores (bound in blocks, the bundled VGG and ResNet
-    stepped slower: benchmarks/thread_placement.py)."""
+    their messages, compute on different cores (bound in blocks instead, the bundled VGG and
+    ResNet stepped slower in 3 of 4 settings: benchmarks/thread_placement.py, ACCURACY.md)."""
     cpus = sorted(cpus)
     return {s: (cpus[i % len(cpus)],) for i, s in enumerate(stages)}
 

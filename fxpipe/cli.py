@@ -220,9 +220,10 @@ def _bench(args: argparse.Namespace) -> None:
                                        bound=bound == len(rows)):
             print(line)
         if 0 < bound < len(rows):  # compile decides per row, from the capacity it measured
+            named = ", ".join(f"{row.partitioner}/{row.schedule}" for row in rows if row.bound)
             print(f"bound stage threads: compile bound them to cores in {bound} of the "
-                  f"{len(rows)} rows, where more threads did not get less done, and left them "
-                  "unbound, the cores split evenly, in the others")
+                  f"{len(rows)} rows ({named}), where what they shared was mostly the cores, "
+                  "and left them unbound, the cores split evenly, in the others")
     print("pred spread: how far a row's predictions moved between its rounds, each made from "
           "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
           "than that may be drift alone ('-': one round, nothing to compare); meas spread: "

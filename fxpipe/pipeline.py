@@ -209,8 +209,9 @@ class CompiledPipeline(torch.nn.Module):
 
     def bound_cores(self) -> dict[int, int] | None:
         """Where compile bound the stage threads to cores (`Plan(cpu_affinity="auto")`), each
-        stage's core, numbered among the usable ones, for the simulator to share each core
-        between the stages on it; else None (also where a stage may run on several CPUs)."""
+        stage's core, numbered from 0 among the CPUs they are bound to, for the simulator to
+        share each core between the stages on it; else None (also where a stage may run on
+        several CPUs)."""
         here = self.executor is not None and self.executor.everything_here
         cores_of = self.executor.driver.cores_of if here else {}
         if not cores_of or any(len(c) != 1 for c in cores_of.values()):

@@ -64,18 +64,28 @@ class Driver:
                      if len(runners) > 1 else None)
         self._state: dict[int, _StageState] = {}
         self.cores_of: dict[int, tuple[int, ...]] = {}  # stage -> the CPUs its worker runs on
+        self._everywhere: tuple[int, ...] | None = None  # the process's CPUs, once bound
 
     def bind(self, cores_of: Mapping[int, Sequence[int]]) -> None:
-        """From the next run on, run each stage s of `cores_of` on the CPUs cores_of[s] only:
-        the worker taking it binds itself to them (a pool's workers take whichever stage comes
-        next, so each binds afresh). Only with a worker per stage: never the caller's thread."""
+        """From the next run on, run each stage s of `cores_of` on the CPUs cores_of[s] only,
+        and every other stage on the CPUs the process could use when first bound: the worker
+        taking a stage binds itself (a pool's workers take whichever stage comes next, so each
+        binds afresh). Only with a worker per stage: never the caller's thread."""
         if self.pool is None or not hasattr(os, "sched_setaffinity"):
             return
+        if self._everywhere is None:
+            self._everywhere = tuple(sorted(os.sched_getaffinity(0)))
         self.cores_of = {s: tuple(cpus) for s, cpus in cores_of.items()}
 
     def _on_own_cores(self, s: int) -> None:
-        if s in self.cores_of:
-            os.sched_setaffinity(0, self.cores_of[s])
+        if self._everywhere is None:
+            return
+        try:
+            os.sched_setaffinity(0, self.cores_of.get(s, self._everywhere))
+        except OSError:  # a CPU no longer the process's (its cpuset changed): bind no more
+            self.cores_of = {}
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self._everywhere)
 
     def run(self, programs: Sequence[Sequence[Action]], run: Run, key: Any = None) -> Run:
         """Execute `programs[s]` on every stage s held here; `key` keeps this run's in-flight

@@ -419,11 +419,13 @@ def test_bench_says_when_its_stages_share_cores(capsys, monkeypatch, cores, on_c
 @pytest.mark.timeout(120)
 def test_bench_rows_keep_the_thread_capacity_compile_measured(monkeypatch, tmp_path):
     """Two stage threads on one core: each row keeps how much one and two threads got
-    through; and a row read back from the JSON a torchrun rank writes is the row it wrote."""
+    through, and whether compile bound them to cores from it; and a row read back from the
+    JSON a torchrun rank writes is the row it wrote."""
     import importlib
 
     import fxpipe.bench
     from fxpipe.models import bundled
+    from fxpipe.passes.analysis.capacity import BIND_FROM
 
     front = importlib.import_module("fxpipe.compile.front")
     monkeypatch.setattr(front, "usable_cores", lambda: 1)
@@ -436,6 +438,8 @@ def test_bench_rows_keep_the_thread_capacity_compile_measured(monkeypatch, tmp_p
     [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=1, rounds=1,
                                progress=False, settle=0.0, measure=0.0, profile_time=0.0)
     assert row.capacity_cores == 1.0 and row.capacity_stages > 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    assert row.bound == (cpus > 1 and row.capacity_stages >= BIND_FROM)
     both = [row, dataclasses.replace(row, capacity_cores=math.nan, capacity_stages=math.nan)]
     path = str(tmp_path / "rows.json")
     fxpipe.bench.rows_to_json(path, both)
@@ -456,7 +460,7 @@ def test_bench_says_whether_compile_bound_its_stage_threads(capsys, monkeypatch,
     out = capsys.readouterr().out
     assert ("splits each core among the stages on it" in out) == (bound == 2)
     assert ("splits the cores evenly" in out) == (bound < 2)
-    assert ("compile bound them to cores in 1 of the 2 rows" in out) == (bound == 1)
+    assert ("compile bound them to cores in 1 of the 2 rows (even/gpipe)" in out) == (bound == 1)
 
 
 def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch):

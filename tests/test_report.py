@@ -36,7 +36,8 @@ from fxpipe.simulate import Event
 def trained():
     model = VGG()
     x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    # unbound, whatever the thread capacity measured (tests give the cores they need)
+    # unbound whatever thread capacity compile measures, so that the tests that set the usable
+    # cores get the even split of them (binding would fix each stage's core instead)
     plan = fxpipe.Plan(stages=3, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy,
                        cpu_affinity="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(x,))

@@ -757,7 +757,8 @@ def test_stages_bound_to_a_core_share_only_that_core(schedule: Schedule, seed: i
                                                       cores: int, data):
     """Bound, each core works its own stages' actions as one core shared by them alone: no
     action ends earlier than with a core per stage, and the step takes at least the work of
-    the busiest core. All on one core, the step is the one a single shared core gives."""
+    the busiest core. Each on a core of its own, the stages run as if alone; all on one core,
+    the step is the one a single shared core gives."""
     n, m = schedule.stages, micro_batch_count(schedule)
     fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
     bound = {s: data.draw(st.integers(0, cores - 1)) for s in range(n)}
@@ -768,6 +769,9 @@ def test_stages_bound_to_a_core_share_only_that_core(schedule: Schedule, seed: i
     busiest = max(sum(e.duration for e in alone.events if bound[e.stage] == core
                       and not e.action.kind.is_recv) for core in range(cores))
     assert timeline.makespan >= busiest * (1 - 1e-9)
+    own = simulate(schedule, fwd, bwd, 0.3, 0.3, post_f=0.05, cores=n,
+                   bound={s: s for s in range(n)})
+    assert _spans(own) == _spans(alone)
     one = simulate(schedule, fwd, bwd, 0.3, 0.3, post_f=0.05, cores=cores,
                    bound=dict.fromkeys(range(n), 0))
     shared = simulate(schedule, fwd, bwd, 0.3, 0.3, post_f=0.05, cores=1.0)
@@ -776,18 +780,22 @@ def test_stages_bound_to_a_core_share_only_that_core(schedule: Schedule, seed: i
 
 
 def test_stages_bound_to_cores_split_only_their_own():
-    # gpipe(2, 2), every compute 1: bound to one core the two stages share it (step 8, as
-    # cores=1); bound to a core each they share nothing (step 6), though 2 cores shared
-    # evenly among 4 stages would slow them while 3 compute
+    # gpipe(2, 2), every compute 1: bound to one of 2 cores the two stages share it (step 8,
+    # as with cores=1, where the even split of 2 cores gives each one: step 6)
     assert simulate(gpipe(2, 2), 1.0, 1.0, cores=2, bound={0: 1, 1: 1}).makespan == 8.0
-    assert simulate(gpipe(2, 2), 1.0, 1.0, cores=2, bound={0: 0, 1: 1}).makespan == 6.0
+    assert simulate(gpipe(2, 2), 1.0, 1.0, cores=2).makespan == 6.0
+    # gpipe(3, 3) on 2 cores, stages 0 and 2 on core 0: from 2, 0F2 and 2F0 split core 0
+    # (both end at 4) while 1F1 has core 1 to itself (ends at 3); split evenly, all three go
+    # at 2/3 and end at 3.5
+    three = simulate(gpipe(3, 3), 1.0, 1.0, cores=2, bound={0: 0, 1: 1, 2: 0})
+    assert three.event(Action(0, F, 2)).end == 4.0 and three.event(Action(2, F, 0)).end == 4.0
+    assert three.event(Action(1, F, 1)).end == 3.0
+    assert three.event(Action(0, B, 2)).end == 10.0 and three.event(Action(2, B, 0)).end == 10.0
     # four stages, 0 and 1 on core 0: stage 0's F1 and stage 1's F0 split it (both end at 3,
-    # where 2 cores split evenly give each a core: 2); 1 and 2 on cores of their own do not
+    # where 2 cores split evenly give each a core: 2)
     blocks = simulate(gpipe(4, 2), 1.0, 1.0, cores=2, bound={0: 0, 1: 0, 2: 1, 3: 1})
     assert blocks.event(Action(0, F, 1)).end == 3.0 and blocks.event(Action(1, F, 0)).end == 3.0
     assert simulate(gpipe(4, 2), 1.0, 1.0, cores=2).event(Action(0, F, 1)).end == 2.0
-    alternate = simulate(gpipe(4, 2), 1.0, 1.0, cores=2, bound={0: 0, 1: 1, 2: 0, 3: 1})
-    assert alternate.event(Action(1, F, 0)).end == 2.0
 
 
 def test_bound_takes_whole_cores_and_every_sharing_stage():

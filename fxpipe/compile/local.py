@@ -151,16 +151,20 @@ def compile(
 
 
 def bind_stage_threads(pipe: CompiledPipeline) -> None:
-    """With Plan(cpu_affinity="auto"), where stage threads outnumber the cores and more of
-    them did not get less done (`thread_capacity`, measured only then), bind each to a core
-    (`stage_cores`): the cores are then what they share, each between the stages on it, as
-    the prediction has it. Left unbound, a stage woken by a message may wait for a core while
-    another goes idle, which the prediction cannot know; bound, the bundled VGG and ResNet
-    stepped about as fast and were predicted closer (benchmarks/thread_placement.py,
-    ACCURACY.md). Where more threads got less done (the interpreter lock, mostly: the
-    bundled MLP and GPT), binding is no model of what limits them, and they stay unbound."""
-    capacity = pipe.thread_capacity
-    if pipe.plan.cpu_affinity != "auto" or capacity is None or capacity.more_threads_lose:
+    """With Plan(cpu_affinity="auto"), where stage threads of one intra-op thread each
+    outnumber the cores (2 or more) and what they share is mostly the cores
+    (`thread_capacity`, measured only then: not with Plan(costs="none")), bind each to a core
+    (`stage_cores`), as the prediction then has them: each core shared by the stages on it.
+    Left unbound, a stage woken by a message may wait for a busy core while another idles,
+    which the prediction leaves out; bound, the bundled VGG, ResNet and HF models stepped
+    about as fast and were predicted closer (benchmarks/thread_placement.py, ACCURACY.md).
+    Where more threads got much less done (the interpreter lock: the bundled MLP), the cores
+    are no model of what limits them, and they stay unbound."""
+    capacity, driver = pipe.thread_capacity, pipe.executor.driver
+    if (pipe.plan.cpu_affinity != "auto" or capacity is None
+            or not capacity.shares_mostly_cores or (driver.threads or 1) > 1
+            or not hasattr(os, "sched_getaffinity")):
         return
-    stages = sorted(pipe.executor.runners)
-    pipe.executor.driver.bind(stage_cores(stages, sorted(os.sched_getaffinity(0))))
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:
+        driver.bind(stage_cores(sorted(pipe.executor.runners), cpus))

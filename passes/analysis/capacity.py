@@ -17,12 +17,17 @@ from fxpipe.materialize import has_meta_tensors
 from fxpipe.passes.analysis.profile import run_as_a_stage, values_needing_grad
 from fxpipe.probes import gradients_set_aside, preserved_state
 
-__all__ = ["FEWER_THREADS_BELOW", "ThreadCapacity", "thread_capacity"]
+__all__ = ["BIND_FROM", "FEWER_THREADS_BELOW", "ThreadCapacity", "thread_capacity"]
 
 # past the cores, more threads count as getting less done where as many threads as the stages
 # got through less than this share of the work as many as the cores did (the measurement moves
 # by a few percent from run to run)
 FEWER_THREADS_BELOW = 0.9
+# as many threads as the stages count as sharing mostly the cores where they got through at
+# least this much of one thread's work at once: 4 threads of the bundled MLP, whose pace the
+# interpreter lock sets, measured 0.58 to 0.75 on 2 cores, of the GPT 1.26 to 1.92, of the other
+# bundled and HF models 1.55 or more (benchmarks/ACCURACY.md)
+BIND_FROM = 1.0
 
 
 class ThreadCapacity(NamedTuple):
@@ -40,6 +45,13 @@ class ThreadCapacity(NamedTuple):
         FEWER_THREADS_BELOW): then the threads contend for more than the cores (Python's
         interpreter lock, mostly), and fewer stages per process are likely faster."""
         return self.at_stages < FEWER_THREADS_BELOW * self.at_cores
+
+    @property
+    def shares_mostly_cores(self) -> bool:
+        """Whether as many threads as the stages got through at least BIND_FROM times one
+        thread's work at once: what they share is then mostly the cores, not the interpreter
+        lock, and a stage thread bound to a core runs as that core's share predicts."""
+        return self.at_stages >= BIND_FROM
 
 
 def thread_capacity(graph: fx.GraphModule, table: CommTable, flat_inputs: Sequence[Any],
