@@ -25,7 +25,7 @@ __all__ = ["BIND_FROM", "FEWER_THREADS_BELOW", "ThreadCapacity", "thread_capacit
 FEWER_THREADS_BELOW = 0.9
 # as many threads as the stages count as sharing mostly the cores where they got through at
 # least this much of one thread's work at once: 4 threads of the bundled MLP, whose pace the
-# interpreter lock sets, measured 0.58 to 0.75 on 2 cores, of the GPT 1.26 to 1.92, of the other
+# interpreter lock sets, measured 0.58 to 0.82 on 2 cores, of the GPT 1.26 to 1.92, of the other
 # bundled and HF models 1.55 or more (benchmarks/ACCURACY.md)
 BIND_FROM = 1.0
 
