@@ -75,8 +75,8 @@ class Plan:
     # under torch.distributed on the CPU: "auto" binds each rank of a host, and the processes
     # and threads it starts later, to CPUs of its own when there are enough and no launcher
     # placed the ranks already (fxpipe.affinity); in one process, it binds stage threads that
-    # outnumber the cores round them where more threads did not get less done
-    # (compile.local.bind_stage_threads); "none" binds nothing
+    # outnumber the cores round them where as many threads got through at least one thread's
+    # work at once (compile.local.bind_stage_threads); "none" binds nothing
     cpu_affinity: str = "auto"
     # with a stage on the CPU: "keep" has the C allocator (glibc) keep memory the process frees
     # for its next allocations instead of handing it back to the system at once, so a step's
