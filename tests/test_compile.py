@@ -455,3 +455,17 @@ def test_stage_threads_past_the_cores_are_bound_round_them(monkeypatch, affinity
     else:
         assert placed is None and simulated == [None] and "bound to cores" not in shown
         assert all(len(c) >= 2 for c in seen.values())
+
+
+def test_a_stage_run_on_the_callers_thread_is_never_bound():
+    """One stage here (as under torchrun, one per rank) runs inline, on the caller's thread,
+    which binding a stage must leave where it is."""
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=1, micro_batches=2), example_inputs=(x,),
+                          cache=False)
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    pipe.executor.driver.bind({0: [0]})
+    pipe(x).sum().backward()
+    assert pipe.executor.driver.cores_of == {} and pipe.bound_cores() is None
+    if before is not None:
+        assert os.sched_getaffinity(0) == before
