@@ -146,13 +146,14 @@ def _spread(values: Sequence[float]) -> float:
 
 
 def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[str],
-                schedules: Sequence[str]) -> dict[tuple[str, str], Plan]:
+                schedules: Sequence[str], cpu_affinity: str = "auto"
+                ) -> dict[tuple[str, str], Plan]:
     """The plan of every (partitioner, schedule) the benchmark runs, without the loss; made
     all at once, so a mistake in any of them is reported before any work."""
     if "async-1f1b" in schedules:
         raise FxpipeError("the benchmark times pipe.step, and async-1f1b trains only through "
                           "pipe.step_many with an attached optimizer: compare gpipe and 1f1b.")
-    return {(p, s): Plan(stages=stages, partitioner=p, schedule=s,
+    return {(p, s): Plan(stages=stages, partitioner=p, schedule=s, cpu_affinity=cpu_affinity,
                          micro_batches="auto" if p == "csimd" else micro_batches)  # csimd
             for p in partitioners for s in schedules}  # chooses the micro-batch count itself
 
@@ -169,8 +170,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
           micro_batches: int | str, partitioners: Sequence[str], schedules: Sequence[str],
           repeats: int = ROUNDS, warmup: int = 2, progress: bool = True,
           rounds: int = ROUNDS, profile_repeats: int = 5, settle: float = 0.2,
-          measure: float = MEASURE_SECONDS, profile_time: float = PROFILE_SECONDS
-          ) -> list[BenchRow]:
+          measure: float = MEASURE_SECONDS, profile_time: float = PROFILE_SECONDS,
+          cpu_affinity: str = "auto") -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
     call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
 
@@ -190,9 +191,11 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     tens of milliseconds to settle, and the steps meanwhile run at another speed than a
     training loop's back to back ones: slower for some models, faster for others
     (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round, more
-    until they took `profile_time` seconds at each micro-batch size (at most MOST_REPEATS)."""
+    until they took `profile_time` seconds at each micro-batch size (at most MOST_REPEATS).
+    `cpu_affinity`: every plan's (`Plan.cpu_affinity`); "none" compares the steps of unbound
+    stage threads, or ranks, with the default's."""
     rows = []
-    plans = bench_plans(stages, micro_batches, partitioners, schedules)
+    plans = bench_plans(stages, micro_batches, partitioners, schedules, cpu_affinity)
     check_stage_count_of(build, stages)
     rounds = max(1, min(rounds, repeats))
     for index, ((partitioner, schedule), plan) in enumerate(plans.items(), 1):

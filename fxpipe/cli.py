@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fxpipe.affinity import usable_cores
+from fxpipe.affinity import AFFINITIES, usable_cores
 from fxpipe.bench import (
     FILLING_STEPS_MAX,
     MEASURE_SECONDS,
@@ -195,7 +195,8 @@ def _bench(args: argparse.Namespace) -> None:
         if path:
             check_output_path(option, path)
     _factory(args.model)  # an unknown model fails here, before any progress is shown
-    bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
+    bench_plans(args.stages, micro_batches, partitioners, schedules,  # and so does a plan
+                args.cpu_affinity)
     build = _bench_build(args)
     if args.nproc:  # and a model with too few units, before the job starts (bench checks too)
         check_stage_count_of(build, args.stages)
@@ -283,7 +284,7 @@ def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
         torch.set_num_threads(1)
     rows = bench(build, args.stages, micro_batches, partitioners, schedules, args.repeats,
                  progress=not launched() or dist_rank() == 0, rounds=args.rounds,
-                 measure=args.measure)
+                 measure=args.measure, cpu_affinity=args.cpu_affinity)
     if not launched():
         return rows
     if args.rows_json and dist_rank() == 0:
@@ -573,6 +574,11 @@ def _parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--nproc", type=at_least_one,
                            help="run every configuration under torchrun with this many "
                                 "processes (one stage each)")
+    bench_cmd.add_argument("--cpu-affinity", choices=AFFINITIES, default="auto",
+                           help="every plan's Plan.cpu_affinity: auto binds stage threads that "
+                                "outnumber the cores round the cores where what they share is "
+                                "mostly the cores (under --nproc, each rank to CPUs of its "
+                                "own); none binds nothing, to compare against")
     bench_cmd.add_argument("--input-shape", action="append",
                            help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
                                 "3x32x32 (once per input)")

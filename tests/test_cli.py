@@ -463,6 +463,31 @@ def test_bench_says_whether_compile_bound_its_stage_threads(capsys, monkeypatch,
     assert ("compile bound them to cores in 1 of the 2 rows (even/gpipe)" in out) == (bound == 1)
 
 
+@pytest.mark.parametrize("affinity", [None, "auto", "none"])
+def test_bench_compiles_every_plan_with_the_cpu_affinity_asked_for(monkeypatch, affinity):
+    """`--cpu-affinity none` reaches each configuration's compile (so its stage threads stay
+    unbound, as test_compile checks); without the option, the plans keep Plan's default."""
+    import fxpipe.bench
+
+    class Compiled(Exception):
+        """Stops the benchmark at its first compile, with the plan it was given."""
+
+    def record(model, plan, **kwargs):
+        raise Compiled(plan)
+
+    monkeypatch.setattr(fxpipe.bench, "compile", record)
+    option = [] if affinity is None else ["--cpu-affinity", affinity]
+    with pytest.raises(Compiled) as compiled:
+        main(["bench", "mlp", "--stages", "2", "--partitioners", "even", *option])
+    assert compiled.value.args[0].cpu_affinity == (affinity or "auto")
+
+
+def test_bench_rejects_an_unknown_cpu_affinity(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "mlp", "--cpu-affinity", "cores"])
+    assert "argument --cpu-affinity: invalid choice: 'cores'" in capsys.readouterr().err
+
+
 def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch):
     """Rows that measured it (stage threads beyond the cores) give the capacity line their
     median; a row without it (nan) is left out of the median, not counted as nothing."""
