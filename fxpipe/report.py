@@ -245,7 +245,10 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
     the pace of the units timed on every rank at once. `capacity` (stage threads: compile's
     `thread_capacity`): how much of the units' work threads as many as its stages and as its
     cores got through at once, against one; where more threads got less done
-    (`more_threads_lose`), the user learns that fewer stages per process are likely faster."""
+    (`more_threads_lose`), the user learns that fewer stages per process are likely faster, and
+    where as many as the stages got through less than one thread's work (not
+    `shares_mostly_cores`), that the interpreter lock sets their pace, which the prediction
+    does not model."""
     if stages <= cores:
         return []
     who = "ranks" if ranks else "stages"
@@ -273,6 +276,12 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
                      "or the stages spread over torchrun ranks with a core each, are likely "
                      "to step faster")
         lines.append(line)
+        if not capacity.shares_mostly_cores:
+            lines.append(f"interpreter lock: {capacity.stages} threads got through less than "
+                         "one thread's work at once, so Python's interpreter lock more than "
+                         "the cores sets their pace; the prediction shares out the cores, not "
+                         "the lock, and steps may stray further from it here (see "
+                         "benchmarks/ACCURACY.md)")
     return lines
 
 

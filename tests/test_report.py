@@ -323,6 +323,8 @@ def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, co
     assert ("shared cores" in text) == shared
     assert ("thread capacity: 3 threads, each running all the model's units, got through "
             "0.75x the work of one thread at once, 2 threads 1.50x" in text) == shared
+    assert ("interpreter lock: 3 threads got through less than one thread's work" in text) \
+        == shared
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -693,11 +695,15 @@ def test_each_stage_pays_its_own_slowdown_after_a_wait():
        at_stages=st.floats(0.01, 16.0))
 def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_done(
         stages, cores, at_cores, at_stages):
-    from fxpipe.passes.analysis.capacity import FEWER_THREADS_BELOW, ThreadCapacity
+    from fxpipe.passes.analysis.capacity import BIND_FROM, FEWER_THREADS_BELOW, ThreadCapacity
 
     assume(stages > cores)
     capacity = ThreadCapacity(cores, stages, at_cores, at_stages)
-    *_, line = shared_cores_lines(stages, cores, capacity=capacity)
+    _, line, *lock = shared_cores_lines(stages, cores, capacity=capacity)
+    # below one thread's work at once, a last line says the prediction leaves the lock out
+    assert bool(lock) == (at_stages < BIND_FROM)
+    assert all(extra.startswith(f"interpreter lock: {stages} threads got through less than "
+                                "one thread's work at once") for extra in lock)
     assert line.startswith(f"thread capacity: {stages} threads, each running all the model's "
                            f"units, got through {at_stages:.2f}x the work of one thread at "
                            f"once, {cores} thread")
