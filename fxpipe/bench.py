@@ -148,8 +148,9 @@ def _spread(values: Sequence[float]) -> float:
 def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[str],
                 schedules: Sequence[str], cpu_affinity: str = "auto"
                 ) -> dict[tuple[str, str], Plan]:
-    """The plan of every (partitioner, schedule) the benchmark runs, without the loss; made
-    all at once, so a mistake in any of them is reported before any work."""
+    """The plan of every (partitioner, schedule) the benchmark runs, without the loss, each
+    with `cpu_affinity` (Plan.cpu_affinity); made all at once, so a mistake in any of them is
+    reported before any work."""
     if "async-1f1b" in schedules:
         raise FxpipeError("the benchmark times pipe.step, and async-1f1b trains only through "
                           "pipe.step_many with an attached optimizer: compare gpipe and 1f1b.")

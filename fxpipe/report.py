@@ -247,8 +247,8 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
     cores got through at once, against one; where more threads got less done
     (`more_threads_lose`), the user learns that fewer stages per process are likely faster, and
     where as many as the stages got through less than one thread's work (not
-    `shares_mostly_cores`), that the interpreter lock sets their pace, which the prediction
-    does not model."""
+    `shares_mostly_cores`), that the interpreter lock sets their pace, whose moves the
+    prediction does not follow."""
     if stages <= cores:
         return []
     who = "ranks" if ranks else "stages"
@@ -277,11 +277,12 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
                      "to step faster")
         lines.append(line)
         if not capacity.shares_mostly_cores:
-            lines.append(f"interpreter lock: {capacity.stages} threads got through less than "
-                         "one thread's work at once, so Python's interpreter lock more than "
-                         "the cores sets their pace; the prediction shares out the cores, not "
-                         "the lock, and steps may stray further from it here (see "
-                         "benchmarks/ACCURACY.md)")
+            lines.append(f"interpreter lock: {capacity.stages} threads got through "
+                         f"{capacity.at_stages:.3f}x, under one thread's work at once, so "
+                         "Python's interpreter lock more than the cores sets their pace; the "
+                         "units' timings hold the lock's cost beside busy threads, but not how "
+                         "it moves with what the other stages run and where the OS puts the "
+                         "threads, so steps may stray further from the prediction here")
     return lines
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from fxpipe.bench import BenchRow
+from fxpipe.bench import BenchRow, bench_plans
 from fxpipe.cli import _against_even, main
 
 _PROGRESS_BAR = re.compile(r"\[[#.]+\] \d+/\d+ ")
@@ -463,9 +463,16 @@ def test_bench_says_whether_compile_bound_its_stage_threads(capsys, monkeypatch,
     assert ("compile bound them to cores in 1 of the 2 rows (even/gpipe)" in out) == (bound == 1)
 
 
+@pytest.mark.parametrize("affinity", ["auto", "none"])
+def test_every_plan_of_the_bench_has_the_cpu_affinity_asked_for(affinity):
+    plans = bench_plans(2, 4, ["even", "balanced", "csimd"], ["gpipe", "1f1b"], affinity)
+    assert len(plans) == 6
+    assert all(plan.cpu_affinity == affinity for plan in plans.values())
+
+
 @pytest.mark.parametrize("affinity", [None, "auto", "none"])
-def test_bench_compiles_every_plan_with_the_cpu_affinity_asked_for(monkeypatch, affinity):
-    """`--cpu-affinity none` reaches each configuration's compile (so its stage threads stay
+def test_bench_compiles_with_the_cpu_affinity_asked_for(monkeypatch, affinity):
+    """`--cpu-affinity none` reaches the configurations' compile (so their stage threads stay
     unbound, as test_compile checks); without the option, the plans keep Plan's default."""
     import fxpipe.bench
 
@@ -480,6 +487,19 @@ def test_bench_compiles_every_plan_with_the_cpu_affinity_asked_for(monkeypatch, 
     with pytest.raises(Compiled) as compiled:
         main(["bench", "mlp", "--stages", "2", "--partitioners", "even", *option])
     assert compiled.value.args[0].cpu_affinity == (affinity or "auto")
+
+
+def test_a_torchrun_bench_hands_its_ranks_the_cpu_affinity(monkeypatch):
+    """Under --nproc each rank parses the bench's own words again: --cpu-affinity among them."""
+    import fxpipe.cli
+
+    handed = []
+    monkeypatch.setattr(fxpipe.cli, "bench_under_torchrun",
+                        lambda nproc, words: handed.append(list(words)))  # as on a rank
+    main(["bench", "mlp", "--stages", "2", "--nproc", "2", "--cpu-affinity", "none",
+          "--partitioners", "even"])
+    [words] = handed
+    assert words[words.index("--cpu-affinity") + 1] == "none" and "--nproc" not in words
 
 
 def test_bench_rejects_an_unknown_cpu_affinity(capsys):
@@ -505,6 +525,7 @@ def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch)
     assert ("thread capacity: 4 threads, each running all the model's units, got through 0.80x "
             "the work of one thread at once, 2 threads 1.10x") in out
     assert "at most 2 stages per process" in out
+    assert "interpreter lock: 4 threads got through 0.800x, under one thread's work" in out
 
 
 @pytest.mark.parametrize(("measure", "timed", "another_rank_asks"),

@@ -323,7 +323,7 @@ def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, co
     assert ("shared cores" in text) == shared
     assert ("thread capacity: 3 threads, each running all the model's units, got through "
             "0.75x the work of one thread at once, 2 threads 1.50x" in text) == shared
-    assert ("interpreter lock: 3 threads got through less than one thread's work" in text) \
+    assert ("interpreter lock: 3 threads got through 0.750x, under one thread's work" in text) \
         == shared
 
 
@@ -702,8 +702,9 @@ def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_do
     _, line, *lock = shared_cores_lines(stages, cores, capacity=capacity)
     # below one thread's work at once, a last line says the prediction leaves the lock out
     assert bool(lock) == (at_stages < BIND_FROM)
-    assert all(extra.startswith(f"interpreter lock: {stages} threads got through less than "
-                                "one thread's work at once") for extra in lock)
+    assert all(extra.startswith(f"interpreter lock: {stages} threads got through "
+                                f"{at_stages:.3f}x, under one thread's work at once")
+               for extra in lock)
     assert line.startswith(f"thread capacity: {stages} threads, each running all the model's "
                            f"units, got through {at_stages:.2f}x the work of one thread at "
                            f"once, {cores} thread")
