@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
-           "pin_process", "pin_rank", "ranks_on_host", "stage_cores", "usable_cores"]
+           "pin_process", "pin_rank", "ranks_on_host", "stage_cores", "usable_cores",
+           "usable_cpus"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
@@ -103,12 +104,17 @@ def format_cpus(cpus: Sequence[int]) -> str:
     return ",".join(f"{p[0]}-{p[-1]}" if len(p) > 2 else ",".join(map(str, p)) for p in parts)
 
 
-def usable_cores() -> int:
-    """How many CPUs this process may run on: its affinity (taskset, a cpuset, a rank's
-    share), else the host's count."""
+def usable_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on, ascending: its affinity (taskset, a cpuset, a rank's
+    share), else as many as the host has, numbered from 0."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """How many CPUs this process may run on (usable_cpus)."""
+    return len(usable_cpus())
 
 
 def ranks_on_host(rank: int, everyone: Sequence[Sequence[Any]]) -> tuple[int, int]:
@@ -125,8 +131,7 @@ def hosts(device: str) -> list[Host]:
     bound it already), for pin_rank and ranks_on_host: what a rank cannot see by itself. Every
     rank of the job must call it. Ranks bound by an earlier compile give their shares, whose
     union is as many CPUs as ranks or more: pin_rank binds nothing where there are fewer."""
-    allowed = (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity")
-               else tuple(range(usable_cores())))
+    allowed = usable_cpus()
     mine = (socket.gethostname(), torch.device(device).type == "cpu", allowed,
             allowed == _bound)
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.affinity import stage_cores
+from fxpipe.affinity import stage_cores, usable_cpus
 from fxpipe.allocator import keep_for
 from fxpipe.compile.distributed import compile_distributed
 from fxpipe.compile.front import (
@@ -162,9 +162,8 @@ def bind_stage_threads(pipe: CompiledPipeline) -> None:
     are no model of what limits them, and they stay unbound."""
     capacity, driver = pipe.thread_capacity, pipe.executor.driver
     if (pipe.plan.cpu_affinity != "auto" or capacity is None
-            or not capacity.shares_mostly_cores or (driver.threads or 1) > 1
-            or not hasattr(os, "sched_getaffinity")):
+            or not capacity.shares_mostly_cores or (driver.threads or 1) > 1):
         return
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) > 1:
+    cpus = usable_cpus()
+    if len(cpus) > 1:  # the driver binds nothing where threads cannot be bound (not Linux)
         driver.bind(stage_cores(sorted(pipe.executor.runners), cpus))
