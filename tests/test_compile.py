@@ -422,7 +422,10 @@ def test_stage_threads_past_the_cores_are_bound_round_them(monkeypatch, affinity
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
                           nn.Linear(8, 4))
     x = torch.randn(8, 8)
-    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=2, cpu_affinity=affinity),
+    # even: a Linear in every stage, whatever the timings (a timed partition may give a stage
+    # a ReLU alone)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=2, cpu_affinity=affinity,
+                                             partitioner="even"),
                           example_inputs=(x,), cache=False)
     ran_on = {}
     for s, stage in enumerate(pipe.stages):  # each stage's first layer says where it runs
