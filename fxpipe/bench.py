@@ -27,10 +27,12 @@ from fxpipe.passes.analysis.capacity import ThreadCapacity
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.plan import Plan
 from fxpipe.report import late_messages, step_time
+from fxpipe.schedules import ActionKind
 
 __all__ = [
     "FILLING_STEPS_MAX",
     "MEASURE_SECONDS",
+    "OFF_BY",
     "PROFILE_SECONDS",
     "ROUNDS",
     "BenchRow",
@@ -44,6 +46,7 @@ __all__ = [
     "median_thread_capacity",
     "pyplot",
     "rows_to_json",
+    "what_moved_lines",
     "write_csv",
     "write_png",
 ]
@@ -56,6 +59,9 @@ MEASURE_SECONDS = 0.1
 # and the prediction with them, while the steps' median over the round moves less
 # (benchmarks/timing_noise.py --min-time 0.05,0.5 and prediction_spread.py)
 PROFILE_SECONDS = 0.5
+# a row whose step is further than this from its prediction gets a line saying how far the
+# prediction's inputs moved between its rounds (what_moved_lines)
+OFF_BY = 0.15
 # rounds per configuration, and timed steps at least (one a round at least): a machine that
 # runs slow for a stretch moves a row of 5 rounds out of the 15% target now and then, and a row
 # of 15 rounds less often (2 stages: 8 of 576 groups of 5 rounds missed it, and none of the 192
@@ -82,6 +88,12 @@ class BenchRow:
     # rounds ran; empty where not known
     round_predicted_ms: tuple[float, ...] = ()
     round_measured_ms: tuple[float, ...] = ()
+    # what each round's prediction was made from, in the same order (empty where not known):
+    # the units' compute of one micro-batch, forward and backward, summed over the stages
+    # (the round's fresh timing), and the runtime's own time in a step, summed over the stages
+    # (its time per step, plus its time per forward and per backward action times the actions)
+    round_compute_ms: tuple[float, ...] = ()
+    round_runtime_ms: tuple[float, ...] = ()
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
     late_steps: float = float("nan")
     # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
@@ -132,10 +144,25 @@ class BenchRow:
         (a round's median is of few steps)."""
         return _spread(self.round_measured_ms)
 
+    @property
+    def compute_spread(self) -> float:
+        """How far the units' compute that the rounds timed spread (largest / smallest - 1)."""
+        return _spread(self.round_compute_ms)
+
+    @property
+    def runtime_spread(self) -> float:
+        """How far the runtime's own time per step that the rounds measured spread."""
+        return _spread(self.round_runtime_ms)
+
 
 # the CSV's columns after BenchRow's fields: what a row derives from them
 _DERIVED = ("ratio", "rounds", "predicted_low_ms", "predicted_high_ms", "measured_low_ms",
-            "measured_high_ms", "predicted_spread", "measured_spread")
+            "measured_high_ms", "predicted_spread", "measured_spread", "compute_spread",
+            "runtime_spread")
+
+
+# the fields of one figure per round, written space-separated in the CSV
+_ROUNDS = ("round_predicted_ms", "round_measured_ms", "round_compute_ms", "round_runtime_ms")
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -210,7 +237,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         # the partitioners see the loss on the last stage, as the steps compute it
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         predictions, times, late = [], [], []
-        round_steps = []  # each round's median step
+        round_steps, inputs = [], []  # each round's median step, and its prediction's inputs
         for steps in _split(repeats, rounds):
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats,
@@ -219,6 +246,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             overhead = pipe.step_overhead
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
+            inputs.append((sum(s.f + s.b for s in fresh.stages), _runtime_time(pipe)))
             predicted_step = timeline.makespan + overhead  # seconds
             settling, timing = _most_of_any_rank(_steps_filling(settle, predicted_step, warmup),
                                                   _steps_filling(measure, predicted_step, steps))
@@ -255,6 +283,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             measured_bubble=measured.bubble, memory=memory, memory_kind=kind,
             round_predicted_ms=tuple(t * 1e3 for t in totals),
             round_measured_ms=tuple(t * 1e3 for t in round_steps),
+            round_compute_ms=tuple(compute * 1e3 for compute, _ in inputs),
+            round_runtime_ms=tuple(runtime * 1e3 for _, runtime in inputs),
             late_steps=statistics.fmean(found.late > 0 for found in late),
             late_ms=statistics.fmean(found.excess for found in late) * 1e3,
             # this process's stages (under torchrun, this rank's)
@@ -266,6 +296,19 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         if not launched():  # a bar of its own line ends with it
             print(file=sys.stderr)
     return rows
+
+
+def _runtime_time(pipe) -> float:
+    """The runtime's own seconds in a step of `pipe`, summed over its stages: its time per step,
+    plus its measured time per forward and per backward action times the actions of each kind
+    in the last step's schedule."""
+    schedule = pipe.executor.last_schedule or pipe.executor.schedule
+    total = pipe.step_overhead
+    for actions, forward, backward in zip(schedule.actions, pipe.forward_overhead,
+                                          pipe.backward_overhead):
+        total += sum({ActionKind.F: forward, ActionKind.B: backward}.get(a.kind, 0.0)
+                     for a in actions)
+    return total
 
 
 def _lower_median_index(values: Sequence[float]) -> int:
@@ -381,6 +424,31 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
     return format_table(header, table)
 
 
+def what_moved_lines(rows: Sequence[BenchRow], off_by: float = OFF_BY) -> list[str]:
+    """A line for each row whose step was further than `off_by` from its prediction, that ran
+    several rounds: how far the predictions' inputs moved between its rounds (the units'
+    compute, the runtime's own time), beside the predictions and the median steps."""
+    lines = []
+    for r in rows:
+        if not abs(r.ratio - 1) > off_by or r.rounds < 2 or not r.round_compute_ms:
+            continue
+        lines.append(
+            f"{r.partitioner}/{r.schedule}: measured {r.ratio:.2f}x its prediction; between "
+            f"its {r.rounds} rounds the predictions moved {_percent(r.predicted_spread)} "
+            f"({r.predicted_low_ms:.2f} to {r.predicted_high_ms:.2f} ms), the units' compute "
+            f"they were made from {_percent(r.compute_spread)} "
+            f"({_low_high(r.round_compute_ms)} ms per micro-batch, the stages summed), the "
+            f"runtime's own time {_percent(r.runtime_spread)} "
+            f"({_low_high(r.round_runtime_ms)} ms per step, the stages summed), and the median "
+            f"steps {_percent(r.measured_spread)} ({r.measured_low_ms:.2f} to "
+            f"{r.measured_high_ms:.2f} ms); the CSV has every round's figures in order")
+    return lines
+
+
+def _low_high(values: Sequence[float]) -> str:
+    return f"{min(values):.2f} to {max(values):.2f}"
+
+
 def _percent(share: float) -> str:
     """A share as the table shows it: '-' where there is none (nan)."""
     return "-" if math.isnan(share) else f"{share:.0%}"
@@ -396,7 +464,7 @@ def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),  # as the table
                      "memory": " ".join(f"{m:.0f}" for m in r.memory),  # bytes per stage
                      "round_predicted_ms": " ".join(map(repr, r.round_predicted_ms)),
-                     "round_measured_ms": " ".join(map(repr, r.round_measured_ms))}
+                     **{name: " ".join(map(repr, getattr(r, name))) for name in _ROUNDS}}
             writer.writerow([*cells.values(), *(getattr(r, name) for name in _DERIVED)])
 
 

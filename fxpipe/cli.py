@@ -27,6 +27,7 @@ from fxpipe.bench import (
     median_thread_capacity,
     pyplot,
     rows_to_json,
+    what_moved_lines,
     write_csv,
     write_png,
 )
@@ -211,7 +212,7 @@ def _bench(args: argparse.Namespace) -> None:
         title += f", {args.nproc} processes under torchrun"
     print(title)
     print(format_rows(rows))
-    for line in _against_even(rows):
+    for line in _against_even(rows) + what_moved_lines(rows):
         print(line)
     if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
         cores = usable_cores()

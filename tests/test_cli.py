@@ -279,6 +279,10 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
             assert len(figures) == int(r["rounds"]) == 1  # --repeats 1: one round
             assert (min(figures), max(figures)) == (
                 float(r[f"{kind}_low_ms"]), float(r[f"{kind}_high_ms"]))
+        # and what the round's prediction was made from, less than the prediction itself
+        for kind in ("compute", "runtime"):
+            [figure] = [float(v) for v in r[f"round_{kind}_ms"].split()]
+            assert 0 < figure < float(r["predicted_ms"])
     assert "pred spread" in out and "late steps: the timed steps in which a message" in out
     assert "meas spread: how far the rounds' median steps moved" in out
     assert all(0.0 <= float(r["late_steps"]) <= 1.0 for r in rows)
@@ -329,15 +333,17 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
     from fxpipe.pipeline import CompiledPipeline
 
     spec = bundled("mlp")
-    scales, scored, timed_for = iter([1.0, 1.6, 1.2]), [], []
+    scales, scored, timed_for, pipes, computed = iter([1.0, 1.6, 1.2]), [], [], [], []
 
     def retime(pipe, inputs, min_time, **_):
         timed_for.append(min_time)
+        pipes.append(pipe)
         scale = next(scales)  # the machine slows down by 60%, then recovers halfway
         cost = dataclasses.replace(pipe.cost, f=pipe.cost.f * scale, b=pipe.cost.b * scale)
         part = Partition.evaluate(cost, pipe.partition.bounds, pipe.partition.micro_batches,
                                   pipe.partition.partitioner, schedule=pipe.plan.schedule)
         scored.append(pipe.predicted_timeline(part).makespan)
+        computed.append(sum(s.f + s.b for s in part.stages))
         return part
 
     monkeypatch.setattr(fxpipe.bench, "retime", retime)
@@ -378,6 +384,53 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
         (1, 11, 21))
     assert row.round_measured_ms == pytest.approx((1, 21, 11))  # in the order they ran
     assert row.measured_spread == pytest.approx(20)
+    # the inputs: the units' compute as timed, in order; the runtime's own time, the same
+    # each round (compile's per action, none per step), of 2 forwards and 2 backwards on each
+    # of the 2 stages
+    assert row.round_compute_ms == pytest.approx([t * 1e3 for t in computed])
+    assert row.compute_spread == pytest.approx(max(computed) / min(computed) - 1)
+    assert row.compute_spread > 0.3
+    pipe = pipes[0]
+    runtime = 2 * (sum(pipe.forward_overhead) + sum(pipe.backward_overhead)) * 1e3
+    assert row.round_runtime_ms == pytest.approx([runtime] * 3)
+
+
+@given(stages=st.integers(1, 4), micro_batches=st.integers(1, 6), name=st.sampled_from(
+    ["gpipe", "1f1b"]), seconds=st.lists(st.floats(0, 1e-3), min_size=9, max_size=9))
+def test_the_runtimes_time_per_step_counts_each_forward_and_backward_once(
+        stages, micro_batches, name, seconds):
+    from fxpipe.bench import _runtime_time
+    from fxpipe.schedules import add_communication, add_step, build
+
+    schedule = add_step(add_communication(build(name, stages, micro_batches)))
+    forward, backward = tuple(seconds[:stages]), tuple(seconds[4:4 + stages])
+    pipe = types.SimpleNamespace(
+        executor=types.SimpleNamespace(last_schedule=schedule, schedule=None),
+        step_overhead=seconds[8], forward_overhead=forward, backward_overhead=backward)
+    # the sends, receives and optimizer steps add nothing of their own
+    assert _runtime_time(pipe) == pytest.approx(
+        seconds[8] + micro_batches * (sum(forward) + sum(backward)))
+
+
+def test_a_row_off_its_prediction_says_what_its_rounds_inputs_did():
+    from fxpipe.bench import what_moved_lines
+
+    def row(predicted, measured, compute=(1.0, 1.5), runtime=(0.25, 0.25)):
+        return BenchRow("even", "1f1b", (2, 2), 4, statistics.median(predicted),
+                        statistics.median(measured), 0.0, 0.0, (0.0, 0.0),
+                        round_predicted_ms=predicted, round_measured_ms=measured,
+                        round_compute_ms=compute, round_runtime_ms=runtime)
+
+    [line] = what_moved_lines([row((1.5, 2.0), (2.5, 2.6)),  # 1.46x: a line
+                               row((2.0, 2.2), (2.2, 2.3)),  # 1.07x: within 15%
+                               row((2.0,), (3.0,), (1.0,), (0.25,))])  # one round: no spread
+    assert line.startswith("even/1f1b: measured 1.46x its prediction; between its 2 rounds "
+                           "the predictions moved 33% (1.50 to 2.00 ms)")
+    assert "the units' compute they were made from 50% (1.00 to 1.50 ms per micro-batch" in line
+    assert "the runtime's own time 0% (0.25 to 0.25 ms per step" in line
+    assert "the median steps 4% (2.50 to 2.60 ms)" in line
+    assert what_moved_lines([row((1.5, 2.0), (1.9, 2.0))]) == []  # 1.11x
+    assert len(what_moved_lines([row((2.0, 2.4), (1.6, 1.8))])) == 1  # 0.77x: below as well
 
 
 def test_the_bench_charts_whiskers_span_the_rounds_lowest_to_highest():
