@@ -88,10 +88,12 @@ class BenchRow:
     # rounds ran; empty where not known
     round_predicted_ms: tuple[float, ...] = ()
     round_measured_ms: tuple[float, ...] = ()
-    # what each round's prediction was made from, in the same order (empty where not known):
-    # the units' compute of one micro-batch, forward and backward, summed over the stages
-    # (the round's fresh timing), and the runtime's own time in a step, summed over the stages
-    # (its time per step, plus its time per forward and per backward action times the actions)
+    # two of what each round's prediction was made from (with the link, measured each round
+    # too), in the same order (empty where not known): the stages' compute of one micro-batch,
+    # summed (their units' forwards and backwards, the loss, each stage's backward call: the
+    # round's fresh timing), and fxpipe's own overhead in a step (its time per step outside
+    # the schedule, once, plus each stage's time per forward and per backward action times
+    # its actions)
     round_compute_ms: tuple[float, ...] = ()
     round_runtime_ms: tuple[float, ...] = ()
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
@@ -146,12 +148,12 @@ class BenchRow:
 
     @property
     def compute_spread(self) -> float:
-        """How far the units' compute that the rounds timed spread (largest / smallest - 1)."""
+        """How far the stages' compute that the rounds timed spread (largest / smallest - 1)."""
         return _spread(self.round_compute_ms)
 
     @property
     def runtime_spread(self) -> float:
-        """How far the runtime's own time per step that the rounds measured spread."""
+        """How far fxpipe's own overhead per step that the rounds measured spread."""
         return _spread(self.round_runtime_ms)
 
 
@@ -162,7 +164,8 @@ _DERIVED = ("ratio", "rounds", "predicted_low_ms", "predicted_high_ms", "measure
 
 
 # the fields of one figure per round, written space-separated in the CSV
-_ROUNDS = ("round_predicted_ms", "round_measured_ms", "round_compute_ms", "round_runtime_ms")
+_PER_ROUND_FIELDS = ("round_predicted_ms", "round_measured_ms", "round_compute_ms",
+                     "round_runtime_ms")
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -237,7 +240,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         # the partitioners see the loss on the last stage, as the steps compute it
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         predictions, times, late = [], [], []
-        round_steps, inputs = [], []  # each round's median step, and its prediction's inputs
+        round_steps, made_of = [], []  # each round's median step, and what it predicted from
         for steps in _split(repeats, rounds):
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats,
@@ -246,7 +249,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             overhead = pipe.step_overhead
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
-            inputs.append((sum(s.f + s.b for s in fresh.stages), _runtime_time(pipe)))
+            made_of.append((sum(s.f + s.b for s in fresh.stages), _runtime_time(pipe)))
             predicted_step = timeline.makespan + overhead  # seconds
             settling, timing = _most_of_any_rank(_steps_filling(settle, predicted_step, warmup),
                                                   _steps_filling(measure, predicted_step, steps))
@@ -283,8 +286,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             measured_bubble=measured.bubble, memory=memory, memory_kind=kind,
             round_predicted_ms=tuple(t * 1e3 for t in totals),
             round_measured_ms=tuple(t * 1e3 for t in round_steps),
-            round_compute_ms=tuple(compute * 1e3 for compute, _ in inputs),
-            round_runtime_ms=tuple(runtime * 1e3 for _, runtime in inputs),
+            round_compute_ms=tuple(compute * 1e3 for compute, _ in made_of),
+            round_runtime_ms=tuple(runtime * 1e3 for _, runtime in made_of),
             late_steps=statistics.fmean(found.late > 0 for found in late),
             late_ms=statistics.fmean(found.excess for found in late) * 1e3,
             # this process's stages (under torchrun, this rank's)
@@ -299,10 +302,10 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
 
 
 def _runtime_time(pipe) -> float:
-    """The runtime's own seconds in a step of `pipe`, summed over its stages: its time per step,
-    plus its measured time per forward and per backward action times the actions of each kind
-    in the last step's schedule."""
-    schedule = pipe.executor.last_schedule or pipe.executor.schedule
+    """fxpipe's own overhead in a step of `pipe`, in seconds, as its prediction counts it: the
+    runtime's time per step outside the schedule, once, plus each stage's time per forward and
+    per backward action times its forwards and backwards in the last run's schedule."""
+    schedule = pipe.executor.latest_schedule
     total = pipe.step_overhead
     for actions, forward, backward in zip(schedule.actions, pipe.forward_overhead,
                                           pipe.backward_overhead):
@@ -426,22 +429,22 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
 
 def what_moved_lines(rows: Sequence[BenchRow], off_by: float = OFF_BY) -> list[str]:
     """A line for each row whose step was further than `off_by` from its prediction, that ran
-    several rounds: how far the predictions' inputs moved between its rounds (the units'
-    compute, the runtime's own time), beside the predictions and the median steps."""
+    several rounds: how far two of the predictions' inputs moved between its rounds (the
+    stages' compute, fxpipe's own overhead), beside the predictions and the median steps."""
     lines = []
     for r in rows:
-        if not abs(r.ratio - 1) > off_by or r.rounds < 2 or not r.round_compute_ms:
+        known = r.rounds >= 2 and r.round_compute_ms and r.round_runtime_ms
+        if not (known and abs(r.ratio - 1) > off_by):
             continue
         lines.append(
-            f"{r.partitioner}/{r.schedule}: measured {r.ratio:.2f}x its prediction; between "
+            f"{r.partitioner}/{r.schedule}: measured {r.ratio:.2f}x its prediction. Between "
             f"its {r.rounds} rounds the predictions moved {_percent(r.predicted_spread)} "
-            f"({r.predicted_low_ms:.2f} to {r.predicted_high_ms:.2f} ms), the units' compute "
-            f"they were made from {_percent(r.compute_spread)} "
-            f"({_low_high(r.round_compute_ms)} ms per micro-batch, the stages summed), the "
-            f"runtime's own time {_percent(r.runtime_spread)} "
-            f"({_low_high(r.round_runtime_ms)} ms per step, the stages summed), and the median "
-            f"steps {_percent(r.measured_spread)} ({r.measured_low_ms:.2f} to "
-            f"{r.measured_high_ms:.2f} ms); the CSV has every round's figures in order")
+            f"({_low_high(r.round_predicted_ms)} ms), the median steps "
+            f"{_percent(r.measured_spread)} ({_low_high(r.round_measured_ms)} ms), and of what "
+            f"the predictions were made from, the stages' compute "
+            f"{_percent(r.compute_spread)} ({_low_high(r.round_compute_ms)} ms per "
+            f"micro-batch, summed) and fxpipe's own overhead {_percent(r.runtime_spread)} "
+            f"({_low_high(r.round_runtime_ms)} ms per step); the CSV has every round's figures")
     return lines
 
 
@@ -463,8 +466,8 @@ def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
         for r in rows:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),  # as the table
                      "memory": " ".join(f"{m:.0f}" for m in r.memory),  # bytes per stage
-                     "round_predicted_ms": " ".join(map(repr, r.round_predicted_ms)),
-                     **{name: " ".join(map(repr, getattr(r, name))) for name in _ROUNDS}}
+                     **{name: " ".join(map(repr, getattr(r, name)))
+                        for name in _PER_ROUND_FIELDS}}
             writer.writerow([*cells.values(), *(getattr(r, name) for name in _DERIVED)])
 
 

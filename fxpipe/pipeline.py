@@ -170,7 +170,7 @@ class CompiledPipeline(torch.nn.Module):
         every forward and backward also taking the runtime's own time per forward and per
         backward (`forward_overhead`, `backward_overhead`)."""
         stages = (partition or self.partition).stages
-        schedule = self.executor.last_schedule or self.executor.schedule
+        schedule = self.executor.latest_schedule
         post_f, post_b = self._posting(self.link.post, self.link.posting_back)
         recv_post_f, recv_post_b = self._by_receiver(schedule, self.link.receiving,
                                                      self.link.receiving_between)
@@ -335,7 +335,7 @@ class CompiledPipeline(torch.nn.Module):
             self.executor.last_sizes or [], any(e.action.kind is ActionKind.B for e in measured))
         recent = [step_time(events, stages).makespan for events in traces] if kept_steps else []
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
-                             (self.executor.last_schedule or self.executor.schedule).name,
+                             (self.executor.latest_schedule).name,
                              self.step_overhead, interference(measured),
                              late_messages(measured, predicted), notes, shared, recent)
         if self._speaks():
@@ -454,7 +454,7 @@ class CompiledPipeline(torch.nn.Module):
         params = [sum(p.numel() for p in s.module.parameters()) for s in self.stages]
         simulated = None
         if self.executor is not None and self.plan.costs != "none":
-            schedule = self.executor.last_schedule or self.executor.schedule
+            schedule = self.executor.latest_schedule
             simulated = (schedule.name, self.predicted_timeline().makespan)
         table = format_stage_table(title, self.units, partition, self.comm, self.devices, params,
                                    self.shared_parameters(), self.plan.costs != "none",

@@ -535,6 +535,11 @@ class PipelineExecutor:
             pieces += [chunk[0] for chunk in split([target], self.micro_batches)]
         return pieces
 
+    @property
+    def latest_schedule(self) -> Schedule:
+        """The schedule the last run executed, or the planned one before any run."""
+        return self.last_schedule or self.schedule
+
     def last_trace(self) -> list[Event]:
         """Every action of the last forward/backward or step this process ran, timed (seconds
         from its start)."""

@@ -279,7 +279,8 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
             assert len(figures) == int(r["rounds"]) == 1  # --repeats 1: one round
             assert (min(figures), max(figures)) == (
                 float(r[f"{kind}_low_ms"]), float(r[f"{kind}_high_ms"]))
-        # and what the round's prediction was made from, less than the prediction itself
+        # and what the round's prediction was made from: below it, for this model whose
+        # compute and overhead per step each take a fraction of its step
         for kind in ("compute", "runtime"):
             [figure] = [float(v) for v in r[f"round_{kind}_ms"].split()]
             assert 0 < figure < float(r["predicted_ms"])
@@ -362,8 +363,12 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
 
     monkeypatch.setattr(CompiledPipeline, "step", slowed_step)
     monkeypatch.setattr(CompiledPipeline, "measure_step_overhead", _no_step_overhead)
-    monkeypatch.setattr(CompiledPipeline, "measure_action_overhead",  # compile's, kept
-                        lambda self, x: (self.forward_overhead, self.backward_overhead))
+
+    def measure_action_overhead(self, x):  # at compile, and in each round: the same figures
+        vars(self).update(forward_overhead=(1e-5, 2e-5), backward_overhead=(3e-5, 5e-5))
+        return self.forward_overhead, self.backward_overhead
+
+    monkeypatch.setattr(CompiledPipeline, "measure_action_overhead", measure_action_overhead)
 
     def build():
         x, y = spec.batch(8, torch.Generator().manual_seed(0))
@@ -384,15 +389,14 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
         (1, 11, 21))
     assert row.round_measured_ms == pytest.approx((1, 21, 11))  # in the order they ran
     assert row.measured_spread == pytest.approx(20)
-    # the inputs: the units' compute as timed, in order; the runtime's own time, the same
-    # each round (compile's per action, none per step), of 2 forwards and 2 backwards on each
-    # of the 2 stages
+    # what the predictions were made from: the compute as timed, in order; fxpipe's own
+    # overhead, the same each round: none per step, and 2 forwards and 2 backwards on each of
+    # the 2 stages at the figures per action above, in ms
     assert row.round_compute_ms == pytest.approx([t * 1e3 for t in computed])
     assert row.compute_spread == pytest.approx(max(computed) / min(computed) - 1)
     assert row.compute_spread > 0.3
-    pipe = pipes[0]
-    runtime = 2 * (sum(pipe.forward_overhead) + sum(pipe.backward_overhead)) * 1e3
-    assert row.round_runtime_ms == pytest.approx([runtime] * 3)
+    assert row.round_runtime_ms == pytest.approx([2 * (1 + 2 + 3 + 5) * 1e-2] * 3)
+    assert row.runtime_spread == 0.0
 
 
 @given(stages=st.integers(1, 4), micro_batches=st.integers(1, 6), name=st.sampled_from(
@@ -405,32 +409,52 @@ def test_the_runtimes_time_per_step_counts_each_forward_and_backward_once(
     schedule = add_step(add_communication(build(name, stages, micro_batches)))
     forward, backward = tuple(seconds[:stages]), tuple(seconds[4:4 + stages])
     pipe = types.SimpleNamespace(
-        executor=types.SimpleNamespace(last_schedule=schedule, schedule=None),
+        executor=types.SimpleNamespace(latest_schedule=schedule),
         step_overhead=seconds[8], forward_overhead=forward, backward_overhead=backward)
     # the sends, receives and optimizer steps add nothing of their own
     assert _runtime_time(pipe) == pytest.approx(
         seconds[8] + micro_batches * (sum(forward) + sum(backward)))
 
 
+def _off_row(predicted, measured, compute=(1.0, 1.5), runtime=(0.25, 0.25)) -> BenchRow:
+    """A 1f1b row of even's with these rounds' figures (ms), at the median of each."""
+    return BenchRow("even", "1f1b", (2, 2), 4, statistics.median(predicted),
+                    statistics.median(measured), 0.0, 0.0, (0.0, 0.0),
+                    round_predicted_ms=predicted, round_measured_ms=measured,
+                    round_compute_ms=compute, round_runtime_ms=runtime)
+
+
 def test_a_row_off_its_prediction_says_what_its_rounds_inputs_did():
     from fxpipe.bench import what_moved_lines
 
-    def row(predicted, measured, compute=(1.0, 1.5), runtime=(0.25, 0.25)):
-        return BenchRow("even", "1f1b", (2, 2), 4, statistics.median(predicted),
-                        statistics.median(measured), 0.0, 0.0, (0.0, 0.0),
-                        round_predicted_ms=predicted, round_measured_ms=measured,
-                        round_compute_ms=compute, round_runtime_ms=runtime)
+    [line] = what_moved_lines([_off_row((1.5, 2.0), (2.5, 2.6)),  # 1.46x: a line
+                               _off_row((2.0, 2.2), (2.2, 2.3)),  # 1.07x: within 15%
+                               _off_row((2.0,), (3.0,), (1.0,), (0.25,))])  # one round
+    assert line.startswith("even/1f1b: measured 1.46x its prediction. Between its 2 rounds "
+                           "the predictions moved 33% (1.50 to 2.00 ms), the median steps 4% "
+                           "(2.50 to 2.60 ms)")
+    assert "the stages' compute 50% (1.00 to 1.50 ms per micro-batch, summed)" in line
+    assert "fxpipe's own overhead 0% (0.25 to 0.25 ms per step)" in line
+    # the edge of OFF_BY, 15%, either way
+    assert len(what_moved_lines([_off_row((2.0, 2.0), (2.32, 2.32))])) == 1  # 1.16x
+    assert what_moved_lines([_off_row((2.0, 2.0), (2.28, 2.28))]) == []  # 1.14x
+    assert len(what_moved_lines([_off_row((2.0, 2.0), (1.68, 1.68))])) == 1  # 0.84x
+    assert what_moved_lines([_off_row((2.0, 2.0), (1.72, 1.72))]) == []  # 0.86x
+    # rounds without what they were made from (rows of an older bench), or no prediction
+    assert what_moved_lines([_off_row((1.5, 2.0), (2.5, 2.6), compute=())]) == []
+    assert what_moved_lines([_off_row((0.0, 0.0), (2.5, 2.6))]) == []  # meas/pred nan
 
-    [line] = what_moved_lines([row((1.5, 2.0), (2.5, 2.6)),  # 1.46x: a line
-                               row((2.0, 2.2), (2.2, 2.3)),  # 1.07x: within 15%
-                               row((2.0,), (3.0,), (1.0,), (0.25,))])  # one round: no spread
-    assert line.startswith("even/1f1b: measured 1.46x its prediction; between its 2 rounds "
-                           "the predictions moved 33% (1.50 to 2.00 ms)")
-    assert "the units' compute they were made from 50% (1.00 to 1.50 ms per micro-batch" in line
-    assert "the runtime's own time 0% (0.25 to 0.25 ms per step" in line
-    assert "the median steps 4% (2.50 to 2.60 ms)" in line
-    assert what_moved_lines([row((1.5, 2.0), (1.9, 2.0))]) == []  # 1.11x
-    assert len(what_moved_lines([row((2.0, 2.4), (1.6, 1.8))])) == 1  # 0.77x: below as well
+
+def test_the_bench_command_prints_what_moved_for_a_row_off_its_prediction(capsys,
+                                                                          monkeypatch):
+    import fxpipe.cli
+
+    rows = [_off_row((1.5, 2.0), (2.5, 2.6)), _off_row((2.0, 2.2), (2.2, 2.3))]
+    monkeypatch.setattr(fxpipe.cli, "bench", lambda *args, **kwargs: rows)
+    assert main(["bench", "mlp", "--partitioners", "even", "--schedules", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("x its prediction. Between its 2 rounds") == 1
+    assert "even/1f1b: measured 1.46x its prediction." in out
 
 
 def test_the_bench_charts_whiskers_span_the_rounds_lowest_to_highest():
