@@ -59,8 +59,8 @@ MEASURE_SECONDS = 0.1
 # and the prediction with them, while the steps' median over the round moves less
 # (benchmarks/timing_noise.py --min-time 0.05,0.5 and prediction_spread.py)
 PROFILE_SECONDS = 0.5
-# a row whose step is further than this from its prediction gets a line saying how far the
-# prediction's inputs moved between its rounds (what_moved_lines)
+# a row whose step is further than this from its prediction gets a line saying how far two of
+# the prediction's inputs moved between its rounds (what_moved_lines)
 OFF_BY = 0.15
 # rounds per configuration, and timed steps at least (one a round at least): a machine that
 # runs slow for a stretch moves a row of 5 rounds out of the 15% target now and then, and a row
@@ -249,7 +249,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             overhead = pipe.step_overhead
             timeline = pipe.predicted_timeline(fresh)
             predictions.append((timeline, overhead))
-            made_of.append((sum(s.f + s.b for s in fresh.stages), _runtime_time(pipe)))
+            made_of.append((sum(s.f + s.b for s in fresh.stages), _own_overhead_per_step(pipe)))
             predicted_step = timeline.makespan + overhead  # seconds
             settling, timing = _most_of_any_rank(_steps_filling(settle, predicted_step, warmup),
                                                   _steps_filling(measure, predicted_step, steps))
@@ -301,7 +301,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     return rows
 
 
-def _runtime_time(pipe) -> float:
+def _own_overhead_per_step(pipe) -> float:
     """fxpipe's own overhead in a step of `pipe`, in seconds, as its prediction counts it: the
     runtime's time per step outside the schedule, once, plus each stage's time per forward and
     per backward action times its forwards and backwards in the last run's schedule."""

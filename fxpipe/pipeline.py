@@ -335,7 +335,7 @@ class CompiledPipeline(torch.nn.Module):
             self.executor.last_sizes or [], any(e.action.kind is ActionKind.B for e in measured))
         recent = [step_time(events, stages).makespan for events in traces] if kept_steps else []
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
-                             (self.executor.latest_schedule).name,
+                             self.executor.latest_schedule.name,
                              self.step_overhead, interference(measured),
                              late_messages(measured, predicted), notes, shared, recent)
         if self._speaks():

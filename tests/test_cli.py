@@ -403,7 +403,7 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
     ["gpipe", "1f1b"]), seconds=st.lists(st.floats(0, 1e-3), min_size=9, max_size=9))
 def test_the_runtimes_time_per_step_counts_each_forward_and_backward_once(
         stages, micro_batches, name, seconds):
-    from fxpipe.bench import _runtime_time
+    from fxpipe.bench import _own_overhead_per_step
     from fxpipe.schedules import add_communication, add_step, build
 
     schedule = add_step(add_communication(build(name, stages, micro_batches)))
@@ -412,7 +412,7 @@ def test_the_runtimes_time_per_step_counts_each_forward_and_backward_once(
         executor=types.SimpleNamespace(latest_schedule=schedule),
         step_overhead=seconds[8], forward_overhead=forward, backward_overhead=backward)
     # the sends, receives and optimizer steps add nothing of their own
-    assert _runtime_time(pipe) == pytest.approx(
+    assert _own_overhead_per_step(pipe) == pytest.approx(
         seconds[8] + micro_batches * (sum(forward) + sum(backward)))
 
 
