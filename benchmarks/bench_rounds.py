@@ -7,7 +7,9 @@ would have measured) and from the first N rounds for each N of `--first`. A grou
 prediction is its rounds' median (the lower middle one of an even count), as the bench takes
 it; its measured step is the median of its rounds' median steps (the bench's own is the median
 of all its timed steps, which comes out close to it). It prints one line per row and counts
-the figures within the target (measured/predicted from 1/1.15 to 1/0.85).
+the figures within the target (measured/predicted from 1/1.15 to 1/0.85), then the bench's
+own meas/pred over all rows and per partitioner and schedule (lowest, median, highest), and
+the median over the rows of each spread column the CSVs have.
 
     OMP_NUM_THREADS=1 fxpipe bench mlp --stages 2 --batch 32 --micro-batches 4 \\
         --partitioners even,balanced --schedules gpipe,1f1b --csv a.csv
@@ -48,6 +50,30 @@ def row_ratios(row: Mapping[str, str], group: int, firsts: Sequence[int]
     return ratios
 
 
+SPREADS = ("predicted_spread", "measured_spread", "compute_spread", "runtime_spread")
+
+
+def summary(rows: Sequence[Mapping[str, str]]) -> list[str]:
+    """The bench's own meas/pred over `rows` and per (partitioner, schedule), and the median
+    of each spread column (those the rows have: older CSVs lack compute and runtime)."""
+    def spread(values: Sequence[float]) -> str:
+        return (f"lowest {min(values):.3f}, median {statistics.median(values):.3f}, highest "
+                f"{max(values):.3f} over {len(values)} rows")
+
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        ratios.setdefault(f"{row['partitioner']}/{row['schedule']}", []).append(
+            float(row["ratio"]))
+    every = [v for values in ratios.values() for v in values]
+    lines = [f"meas/pred: {spread(every)}"]
+    lines += [f"  {name}: {spread(values)}" for name, values in ratios.items()]
+    medians = [f"{name} {statistics.median(float(row[name]) for row in rows):.1%}"
+               for name in SPREADS if all(row.get(name) for row in rows)]
+    if medians:
+        lines.append("median over the rows: " + ", ".join(medians))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", nargs="+", help="files `fxpipe bench --csv` wrote")
@@ -56,9 +82,11 @@ def main() -> None:
     args = parser.parse_args()
     firsts = [int(n) for n in args.first.split(",")]
     good, total = Counter(), Counter()
+    every: list[dict[str, str]] = []
     for path in args.csv:
         with open(path) as handle:
             rows = list(csv.DictReader(handle))
+        every += rows
         for row in rows:
             ratios = row_ratios(row, args.group, firsts)
             for kind, values in ratios.items():
@@ -71,6 +99,8 @@ def main() -> None:
                   + ("  (a miss)" if missed else ""))
     for kind in total:
         print(f"{kind}: {good[kind]} of {total[kind]} within 15%")
+    for line in summary(every):
+        print(line)
 
 
 if __name__ == "__main__":
