@@ -700,7 +700,7 @@ def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_do
     assume(stages > cores)
     capacity = ThreadCapacity(cores, stages, at_cores, at_stages)
     _, line, *lock = shared_cores_lines(stages, cores, capacity=capacity)
-    # below one thread's work at once, a last line says the prediction leaves the lock out
+    # below one thread's work at once, a last line says the interpreter lock sets the pace
     assert bool(lock) == (at_stages < BIND_FROM)
     assert all(extra.startswith(f"interpreter lock: {stages} threads got through "
                                 f"{at_stages:.3f}x, under one thread's work at once")
