@@ -107,6 +107,9 @@ class BenchRow:
     capacity_cores: float = float("nan")
     capacity_stages: float = float("nan")
     bound: bool = False  # whether compile bound the stage threads to cores (pipe.bound_cores)
+    # how many threads ran the stages of one process, where fewer than the stages
+    # (Plan(stage_threads); pipe.shared_threads); 0: a thread each
+    threads: int = 0
 
     @property
     def ratio(self) -> float:
@@ -293,6 +296,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             # this process's stages (under torchrun, this rank's)
             on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
             timed_steps=len(times), bound=pipe.bound_cores() is not None,
+            threads=len(pipe.executor.driver.workers) if pipe.shared_threads() else 0,
             **_capacities(pipe)))
     if progress:
         _progress(len(plans) + 1, len(plans), "done")

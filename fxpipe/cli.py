@@ -217,10 +217,21 @@ def _bench(args: argparse.Namespace) -> None:
     if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
         cores = usable_cores()
         bound = sum(row.bound for row in rows)
+        shared = [row for row in rows if row.threads]
+        # the threads that ran the stages, where every row ran them on as many, fewer than one each
+        ran_on = {row.threads for row in rows}
+        threads = (ran_on.pop() or None) if len(ran_on) == 1 else None
         for line in shared_cores_lines(args.stages, cores, ranks=bool(args.nproc),
                                        capacity=median_thread_capacity(rows, cores, args.stages),
-                                       bound=bound == len(rows)):
+                                       bound=bound == len(rows),
+                                       threads=threads):
             print(line)
+        if 0 < len(shared) < len(rows):  # compile decides per row, from the capacity it measured
+            named = ", ".join(f"{row.partitioner}/{row.schedule} on {row.threads}"
+                              for row in shared)
+            print(f"stage threads: compile ran the stages on fewer threads than stages in "
+                  f"{len(shared)} of the {len(rows)} rows ({named}), where the interpreter "
+                  "lock set their pace, and on a thread each in the others")
         if 0 < bound < len(rows):  # compile decides per row, from the capacity it measured
             named = ", ".join(f"{row.partitioner}/{row.schedule}" for row in rows if row.bound)
             print(f"bound stage threads: compile bound them to cores in {bound} of the "

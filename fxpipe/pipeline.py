@@ -29,6 +29,7 @@ from fxpipe.report import (
     step_time,
     unlike_prediction_lines,
 )
+from fxpipe.runtime.executor import ThreadCosts
 from fxpipe.runtime.microbatch import split_sizes
 from fxpipe.schedules import ActionKind, Schedule, forwards_first
 from fxpipe.simulate import Event, Timeline, simulate
@@ -76,6 +77,8 @@ class CompiledPipeline(torch.nn.Module):
             step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
             forward_overhead=(0.0,) * plan.stages,  # per stage: the runtime's own per forward
             backward_overhead=(0.0,) * plan.stages,  # and per backward
+            # per stage on a thread running several: that thread's costs (ThreadCosts)
+            thread_costs={},
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
             # under torchrun: (ranks computing on this host's CPU, the CPUs they may use)
             host_cores=None,
@@ -182,19 +185,53 @@ class CompiledPipeline(torch.nn.Module):
         after_post_f, after_post_b = self._by_receiver(schedule, 0.0, self.link.after_post)
         forward = [s.f + overhead for s, overhead in zip(stages, self.forward_overhead)]
         backward = [s.b + overhead for s, overhead in zip(stages, self.backward_overhead)]
+        send_f = {(e.src, e.dst): stages[e.src].cf for e in self.comm.edges}
+        send_b = {(e.src, e.dst): stages[e.src].cb for e in self.comm.edges}
+        if self.thread_costs:
+            self._on_shared_threads(forward, backward, send_f, send_b, post_f, post_b,
+                                    recv_post_f, recv_post_b)
         cores, sharing = self.cpu_sharing()
         bound = {s: core for s, core in (self.bound_cores() or {}).items() if s in sharing}
         if bound:  # the cores they are bound to (bound_cores numbers them from 0)
             cores = max(bound.values()) + 1
-        return simulate(schedule, forward, backward,
-                        [s.cf for s in stages], [s.cb for s in stages],
+        return simulate(schedule, forward, backward, send_f, send_b,
                         post_f=post_f, post_b=post_b, recv_post_f=recv_post_f,
                         recv_post_b=recv_post_b, resume=self.link.resume,
                         after_send_f=after_f, after_send_b=after_b,
                         after_wake_f=wake_f, after_wake_b=wake_b,
                         after_receive_f=landing_f, after_receive_b=landing_b,
                         after_post_f=after_post_f, after_post_b=after_post_b,
-                        cores=cores, sharing=sharing, bound=bound or None)
+                        cores=cores, sharing=sharing, bound=bound or None,
+                        workers=self.shared_threads() or None)
+
+    def _on_shared_threads(self, forward: list[float], backward: list[float],
+                           *per_edge: dict[tuple[int, int], float]) -> None:
+        """The figures `predicted_timeline` simulates with, for stages on a thread that runs
+        several (`thread_costs`): every action also takes the thread's time between actions;
+        a SEND and a RECV take what they took on it; a message between two stages of one
+        thread is there once sent."""
+        send_f, send_b, post_f, post_b, recv_post_f, recv_post_b = per_edge
+        costs = self.thread_costs
+        for s, c in costs.items():
+            forward[s] += c.between
+            backward[s] += c.between
+        thread_of = {s: i for i, group in enumerate(self.shared_threads()) for s in group}
+        for src, dst in send_f:
+            if src in costs:  # src sends the activations, dst the gradients back
+                post_f[src, dst] = costs[src].send_f + costs[src].between
+                recv_post_b[src, dst] = costs[src].recv_b + costs[src].between
+            if dst in costs:
+                post_b[src, dst] = costs[dst].send_b + costs[dst].between
+                recv_post_f[src, dst] = costs[dst].recv_f + costs[dst].between
+            if src in thread_of and thread_of[src] == thread_of.get(dst):
+                send_f[src, dst] = send_b[src, dst] = 0.0
+
+    def shared_threads(self) -> list[tuple[int, ...]]:
+        """The stages of each thread that runs several (Plan(stage_threads)), in the order it
+        prefers them; [] where each stage has a thread of its own."""
+        if self.executor is None or not self.executor.everything_here:
+            return []
+        return [group for group in self.executor.driver.workers if len(group) > 1]
 
     def cpu_sharing(self) -> tuple[int | None, tuple[int, ...]]:
         """The CPU cores the stage threads computing on this process's CPU have between them,
@@ -276,6 +313,17 @@ class CompiledPipeline(torch.nn.Module):
         call it."""
         self.measure_step_overhead(*inputs, **kwargs)
         self.measure_action_overhead(*inputs, **kwargs)
+        self.measure_thread_costs(*inputs, **kwargs)
+
+    def measure_thread_costs(self, *inputs: Any, **kwargs: Any) -> dict[int, ThreadCosts]:
+        """Per stage on a thread that runs several (Plan(stage_threads)), the thread's own
+        time between actions and the stage's per SEND and per RECV (see
+        PipelineExecutor.shared_thread_costs), measured now on `inputs` (a mini-batch) and
+        kept as `thread_costs`, which `predicted_timeline` takes in place of the link's
+        hand-over between threads; {} where each stage has a thread of its own."""
+        flat = self.traced.bind(inputs, kwargs)
+        vars(self)["thread_costs"] = self.executor.shared_thread_costs(flat)
+        return self.thread_costs
 
     def measure_link(self, *inputs: Any, **kwargs: Any) -> Link:
         """The link between the stages measured now as compile measured it (the plan's figures
@@ -324,7 +372,8 @@ class CompiledPipeline(torch.nn.Module):
         if self.executor.everything_here:
             cores, on_cpu = self.cpu_sharing()
             shared = shared_cores_lines(len(on_cpu), cores, capacity=self.thread_capacity,
-                                        bound=self.bound_cores() is not None)
+                                        bound=self.bound_cores() is not None,
+                                        threads=len(self.executor.driver.workers))
         else:
             shared = shared_cores_lines(*self.host_cores, ranks=True) if self.host_cores else []
         # compile's prediction is of its example's micro-batches (under data parallelism a
@@ -466,6 +515,15 @@ class CompiledPipeline(torch.nn.Module):
         memory = describe(self.plan.cpu_memory)
         if memory and any(str(d).startswith("cpu") for d in self.devices):
             table += "\n" + memory
+        if self.shared_threads():
+            threads = "; ".join(f"stages {', '.join(map(str, sorted(group)))} on one"
+                                for group in self.shared_threads())
+            count = len(self.executor.driver.workers)
+            run = f"{count} threads run" if count > 1 else "one thread runs"
+            table += (f"\nstage threads: {run} the {len(self.executor.runners)} stages "
+                      f"(Plan(stage_threads={self.plan.stage_threads!r})): {threads}; each "
+                      "runs its stages' actions one at a time, the one nearest the loss first "
+                      "of those that need not wait")
         if self.bound_cores() is not None:
             places = ", ".join(f"stage {s} on CPU {format_cpus(cpus)}"
                                for s, cpus in sorted(self.executor.driver.cores_of.items()))

@@ -32,6 +32,7 @@ DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
 _FORMAT, _VERSION = "fxpipe.plan", 1
 COSTS = ("measure", "fit", "none")
+STAGE_THREADS = ("auto", "stage")
 TIMED_PARTITIONERS = ("balanced", "ampa", "imd", "csimd", "exact")  # need measured costs
 
 
@@ -78,6 +79,12 @@ class Plan:
     # outnumber the cores round them where as many threads got through at least one thread's
     # work at once (compile.local.bind_stage_threads); "none" binds nothing
     cpu_affinity: str = "auto"
+    # in one process, the threads that run the stages: "auto", one per stage, but one for all
+    # where stage threads on the CPU outnumber the cores and as many threads as the stages got
+    # through less than one thread's work at once (Python's interpreter lock sets their pace:
+    # pipe.thread_capacity); "stage", one per stage; n, that many, the stages dealt round them
+    # (stage s on thread s mod n), each running its stages' actions one at a time
+    stage_threads: int | str = "auto"
     # with a stage on the CPU: "keep" has the C allocator (glibc) keep memory the process frees
     # for its next allocations instead of handing it back to the system at once, so a step's
     # tensors find their pages mapped (fxpipe.allocator); "system" leaves the allocator as it is
@@ -132,6 +139,18 @@ class Plan:
         object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
         _choice("cpu_affinity", self.cpu_affinity, AFFINITIES)
         _choice("cpu_memory", self.cpu_memory, CPU_MEMORY)
+        self._check_stage_threads()
+
+    def _check_stage_threads(self) -> None:
+        if isinstance(self.stage_threads, str):
+            _choice("stage_threads", self.stage_threads, STAGE_THREADS)
+            return
+        _positive_int("stage_threads", self.stage_threads)
+        if self.stage_threads > self.stages:
+            raise PlanError(
+                f"Plan(stage_threads={self.stage_threads}) asks for more threads than the "
+                f"{self.stages} stages; give at most {self.stages}, or 'stage' for one each."
+            )
 
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""

@@ -234,8 +234,8 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
 
 
 def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
-                       capacity: ThreadCapacity | None = None, bound: bool = False
-                       ) -> list[str]:
+                       capacity: ThreadCapacity | None = None, bound: bool = False,
+                       threads: int | None = None) -> list[str]:
     """What to tell a user whose `stages` stages (stage threads of one process, or with
     `ranks` one per rank under torchrun) compute on a host's CPU of `cores` cores: nothing
     when each can have a core, else that they share them, and how the prediction takes that
@@ -248,22 +248,33 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
     (`more_threads_lose`), the user learns that fewer stages per process are likely faster, and
     where as many as the stages got through less than one thread's work (not
     `shares_mostly_cores`), that the interpreter lock sets their pace, whose moves the
-    prediction does not follow."""
+    prediction does not follow. `threads`: where fewer threads than the stages run them
+    (Plan(stage_threads)), how many: each runs its stages' actions one at a time, and so does
+    the prediction; on one thread, the prediction follows the lock's pace."""
     if stages <= cores:
         return []
     who = "ranks" if ranks else "stages"
+    shared = not ranks and threads is not None and threads < stages
+    many = f"{threads} threads" if shared and threads > 1 else "one thread"
+    where = f"shared cores: {stages} {who} compute on this host's {cores} CPU " \
+            f"core{'s' if cores > 1 else ''}"
     if ranks:
-        how = ("the prediction runs every rank at the pace of the units timed on all the ranks "
-               "at once, even where fewer compute")
+        lines = [f"{where}; the prediction runs every rank at the pace of the units timed on all "
+                 f"the ranks at once, even where fewer compute; with at most {cores} CPU ranks "
+                 "here each has one"]
+    elif shared:
+        lines = [f"{where}; they run on {many} (Plan(stage_threads)), "
+                 f"{'each' if threads > 1 else 'which'} runs its stages' actions one at a time, "
+                 f"as the prediction does, with the units timed beside {many} busy"
+                 + (", and splits the cores evenly among the threads computing at once"
+                    if threads > cores else "")]
     else:
         split = ("each stage thread is bound to a core, its neighbours to others, and the "
                  "prediction splits each core among the stages on it computing at once" if bound
                  else "the prediction splits the cores evenly among the stages computing at once")
-        how = ("the units were timed with every stage thread busy, less the timing thread's "
-               f"waits for a core, and {split}")
-    lines = [f"shared cores: {stages} {who} compute on this host's {cores} CPU "
-             f"core{'s' if cores > 1 else ''}; {how}; with at most {cores} CPU {who} here each "
-             "has one"]
+        lines = [f"{where}; the units were timed with every stage thread busy, less the timing "
+                 f"thread's waits for a core, and {split}; with at most {cores} CPU stages here "
+                 "each has one"]
     if capacity is not None:
         line = (f"thread capacity: {capacity.stages} threads, each running all the model's "
                 f"units, got through {capacity.at_stages:.2f}x the work of one thread at once, "
@@ -271,18 +282,24 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
                 f"{capacity.at_cores:.2f}x")
         if capacity.more_threads_lose:
             line += (": past the cores, more threads got less done here (they share the "
-                     "cores, their caches and Python's interpreter lock), so at most "
-                     f"{capacity.cores} stage{'s' if capacity.cores > 1 else ''} per process, "
-                     "or the stages spread over torchrun ranks with a core each, are likely "
-                     "to step faster")
+                     "cores, their caches and Python's interpreter lock), so ")
+            line += (f"the stages run on {many} here (Plan(stage_threads))" if shared else
+                     f"at most {capacity.cores} stage{'s' if capacity.cores > 1 else ''} per "
+                     "process, or the stages spread over torchrun ranks with a core each, are "
+                     "likely to step faster")
         lines.append(line)
         if not capacity.shares_mostly_cores:
-            lines.append(f"interpreter lock: {capacity.stages} threads got through "
-                         f"{capacity.at_stages:.3f}x, under one thread's work at once, so "
-                         "Python's interpreter lock more than the cores sets their pace; the "
-                         "units' timings hold the lock's cost beside busy threads, but not how "
-                         "it moves with what the other stages run and where the OS puts the "
-                         "threads, so steps may stray further from the prediction here")
+            lock = (f"interpreter lock: {capacity.stages} threads got through "
+                    f"{capacity.at_stages:.3f}x, under one thread's work at once, so Python's "
+                    "interpreter lock more than the cores sets their pace; ")
+            if shared and threads == 1:
+                lock += ("the stages run on one thread here (Plan(stage_threads)), whose pace "
+                         "the units' timings alone hold")
+            else:
+                lock += ("the units' timings hold the lock's cost beside busy threads, but not "
+                         "how it moves with what the other stages run and where the OS puts "
+                         "the threads, so steps may stray further from the prediction here")
+            lines.append(lock)
     return lines
 
 

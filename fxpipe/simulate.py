@@ -140,6 +140,7 @@ def simulate(
     cores: float | None = None,
     sharing: Iterable[int] | None = None,
     bound: Mapping[int, int] | None = None,
+    workers: Iterable[Sequence[int]] | None = None,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -177,7 +178,11 @@ def simulate(
     measured beside the others busy, less the waits for a core; None: each a core of its own,
     and `sharing` is not used). With `bound` as well, each sharing stage is bound to one of the
     whole `cores` (stage -> core, 0 .. cores - 1) and shares only that core, with the stages
-    bound to it: its work goes at 1 / k of its pace while k of them work at once. A
+    bound to it: its work goes at 1 / k of its pace while k of them work at once. With
+    `workers`, each group of stages listed is run by one thread, an action at a time: when it
+    is free it starts, of its stages in the group's order, the first whose next action need
+    not wait (a RECV's message has arrived; a compute's F or B done), and otherwise waits for
+    the first such message (a stage in no group has a thread of its own). A
     compute-only schedule is lowered with
     `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
     checked with `check_communication`.
@@ -194,7 +199,7 @@ def simulate(
     after each RECV of them that did not wait, and after_post_f, after_post_b: its compute
     that posts the receive, given the same ways. resume: a scalar or one per stage. cores: a
     number above 0, or None; sharing: stage indices (default: all); bound: a core for every
-    sharing stage, or None.
+    sharing stage, or None; workers: groups of stage indices, each stage in one at most.
     edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
@@ -217,6 +222,7 @@ def simulate(
         raise ValueError(f"sharing={sorted(sharing)} names stages a schedule of {n} stages "
                          f"does not have; give stages among 0..{n - 1}")
     groups = _core_groups(cores, sharing, bound)
+    worker_of = _worker_groups(workers, n)
     compute = {
         ActionKind.F: _per_micro_batch("forward", forward, n, p, k),
         ActionKind.B: _per_micro_batch("backward", backward, n, p, k),
@@ -235,7 +241,7 @@ def simulate(
     after_post = _by_direction("after_post", after_post_f, after_post_b, n)
     durations = _Durations(compute, other, link, post, receive, after, landing, wake,
                            after_post, _per_stage("resume", resume, n))
-    run = _Run(lowered, durations, groups)
+    run = _Run(lowered, durations, groups, worker_of)
     run.run()
     stuck = run.stuck()
     if stuck:
@@ -282,9 +288,11 @@ class _Run:
     (processor sharing)."""
 
     def __init__(self, schedule: Schedule, durations: _Durations,
-                 groups: Sequence[tuple[float, frozenset[int]]]) -> None:
+                 groups: Sequence[tuple[float, frozenset[int]]],
+                 worker_of: Mapping[int, tuple[int, ...]]) -> None:
         n = schedule.stages
         self.schedule, self.durations = schedule, durations
+        self.worker_of = worker_of  # a stage sharing a thread -> that thread's stages
         self.groups = groups  # (cores, the stages sharing them)
         self.group_of = {s: g for g, (_, stages) in enumerate(groups) for s in stages}
         self.paces = [1.0] * len(groups)
@@ -315,7 +323,8 @@ class _Run:
                             w.end = self.now + (w.end - self.now) * self.paces[g] / pace
                     self.paces[g] = pace
             times = [w.end for w in self.work.values()] + [
-                self.finished[m] for m in map(self._message, self.posted) if m in self.finished]
+                self.finished[m] for m in map(self._message, self.posted) if m in self.finished
+            ] + self._awaited_by_idle_threads()
             if not times:
                 return
             self.now = min(times)
@@ -343,6 +352,8 @@ class _Run:
         """Start stage s's next action, if it is between actions and may; whether it did."""
         actions, d = self.schedule.actions[s], self.durations
         if self.pc[s] == len(actions) or s in self.work or s in self.posted:
+            return False
+        if s in self.worker_of and self._next_on_thread(self.worker_of[s]) != s:
             return False
         a = actions[self.pc[s]]
         needs = _needs(a)
@@ -418,6 +429,41 @@ class _Run:
         receive = self.schedule.actions[s][receives[following]]
         return self.durations.after_post[receive.partner.kind](receive.peer, s)
 
+    def _next_on_thread(self, stages: tuple[int, ...]) -> int | None:
+        """The stage whose next action a thread running `stages` starts now: none while one
+        of them runs an action or waits in a RECV; else the first that need not wait."""
+        if any(t in self.work or t in self.posted for t in stages):
+            return None
+        return next((t for t in stages if self._may_go_on(t)), None)
+
+    def _may_go_on(self, s: int) -> bool:
+        """Whether stage s has a next action that would not wait: a RECV whose message has
+        arrived, a compute whose F (W: B) is done, or any other action."""
+        actions = self.schedule.actions[s]
+        if self.pc[s] == len(actions):
+            return False
+        a = actions[self.pc[s]]
+        if a.kind.is_recv:
+            return self._arrived_for(a)
+        needs = _needs(a)
+        return not (a.kind.is_compute and needs is not None and needs not in self.finished)
+
+    def _arrived_for(self, receive: Action) -> bool:
+        return (receive.partner in self.finished
+                and self.finished[receive.partner] <= self.now)
+
+    def _awaited_by_idle_threads(self) -> list[float]:
+        """When messages on their way to stages of idle shared threads arrive."""
+        times = []
+        for s in self.worker_of:
+            actions = self.schedule.actions[s]
+            if s in self.work or s in self.posted or self.pc[s] == len(actions):
+                continue
+            a = actions[self.pc[s]]
+            if a.kind.is_recv and a.partner in self.finished:
+                times.append(self.finished[a.partner])
+        return [t for t in times if t > self.now]
+
     def _message(self, s: int) -> Action:
         """The SEND whose message stage s's current RECV takes."""
         return self.schedule.actions[s][self.pc[s]].partner
@@ -460,6 +506,17 @@ def _core_groups(cores: float | None, sharing: frozenset[int], bound: Mapping[in
                          f"stages to cores among the {int(cores)} given")
     return [(1.0, frozenset(s for s in sharing if bound[s] == core))
             for core in sorted(set(bound.values()))]
+
+
+def _worker_groups(workers: Iterable[Sequence[int]] | None, n: int
+                   ) -> dict[int, tuple[int, ...]]:
+    """Each stage that shares a thread with others -> that thread's stages, in order."""
+    groups = [tuple(int(s) for s in group) for group in (workers or ())]
+    listed = [s for group in groups for s in group]
+    if len(set(listed)) != len(listed) or not set(listed) <= set(range(n)):
+        raise ValueError(f"workers={groups}: give each of stages 0..{n - 1} in one group at "
+                         "most")
+    return {s: group for group in groups if len(group) > 1 for s in group}
 
 
 def _needs(a: Action) -> Action | None:

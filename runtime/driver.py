@@ -8,6 +8,7 @@ is timed; a failing stage aborts the transport so the others stop instead of wai
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import os
@@ -46,6 +47,8 @@ class Run:
     events: list[Event] = dataclasses.field(default_factory=list)
     on_action: Callable[[Action], None] | None = None  # STEP / ALLREDUCE handler
     started: float = 0.0  # wall-clock time (time.time()) the run began: events are relative
+    # a thread running several stages: its stages and seconds, each time it waited for a message
+    waits: list[tuple[tuple[int, ...], float]] = dataclasses.field(default_factory=list)
     autocast: list[tuple[str, torch.dtype]] = dataclasses.field(default_factory=list)
 
 
@@ -65,6 +68,8 @@ class Driver:
         self._state: dict[int, _StageState] = {}
         self.cores_of: dict[int, tuple[int, ...]] = {}  # stage -> the CPUs its worker runs on
         self._everywhere: tuple[int, ...] | None = None  # the process's CPUs, once bound
+        # the stages each worker thread runs, in the order it prefers them (share)
+        self.workers: tuple[tuple[int, ...], ...] = tuple((s,) for s in self.runners)
 
     def bind(self, cores_of: Mapping[int, Sequence[int]]) -> None:
         """From the next run on, run each stage s of `cores_of` on the CPUs cores_of[s] only,
@@ -73,9 +78,35 @@ class Driver:
         binds afresh). Only with a worker per stage: never the caller's thread."""
         if self.pool is None or not hasattr(os, "sched_setaffinity"):
             return
+        self.workers = tuple((s,) for s in self.runners)  # a worker per stage, each bound
         if self._everywhere is None:
             self._everywhere = tuple(sorted(os.sched_getaffinity(0)))
         self.cores_of = {s: tuple(cpus) for s, cpus in cores_of.items()}
+
+    def share(self, groups: Sequence[Sequence[int]]) -> None:
+        """From the next run on, run each group of stages on one worker thread: it takes, of
+        its stages, the first in the group's order whose next action can run without waiting
+        (for a receive, its message is there), and waits for a message only when none can.
+        Every stage held here in exactly one group, a group's stages on one device, and a
+        transport that tells whether a message arrived (LocalTransport). Fewer threads than
+        stages contend less for Python's interpreter lock; a stage thread's binding to cores
+        (`bind`) ends."""
+        groups = tuple(tuple(int(s) for s in group) for group in groups)
+        held = sorted(s for group in groups for s in group)
+        if not groups or not all(groups) or held != sorted(self.runners):
+            raise ValueError(f"groups={groups}: give every stage held here "
+                             f"({sorted(self.runners)}) in exactly one non-empty group")
+        for group in groups:
+            if len({self.runners[s].device for s in group}) > 1:
+                raise ValueError(f"stages {group} are on different devices: a thread running "
+                                 "several stages runs them on one device")
+        if any(len(group) > 1 for group in groups):
+            if not hasattr(self.transport, "wait_for_any"):
+                raise ValueError(f"{type(self.transport).__name__} cannot tell a thread "
+                                 "running several stages which message arrived")
+            self.transport.share_wakeups(groups)
+            self.cores_of = {}
+        self.workers = groups
 
     def _on_own_cores(self, s: int) -> None:
         if self._everywhere is None:
@@ -96,13 +127,13 @@ class Driver:
         run.started = time.time()
         start = time.perf_counter()
         if self.pool is None:
-            (s,) = self.runners
-            errors = [(s, _error_of(self._stage_loop, s, programs[s], run, key, start))]
+            outcomes = [_error_of(self._worker_loop, self.workers[0], programs, run, key, start)]
         else:
-            futures = [(s, self.pool.submit(self._stage_loop, s, programs[s], run, key, start))
-                       for s in self.runners]
-            errors = [(s, f.exception()) for s, f in futures]
-        failures = [(s, e) for s, e in errors if e is not None]
+            futures = [self.pool.submit(self._worker_loop, group, programs, run, key, start)
+                       for group in self.workers]
+            outcomes = [f.exception() for f in futures]
+        # every worker's failure is a _StageFailed (_worker_loop)
+        failures = [(e.stage, e.error) for e in outcomes if e is not None]
         if not failures:
             self.transport.flush()
         else:
@@ -121,64 +152,86 @@ class Driver:
     def on_stage_workers(self, fn: Callable[[int], T]) -> dict[int, T]:
         """fn(s) for every stage s held here, each on the stage's worker thread (with its
         intra-op threads) and all at once, as the stages run in a step; inline for one."""
-        def on_worker(s: int) -> T:
+        def on_worker(group: tuple[int, ...]) -> dict[int, T]:
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
-            self._on_own_cores(s)
-            return fn(s)
+            if len(group) == 1:
+                self._on_own_cores(group[0])
+            return {s: fn(s) for s in group}  # a worker's stages one after another
 
         if self.pool is None:
-            return {s: on_worker(s) for s in self.runners}
-        futures = {s: self.pool.submit(on_worker, s) for s in self.runners}
-        return {s: future.result() for s, future in futures.items()}
+            return on_worker(tuple(self.runners))
+        done: dict[int, T] = {}
+        for future in [self.pool.submit(on_worker, group) for group in self.workers]:
+            done.update(future.result())
+        return {s: done[s] for s in self.runners}
 
-    def _stage_loop(self, s: int, program: Sequence[Action], run: Run, key: Any,
-                    start: float) -> None:
-        torch.set_grad_enabled(run.grad_enabled)
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)  # per thread: this worker's parallel regions
-        self._on_own_cores(s)
-        state = self._state.setdefault(s, _StageState())
-        device = self.runners[s].device
-        context = contextlib.ExitStack()
-        context.enter_context(device_context(device))
-        for device_type, dtype in run.autocast:  # thread-local, like grad mode: carried over
-            context.enter_context(torch.autocast(device_type, dtype=dtype))
-        # after these actions, a micro-batch's values / input gradients are no longer needed
-        last_value_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.F, K.SEND_F)}
-        last_grad_use = {a.mb: i for i, a in enumerate(program) if a.kind in (K.B, K.SEND_B)}
-        backwards = [a for a in program if a.kind is K.B]
-        state.last_backward = backwards[-1] if backwards else None
-        receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
+    def _worker_loop(self, stages: tuple[int, ...], programs: Sequence[Sequence[Action]],
+                     run: Run, key: Any, start: float) -> None:
+        """Walk the programs of `stages` on this thread: one stage's in order, blocking in its
+        receives; several stages' an action at a time, the first in order that need not wait
+        (share). A failure aborts the transport and is raised as the stage's (_StageFailed)."""
+        current = stages[0]
         try:
+            torch.set_grad_enabled(run.grad_enabled)
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)  # per thread: this worker's parallel regions
+            if len(stages) == 1:
+                self._on_own_cores(stages[0])
+            context = contextlib.ExitStack()
+            context.enter_context(device_context(self.runners[stages[0]].device))
+            for device_type, dtype in run.autocast:  # thread-local, like grad mode: carried over
+                context.enter_context(torch.autocast(device_type, dtype=dtype))
+            walks = [_Walk(s, programs[s], self._state.setdefault(s, _StageState()))
+                     for s in stages]
             with context:
-                # GPipe: post every receive now (its gradient buffers, one per micro-batch like
-                # its inputs, then exist from the start too): over gloo, a receive posted on a
-                # connection while data arrives on it stalls for milliseconds, and GPipe's
-                # messages come back to back. Otherwise only the next receive is posted ahead,
-                # which keeps 1F1B's bound on micro-batches in flight.
-                if forwards_first(program):
-                    for ahead in (program[i] for i in receives):
-                        self.transport.prefetch(ahead.peer, s, _direction(ahead), (key, ahead.mb))
-                upcoming = iter(receives)
-                following = next(upcoming, None)
-                for i, action in enumerate(program):
-                    while following is not None and following <= i:
-                        following = next(upcoming, None)
-                    if following is not None and action.kind in (K.F, K.B):
-                        ahead = program[following]  # start its transfer during this compute
-                        self.transport.prefetch(ahead.peer, s, _direction(ahead), (key, ahead.mb))
-                    began = time.perf_counter()
-                    self._execute(s, action, run, key, state)
-                    run.events.append(Event(s, action, began - start,
-                                            time.perf_counter() - start))
-                    if last_value_use.get(action.mb) == i:
-                        state.values.pop((key, action.mb), None)
-                    if last_grad_use.get(action.mb) == i:
-                        state.input_grads.pop((key, action.mb), None)
+                for walk in walks:
+                    # GPipe: post every receive now (its gradient buffers, one per micro-batch
+                    # like its inputs, then exist from the start too): over gloo, a receive
+                    # posted on a connection while data arrives on it stalls for milliseconds,
+                    # and GPipe's messages come back to back. Otherwise only the next receive
+                    # is posted ahead, which keeps 1F1B's bound on micro-batches in flight.
+                    if forwards_first(walk.program):
+                        for ahead in (walk.program[i] for i in walk.receives):
+                            self.transport.prefetch(ahead.peer, walk.stage, _direction(ahead),
+                                                    (key, ahead.mb))
+                pending = [w for w in walks if not w.done]
+                while pending:
+                    walk = pending[0] if len(walks) == 1 else next(
+                        (w for w in pending if self._can_go_on(w, key)), None)
+                    if walk is None:  # every stage's next action is a receive still on its way
+                        waiting = time.perf_counter()
+                        self.transport.wait_for_any([w.awaited(key) for w in pending])
+                        run.waits.append((stages, time.perf_counter() - waiting))
+                        continue
+                    current = walk.stage
+                    self._advance(walk, run, key, start)
+                    if walk.done:
+                        pending.remove(walk)
         except BaseException as error:
             self.transport.abort(error)
-            raise
+            raise _StageFailed(current, error) from error
+
+    def _can_go_on(self, walk: _Walk, key: Any) -> bool:
+        """Whether the stage's next action runs without waiting for a message."""
+        awaited = walk.awaited(key)
+        return awaited is None or self.transport.arrived(*awaited)
+
+    def _advance(self, walk: _Walk, run: Run, key: Any, start: float) -> None:
+        """Run the stage's next action, timed, and drop what no later action of it needs."""
+        s, i, action, state = walk.stage, walk.next, walk.program[walk.next], walk.state
+        ahead = walk.receive_after(i)
+        if ahead is not None and action.kind in (K.F, K.B):
+            # start its transfer during this compute
+            self.transport.prefetch(ahead.peer, s, _direction(ahead), (key, ahead.mb))
+        began = time.perf_counter()
+        self._execute(s, action, run, key, state)
+        run.events.append(Event(s, action, began - start, time.perf_counter() - start))
+        if walk.last_value_use.get(action.mb) == i:
+            state.values.pop((key, action.mb), None)
+        if walk.last_grad_use.get(action.mb) == i:
+            state.input_grads.pop((key, action.mb), None)
+        walk.next += 1
 
     def _execute(self, s: int, a: Action, run: Run, key: Any, state: _StageState) -> None:
         runner, mb = self.runners[s], (key, a.mb)
@@ -243,6 +296,45 @@ def _error_of(fn: Callable[..., Any], *args: Any) -> BaseException | None:
     except BaseException as error:  # reported like a worker thread's failure
         return error
     return None
+
+
+class _StageFailed(Exception):
+    """A worker's failure, and the stage whose action raised it."""
+
+    def __init__(self, stage: int, error: BaseException) -> None:
+        super().__init__(stage, error)
+        self.stage, self.error = stage, error
+
+
+class _Walk:
+    """One stage's action list in a run, walked an action at a time."""
+
+    def __init__(self, stage: int, program: Sequence[Action], state: _StageState) -> None:
+        self.stage, self.program, self.state, self.next = stage, program, state, 0
+        # after these actions, a micro-batch's values / input gradients are no longer needed
+        self.last_value_use = {a.mb: i for i, a in enumerate(program)
+                               if a.kind in (K.F, K.SEND_F)}
+        self.last_grad_use = {a.mb: i for i, a in enumerate(program)
+                              if a.kind in (K.B, K.SEND_B)}
+        backwards = [a for a in program if a.kind is K.B]
+        state.last_backward = backwards[-1] if backwards else None
+        self.receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.program)
+
+    def awaited(self, key: Any) -> tuple[int, int, str, Any] | None:
+        """The message (src, dst, direction, micro-batch) the next action receives, if any."""
+        a = self.program[self.next]
+        if a.kind not in (K.RECV_F, K.RECV_B):
+            return None
+        return a.peer, self.stage, _direction(a), (key, a.mb)
+
+    def receive_after(self, i: int) -> Action | None:
+        """The first receive after action i, if any."""
+        following = bisect.bisect_right(self.receives, i)
+        return self.program[self.receives[following]] if following < len(self.receives) else None
 
 
 class _StageState:

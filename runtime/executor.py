@@ -17,7 +17,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
@@ -170,6 +170,16 @@ class LocalCoordinator:
 
     def gather_job_events(self, events, origin):
         return {0: events}
+
+
+class ThreadCosts(NamedTuple):
+    """A stage's seconds on a thread that runs several stages (shared_thread_costs)."""
+
+    between: float  # the thread's own time between two of its actions
+    send_f: float  # per SEND of activations
+    send_b: float  # per SEND of gradients
+    recv_f: float  # per RECV of activations
+    recv_b: float  # per RECV of gradients
 
 
 class PipelineExecutor:
@@ -359,11 +369,7 @@ class PipelineExecutor:
         (see `_landing`). A step ends with the first stage's backward, the other ranks
         waiting for it, so what it pays past its schedule is the first stage's rank's time:
         every rank returns that figure. Every rank of the pipeline must call it."""
-        # an asynchronous schedule steps the stages' optimizers: its flushed form stands in
-        steps_optimizers = any(a.kind is K.STEP for stage in self.schedule.actions for a in stage)
-        schedule = (self.schedule if not steps_optimizers
-                    else lowered_schedule("gpipe", len(self.comm.stages), self.micro_batches,
-                                          self.comm))
+        schedule = self._stand_in_schedule()
         with self._timing_the_stages():
             self._outside_of_step(flat_inputs, schedule)  # the first one allocates
             step_seconds = self.coordinator.from_first_stage(self._outside_of_step(
@@ -372,6 +378,55 @@ class PipelineExecutor:
             outside = [self._outside_of_step(flat_inputs, schedule) for _ in range(steps)]
         return self.coordinator.from_first_stage(statistics.median(outside)
                                                  + self._landing(flat_inputs, repeats))
+
+    def _stand_in_schedule(self) -> Schedule:
+        """The schedule a measurement runs steps of: the pipeline's, but for an asynchronous
+        one, which steps the stages' optimizers, its flushed form."""
+        steps_optimizers = any(a.kind is K.STEP for stage in self.schedule.actions for a in stage)
+        return (self.schedule if not steps_optimizers
+                else lowered_schedule("gpipe", len(self.comm.stages), self.micro_batches,
+                                      self.comm))
+
+    def shared_thread_costs(self, flat_inputs: Sequence[Any] | None, repeats: int = 15
+                            ) -> dict[int, ThreadCosts]:
+        """Per stage on a thread that runs several (Driver.share): the thread's own seconds
+        between two actions (choosing the next, recording it), and the stage's seconds per
+        SEND and per RECV of each direction, in one process where a message needs no wake-up
+        of its receiver's thread. Medians over `repeats` steps of `flat_inputs` (their loss a
+        stand-in, as in step_overhead); a thread's time between actions is the span of its
+        actions less their durations and its waits for a message, per action. {} where every
+        stage has a thread of its own. Leaves no gradient, buffer or trace behind."""
+        shared = [group for group in self.driver.workers if len(group) > 1]
+        if not shared:
+            return {}
+        schedule = self._stand_in_schedule()
+        gaps: dict[tuple[int, ...], list[float]] = {group: [] for group in shared}
+        took: dict[tuple[int, ActionKind], list[float]] = {}
+        with self._timing_the_stages():
+            for i in range(repeats + 1):
+                call = self._call(flat_inputs)
+                split([torch.empty(sum(call.sizes))], self.micro_batches)  # as a target is
+                _, run = self._run_step(call, 1, lambda mb, outputs: _stand_in_loss(outputs),
+                                        schedule)
+                if i == 0:  # the first one allocates
+                    continue
+                for group in shared:
+                    events = [e for e in run.events if e.stage in group]
+                    span = max(e.end for e in events) - min(e.start for e in events)
+                    waited = sum(t for stages, t in run.waits if stages == group)
+                    gaps[group].append((span - sum(e.duration for e in events) - waited)
+                                       / len(events))
+                for e in run.events:
+                    if e.action.kind.is_send or e.action.kind.is_recv:
+                        took.setdefault((e.stage, e.action.kind), []).append(e.duration)
+        costs = {}
+        for group in shared:
+            gap = max(statistics.median(gaps[group]), 0.0)
+            for s in group:
+                costs[s] = ThreadCosts(gap, *(
+                    statistics.median(took.get((s, kind), [0.0]))
+                    for kind in (K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B)))
+        return costs
 
     def _outside_of_step(self, flat_inputs: Sequence[Any] | None, schedule: Schedule,
                          wall: bool = False) -> float:

@@ -80,19 +80,47 @@ class LocalTransport:
     def recv(self, src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
         key = (src, dst, direction, mb)
         with self._lock:
-            arrived = self._ready[dst].wait_for(lambda: key in self._messages or self._error,
-                                                self.timeout)
-            if self._error is not None:
-                raise PipelineAborted(f"stage {dst} stopped: {self._error}") from self._error
-            if not arrived:
-                raise FxpipeError(
-                    f"stage {dst} waited {self.timeout:.0f} s for {direction} micro-batch {mb} "
-                    f"from stage {src}; the schedule's sends and receives do not match."
-                )
+            self._wait_for([key])
             payload, event = self._messages.pop(key)
         if event is not None:  # CUDA: make the receiver's stream wait for the copy
             torch.cuda.current_stream(self.devices[dst]).wait_event(event)
         return payload
+
+    def arrived(self, src: int, dst: int, direction: str, mb: Any) -> bool:
+        """Whether the message is here, so that a recv of it would not wait."""
+        with self._lock:
+            return (src, dst, direction, mb) in self._messages
+
+    def share_wakeups(self, groups: Sequence[Sequence[int]]) -> None:
+        """The receiving stages of each group are woken together: a thread running several
+        stages waits for the next message to any of them (`wait_for_any`)."""
+        with self._lock:
+            for group in groups:
+                shared = threading.Condition(self._lock)
+                for dst in group:
+                    self._ready[dst] = shared
+
+    def wait_for_any(self, keys: Sequence[Key]) -> None:
+        """Block until one of the messages `keys` (src, dst, direction, micro-batch), all to
+        stages woken together (`share_wakeups`), is here."""
+        with self._lock:
+            self._wait_for(keys)
+
+    def _wait_for(self, keys: Sequence[Key]) -> None:
+        """Wait, holding the lock, until one of `keys` is here; raise where the run was
+        aborted or the timeout passed."""
+        dst = keys[0][1]
+        arrived = self._ready[dst].wait_for(
+            lambda: any(k in self._messages for k in keys) or self._error, self.timeout)
+        if self._error is not None:
+            raise PipelineAborted(f"stage {dst} stopped: {self._error}") from self._error
+        if not arrived:
+            waits = " or ".join(f"{d} micro-batch {m} from stage {s} to stage {t}"
+                                for s, t, d, m in keys)
+            raise FxpipeError(
+                f"stage {dst} waited {self.timeout:.0f} s for {waits}; the schedule's sends "
+                "and receives do not match."
+            )
 
     def abort(self, error: BaseException) -> None:
         """Wake every waiting receiver with `error`."""

@@ -472,3 +472,54 @@ def test_a_stage_run_on_the_callers_thread_is_never_bound():
     assert pipe.executor.driver.cores_of == {} and pipe.bound_cores() is None
     if before is not None:
         assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("threads, at_stages, shared, timed_beside", [
+    ("auto", 0.7, [(2, 1, 0)], 1), ("auto", 1.2, [], 3), ("stage", 0.7, [], 3),
+    (2, 1.2, [(2, 0)], 2)])
+def test_stages_run_on_one_thread_where_the_interpreter_lock_sets_their_pace(
+        monkeypatch, threads, at_stages, shared, timed_beside):
+    """Three stage threads on 2 cores: with stage_threads="auto", on one thread only where
+    as many threads got through less than one thread's work at once; with a number, on that
+    many. The units are timed beside as many busy threads, a thread's actions never overlap,
+    its stages' messages to each other take no time in the prediction, and the output is the
+    model's."""
+    from fxpipe.passes.analysis.capacity import ThreadCapacity
+
+    local = importlib.import_module("fxpipe.compile.local")
+    monkeypatch.setattr(local, "measure_thread_capacity",
+                        lambda *args, **kwargs: ThreadCapacity(2, 3, 1.0, at_stages))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 4))
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=2, partitioner="even",
+                                             cpu_affinity="none", stage_threads=threads),
+                          example_inputs=(x,), cache=False)
+    assert pipe.shared_threads() == shared
+    assert pipe.timing.concurrency == timed_beside
+    on_shared = {s for group in shared for s in group}
+    assert set(pipe.thread_costs) == on_shared
+    assert all(v >= 0 for costs in pipe.thread_costs.values() for v in costs)
+    torch.testing.assert_close(pipe(x), model(x))
+    timeline = pipe.predicted_timeline()
+    for group in shared:
+        done = sorted((e for e in timeline.events if e.stage in group),
+                      key=lambda e: (e.start, e.end))
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(done, done[1:]))
+    for transfer in timeline.transfers:  # a message's time on the link
+        src, dst = transfer.action.stage, transfer.action.peer
+        same = any(src in group and dst in group for group in shared)
+        assert (transfer.duration == 0) == same
+    assert ("stage threads: one thread runs the 3 stages" in repr(pipe)) == (threads == "auto"
+                                                                            and bool(shared))
+
+
+def test_stages_on_one_thread_must_share_a_device():
+    from fxpipe.compile.local import check_stage_threads, deal_stages
+
+    assert deal_stages(range(5), 2) == [(4, 2, 0), (3, 1)]
+    assert deal_stages(range(2), 3) == [(0,), (1,)]
+    check_stage_threads(fxpipe.Plan(stages=2, stage_threads=1), ["cpu", "cpu"])
+    with pytest.raises(fxpipe.PlanError, match=r"runs stages \[0, 1\] on one thread, but they "
+                                               r"are on cpu, cuda:0; one thread runs"):
+        check_stage_threads(fxpipe.Plan(stages=2, stage_threads=1), ["cpu", "cuda:0"])

@@ -32,6 +32,12 @@ from fxpipe import Plan, PlanError
                                              r"choose one of 'auto', 'none'"),
     ({"stages": 2, "cpu_memory": "jemalloc"}, r"Plan\(cpu_memory='jemalloc'\) is not known; "
                                               r"choose one of 'keep', 'system'"),
+    ({"stages": 2, "stage_threads": "cores"}, r"Plan\(stage_threads='cores'\) is not known; "
+                                              r"choose one of 'auto', 'stage'"),
+    ({"stages": 2, "stage_threads": 0}, r"Plan\(stage_threads=0\) must be a positive integer"),
+    ({"stages": 2, "stage_threads": True}, r"Plan\(stage_threads=True\) must be a positive"),
+    ({"stages": 2, "stage_threads": 3}, r"Plan\(stage_threads=3\) asks for more threads than "
+                                        r"the 2 stages; give at most 2, or 'stage' for one each"),
 ])
 def test_bad_plans_say_what_to_change(kwargs, message):
     with pytest.raises(PlanError, match=message):

@@ -712,3 +712,31 @@ def test_fewer_stages_are_advised_exactly_where_more_threads_got_clearly_less_do
     assert ("step faster" in line) == (at_stages < FEWER_THREADS_BELOW * at_cores)
     assert shared_cores_lines(stages, cores) == shared_cores_lines(stages, cores,
                                                                     capacity=None)[:1]
+
+
+@given(stages=st.integers(2, 16), cores=st.integers(1, 15), threads=st.integers(1, 16),
+       at_cores=st.floats(0.01, 16.0), at_stages=st.floats(0.01, 16.0))
+def test_stages_on_fewer_threads_are_told_as_they_run(stages, cores, threads, at_cores,
+                                                      at_stages):
+    """Where fewer threads than the stages run them (Plan(stage_threads)), the lines say so
+    instead of advising fewer stages per process; on one thread, the interpreter-lock line
+    says the prediction follows it, on more, that steps may stray."""
+    from fxpipe.passes.analysis.capacity import BIND_FROM, FEWER_THREADS_BELOW, ThreadCapacity
+
+    assume(stages > cores and threads < stages)
+    capacity = ThreadCapacity(cores, stages, at_cores, at_stages)
+    first, line, *lock = shared_cores_lines(stages, cores, capacity=capacity, threads=threads)
+    many = f"{threads} threads" if threads > 1 else "one thread"
+    assert first.startswith(f"shared cores: {stages} stages compute on this host's {cores} CPU")
+    assert f"they run on {many} (Plan(stage_threads))" in first
+    assert ("splits the cores evenly among the threads" in first) == (threads > cores)
+    assert "each has one" not in first and "step faster" not in line
+    assert line.endswith(f"so the stages run on {many} here (Plan(stage_threads))") == (
+        at_stages < FEWER_THREADS_BELOW * at_cores)
+    assert bool(lock) == (at_stages < BIND_FROM)
+    assert all(extra.endswith("whose pace the units' timings alone hold") == (threads == 1)
+               for extra in lock)
+    assert all(("may stray" in extra) == (threads > 1) for extra in lock)
+    # a thread per stage, or none said: as before
+    assert (shared_cores_lines(stages, cores, capacity=capacity, threads=stages)
+            == shared_cores_lines(stages, cores, capacity=capacity))

@@ -833,3 +833,54 @@ def test_sharing_takes_a_positive_core_count_and_stages_of_the_schedule():
             simulate(gpipe(2, 2), 1.0, 1.0, cores=cores)
     with pytest.raises(ValueError, match=r"sharing=\[0, 2\] names stages a schedule of 2"):
         simulate(gpipe(2, 2), 1.0, 1.0, cores=1.0, sharing=[0, 2])
+
+
+@given(schedules(), st.integers(0, 2**32 - 1), st.data(), st.booleans())
+def test_a_thread_running_several_stages_runs_one_action_at_a_time(schedule: Schedule,
+                                                                    seed: int, data, links):
+    """Stages dealt to threads at random, each thread listing its stages in a random order:
+    no schedule deadlocks, a thread's actions never overlap, every action runs in its
+    stage's order after what it needs, and one thread running every stage works the whole
+    step through where messages take no time."""
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    thread = [data.draw(st.integers(0, n - 1)) for _ in range(n)]
+    groups = [data.draw(st.permutations([s for s in range(n) if thread[s] == t]))
+              for t in set(thread)]
+    link = 0.3 if links else 0.0
+    timeline = simulate(schedule, fwd, bwd, link, link, post_f=0.05, workers=groups)
+    at = timeline.event
+    for group in groups:
+        done = sorted((e for e in timeline.events if e.stage in group),
+                      key=lambda e: (e.start, e.end))
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(done, done[1:]))
+    for s in range(n):
+        done = [e for e in timeline.events if e.stage == s]
+        assert [e.action for e in done] == list(timeline.schedule.actions[s])
+        for mb in range(m):
+            f, b = at(Action(s, F, mb)), at(Action(s, B, mb))
+            assert f.duration == pytest.approx(fwd[s, mb])
+            assert b.start >= f.end
+            if s > 0:
+                assert f.start >= at(Action(s - 1, F, mb)).end + link - 1e-9
+    one = simulate(schedule, fwd, bwd, workers=[list(range(n))[::-1]])
+    assert one.makespan == pytest.approx(fwd.sum() + bwd.sum())
+
+
+def test_a_thread_starts_the_first_of_its_stages_that_need_not_wait():
+    # gpipe(2, 2), every compute 1, one thread preferring stage 1: once 1's message is there
+    # it goes first (1F0 before 0F1, 1B0 before 0B1), and the step is all the work, 8
+    at = {str(e.action): (e.start, e.end)
+          for e in simulate(gpipe(2, 2), 1.0, 1.0, workers=[(1, 0)]).events}
+    assert at["1F0"] == (1.0, 2.0) and at["0F1"] == (2.0, 3.0)
+    assert at["1B0"] == (5.0, 6.0) and at["0B1"] == (6.0, 7.0)
+    # preferring stage 0, it runs both forwards of stage 0 first
+    at = {str(e.action): (e.start, e.end)
+          for e in simulate(gpipe(2, 2), 1.0, 1.0, workers=[(0, 1)]).events}
+    assert at["0F1"] == (1.0, 2.0) and at["1F0"] == (2.0, 3.0)
+    # a stage in no group keeps a thread of its own
+    assert simulate(gpipe(2, 2), 1.0, 1.0, workers=[(1,)]).makespan == 6.0
+    with pytest.raises(ValueError, match="in one group at most"):
+        simulate(gpipe(2, 2), 1.0, 1.0, workers=[(0, 1), (1,)])
+    with pytest.raises(ValueError, match="in one group at most"):
+        simulate(gpipe(2, 2), 1.0, 1.0, workers=[(0, 2)])

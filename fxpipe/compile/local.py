@@ -3,8 +3,9 @@ place (with its sibling modules) where the IR, the passes and the runtime meet."
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from fxpipe.compile.front import (
 from fxpipe.compile.intra_layer import outline_split_stages, split_heavy_layers
 from fxpipe.compile.loss import check_target, traced_loss
 from fxpipe.compile.partitioning import choose_partition
-from fxpipe.compile.retime import Timing
+from fxpipe.compile.retime import Timing, retime
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.materialize import check_meta_model, has_meta_tensors
@@ -97,6 +98,7 @@ def compile(
             "groups=1 in one process."
         )
     devices = stage_devices(model, plan)
+    check_stage_threads(plan, devices)
     keep_for(plan.cpu_memory, devices)  # before anything is timed, as steps will run
 
     traced, units, flat = trace_and_cut(model, plan, args, kwargs)
@@ -104,7 +106,10 @@ def compile(
     check_batched_inputs(traced, plan, args, kwargs, whole)
     link = stage_link(plan, devices)
     threads = threads_per_stage(devices)
-    timing = Timing(devices[0], threads, busy_stages(devices),
+    busy = busy_stages(devices)
+    if isinstance(plan.stage_threads, int):  # that many threads compute at once at most
+        busy = min(busy, plan.stage_threads)
+    timing = Timing(devices[0], threads, busy,
                     held=devices.count(devices[0]) / len(devices))  # its stages' weights
     cost = measure_costs(traced.gm, units, flat, plan, [timing.device], link,
                          profile_cache(cache), timing.threads, timing.concurrency, whole,
@@ -145,9 +150,59 @@ def compile(
         pipe.thread_capacity = measure_thread_capacity(traced.gm, units, flat, partition,
                                                        devices, threads, whole)
         bind_stage_threads(pipe)
+    share_stage_threads(pipe, args, kwargs, example_target)
+    if plan.costs != "none":
         # the runtime's own time, for predicting whole steps, where the steps will run
         pipe.measure_runtime_overhead(*args, **kwargs)
     return pipe
+
+
+def check_stage_threads(plan: Plan, devices: list[str]) -> None:
+    """Stages that Plan(stage_threads=n) puts on one thread must be on one device."""
+    if not isinstance(plan.stage_threads, int):
+        return
+    for group in deal_stages(range(plan.stages), plan.stage_threads):
+        places = sorted({devices[s] for s in group})
+        if len(places) > 1:
+            raise PlanError(
+                f"Plan(stage_threads={plan.stage_threads}) runs stages {sorted(group)} on one "
+                f"thread, but they are on {', '.join(places)}; one thread runs its stages on "
+                "one device: give devices so that stages s and s + stage_threads match, or "
+                "stage_threads='stage'."
+            )
+
+
+def deal_stages(stages: Iterable[int], threads: int) -> list[tuple[int, ...]]:
+    """The stages dealt round `threads` threads (stage s on thread s mod threads), each
+    thread's listed last first: of its stages whose next action need not wait, a thread runs
+    the one nearest the loss, which finishes micro-batches and frees their memory soonest."""
+    stages = sorted(stages)
+    return [tuple(reversed(stages[t::threads])) for t in range(min(threads, len(stages)))]
+
+
+def share_stage_threads(pipe: CompiledPipeline, args: Any, kwargs: Any, target: Any) -> None:
+    """Run the stages on fewer threads than stages where the plan says so, or, with
+    Plan(stage_threads="auto"), on one thread where stage threads on the CPU outnumber the
+    cores and as many threads as the stages got through less than one thread's work at once
+    (`thread_capacity`, measured only then): Python's interpreter lock then sets their pace,
+    and the bundled MLP's 4 stages on 2 cores stepped faster on one thread than on 2 or 4,
+    and as predicted (ACCURACY.md). The units are then timed again beside as many busy
+    threads, as the steps will run them (`retime`)."""
+    plan, executor = pipe.plan, pipe.executor
+    stages = sorted(executor.runners)
+    if isinstance(plan.stage_threads, int):
+        threads = plan.stage_threads
+    elif plan.stage_threads == "auto" and pipe.thread_capacity is not None \
+            and not pipe.thread_capacity.shares_mostly_cores:
+        threads = 1
+    else:
+        return
+    if threads >= len(stages):
+        return
+    executor.driver.share(deal_stages(stages, threads))
+    if isinstance(plan.stage_threads, str):  # compile timed the units beside more threads
+        pipe.timing = dataclasses.replace(pipe.timing, concurrency=threads)
+        pipe.partition = retime(pipe, args, kwargs, target=target)
 
 
 def bind_stage_threads(pipe: CompiledPipeline) -> None:
