@@ -1,9 +1,12 @@
-"""The driver: runs per-stage action lists over StageRunners, one worker thread per stage.
+"""The driver: runs per-stage action lists over StageRunners, a worker thread per stage (or
+per group of stages: Driver.share).
 
 Each worker walks its stage's list in order (GroPipe's PMPIA: a worker per device, fed by its
-in/out messages). F and B call the runner; SEND/RECV go through the transport; the action list
-alone decides what runs when, so gpipe, 1f1b and async schedules share this loop. Every action
-is timed; a failing stage aborts the transport so the others stop instead of waiting forever.
+in/out messages); a worker holding several stages runs, an action at a time, the first of them
+whose next action need not wait for a message. F and B call the runner; SEND/RECV go through
+the transport; the action list alone decides what runs when, so gpipe, 1f1b and async
+schedules share this loop. Every action is timed; a failing stage aborts the transport so the
+others stop instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -151,7 +154,8 @@ class Driver:
 
     def on_stage_workers(self, fn: Callable[[int], T]) -> dict[int, T]:
         """fn(s) for every stage s held here, each on the stage's worker thread (with its
-        intra-op threads) and all at once, as the stages run in a step; inline for one."""
+        intra-op threads), the workers all at once, as the stages run in a step (a worker's
+        stages one after another); inline for one."""
         def on_worker(group: tuple[int, ...]) -> dict[int, T]:
             if self.threads is not None:
                 torch.set_num_threads(self.threads)

@@ -185,9 +185,9 @@ def share_stage_threads(pipe: CompiledPipeline, args: Any, kwargs: Any, target: 
     Plan(stage_threads="auto"), on one thread where stage threads on the CPU outnumber the
     cores and as many threads as the stages got through less than one thread's work at once
     (`thread_capacity`, measured only then): Python's interpreter lock then sets their pace,
-    and the bundled MLP's 4 stages on 2 cores stepped faster on one thread than on 2 or 4,
-    and as predicted (ACCURACY.md). The units are then timed again beside as many busy
-    threads, as the steps will run them (`retime`)."""
+    and the bundled MLP's 4 stages on 2 cores stepped faster on one thread than on a thread
+    each, every row of `fxpipe bench` within 15% of its prediction (ACCURACY.md). The units
+    are then timed again beside as many busy threads, as the steps will run them (`retime`)."""
     plan, executor = pipe.plan, pipe.executor
     stages = sorted(executor.runners)
     if isinstance(plan.stage_threads, int):
