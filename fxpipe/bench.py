@@ -179,15 +179,16 @@ def _spread(values: Sequence[float]) -> float:
 
 
 def bench_plans(stages: int, micro_batches: int | str, partitioners: Sequence[str],
-                schedules: Sequence[str], cpu_affinity: str = "auto"
-                ) -> dict[tuple[str, str], Plan]:
+                schedules: Sequence[str], cpu_affinity: str = "auto",
+                stage_threads: int | str = "auto") -> dict[tuple[str, str], Plan]:
     """The plan of every (partitioner, schedule) the benchmark runs, without the loss, each
-    with `cpu_affinity` (Plan.cpu_affinity); made all at once, so a mistake in any of them is
-    reported before any work."""
+    with `cpu_affinity` and `stage_threads` (Plan.cpu_affinity, Plan.stage_threads); made all
+    at once, so a mistake in any of them is reported before any work."""
     if "async-1f1b" in schedules:
         raise FxpipeError("the benchmark times pipe.step, and async-1f1b trains only through "
                           "pipe.step_many with an attached optimizer: compare gpipe and 1f1b.")
     return {(p, s): Plan(stages=stages, partitioner=p, schedule=s, cpu_affinity=cpu_affinity,
+                         stage_threads=stage_threads,
                          micro_batches="auto" if p == "csimd" else micro_batches)  # csimd
             for p in partitioners for s in schedules}  # chooses the micro-batch count itself
 
@@ -205,7 +206,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
           repeats: int = ROUNDS, warmup: int = 2, progress: bool = True,
           rounds: int = ROUNDS, profile_repeats: int = 5, settle: float = 0.2,
           measure: float = MEASURE_SECONDS, profile_time: float = PROFILE_SECONDS,
-          cpu_affinity: str = "auto") -> list[BenchRow]:
+          cpu_affinity: str = "auto", stage_threads: int | str = "auto") -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
     call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
 
@@ -227,9 +228,11 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     (benchmarks/after_pause.py). `profile_repeats`: timed runs of each unit per round, more
     until they took `profile_time` seconds at each micro-batch size (at most MOST_REPEATS).
     `cpu_affinity`: every plan's (`Plan.cpu_affinity`); "none" compares the steps of unbound
-    stage threads, or ranks, with the default's."""
+    stage threads, or ranks, with the default's. `stage_threads`: every plan's
+    (`Plan.stage_threads`); "stage" compares a thread per stage with the default's."""
     rows = []
-    plans = bench_plans(stages, micro_batches, partitioners, schedules, cpu_affinity)
+    plans = bench_plans(stages, micro_batches, partitioners, schedules, cpu_affinity,
+                        stage_threads)
     check_stage_count_of(build, stages)
     rounds = max(1, min(rounds, repeats))
     for index, ((partitioner, schedule), plan) in enumerate(plans.items(), 1):

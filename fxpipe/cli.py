@@ -36,7 +36,7 @@ from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.models import MODELS, bundled
-from fxpipe.plan import PARTITIONERS, Plan
+from fxpipe.plan import PARTITIONERS, STAGE_THREADS, Plan
 from fxpipe.report import LATE_AFTER, shared_cores_lines
 from fxpipe.runtime.executor import RECENT_STEPS
 
@@ -196,8 +196,12 @@ def _bench(args: argparse.Namespace) -> None:
         if path:
             check_output_path(option, path)
     _factory(args.model)  # an unknown model fails here, before any progress is shown
+    if args.nproc is not None and args.stage_threads != "auto":
+        raise FxpipeError(f"--stage-threads {args.stage_threads} sets the threads of one "
+                          "process's stages, and under torchrun (--nproc) each rank runs its "
+                          "stage on a thread of its own: drop --stage-threads or --nproc.")
     bench_plans(args.stages, micro_batches, partitioners, schedules,  # and so does a plan
-                args.cpu_affinity)
+                args.cpu_affinity, args.stage_threads)
     build = _bench_build(args)
     if args.nproc:  # and a model with too few units, before the job starts (bench checks too)
         check_stage_count_of(build, args.stages)
@@ -296,7 +300,8 @@ def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
         torch.set_num_threads(1)
     rows = bench(build, args.stages, micro_batches, partitioners, schedules, args.repeats,
                  progress=not launched() or dist_rank() == 0, rounds=args.rounds,
-                 measure=args.measure, cpu_affinity=args.cpu_affinity)
+                 measure=args.measure, cpu_affinity=args.cpu_affinity,
+                 stage_threads=args.stage_threads)
     if not launched():
         return rows
     if args.rows_json and dist_rank() == 0:
@@ -458,6 +463,18 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def stage_threads(text: str) -> int | str:
+    """An argparse type: Plan.stage_threads, "auto", "stage" or a whole number of at least 1."""
+    if text in STAGE_THREADS:
+        return text
+    try:
+        return at_least_one(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"give {', '.join(STAGE_THREADS)} or a whole number of at least 1, not {text!r}"
+        ) from None
+
+
 def seconds(text: str) -> float:
     """An argparse type: a finite number of seconds, 0 or more."""
     try:
@@ -591,6 +608,11 @@ def _parser() -> argparse.ArgumentParser:
                                 "outnumber the cores round the cores where what they share is "
                                 "mostly the cores (under --nproc, each rank to CPUs of its "
                                 "own); none binds nothing, to compare against")
+    bench_cmd.add_argument("--stage-threads", type=stage_threads, default="auto",
+                           help="every plan's Plan.stage_threads, in one process: auto runs "
+                                "the stages on one thread where the interpreter lock sets "
+                                "their pace, else a thread each; stage, a thread each, to "
+                                "compare against; a number, that many threads")
     bench_cmd.add_argument("--input-shape", action="append",
                            help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
                                 "3x32x32 (once per input)")

@@ -58,6 +58,10 @@ def test_demo_reports_user_errors_without_a_traceback():
     (["--stages", "50"], "Plan(stages=50) asks for more stages than MLP has units"),
     (["--stages", "50", "--nproc", "50"], "Plan(stages=50) asks for more stages than MLP has"),
     (["--stages", "3", "--nproc", "2"], "--nproc 2 runs one stage per process: give --stages 2"),
+    (["--stages", "2", "--nproc", "2", "--stage-threads", "1"],
+     "--stage-threads 1 sets the threads of one process's stages, and under torchrun"),
+    (["--stages", "2", "--stage-threads", "3"],
+     "Plan(stage_threads=3) asks for more threads than the 2 stages"),
 ])
 def test_bench_reports_user_errors_before_any_progress(capsys, options, error):
     assert main(["bench", "mlp", *options]) == 2
@@ -583,6 +587,47 @@ def test_bench_rejects_an_unknown_cpu_affinity(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "mlp", "--cpu-affinity", "cores"])
     assert "argument --cpu-affinity: invalid choice: 'cores'" in capsys.readouterr().err
+
+
+def test_bench_rejects_stage_threads_it_does_not_know(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "mlp", "--stage-threads", "many"])
+    assert ("argument --stage-threads: give auto, stage or a whole number of at least 1, not "
+            "'many'") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("threads, plan", [(None, "auto"), ("stage", "stage"), ("1", 1)])
+def test_bench_compiles_with_the_stage_threads_asked_for(monkeypatch, threads, plan):
+    import fxpipe.bench
+
+    class Compiled(Exception):
+        """Stops the benchmark at its first compile, with the plan it was given."""
+
+    def record(model, plan, **kwargs):
+        raise Compiled(plan)
+
+    monkeypatch.setattr(fxpipe.bench, "compile", record)
+    option = [] if threads is None else ["--stage-threads", threads]
+    with pytest.raises(Compiled) as compiled:
+        main(["bench", "mlp", "--stages", "2", "--partitioners", "even", *option])
+    assert compiled.value.args[0].stage_threads == plan
+
+
+@pytest.mark.parametrize("shared", [0, 1, 2])
+def test_bench_says_on_how_many_threads_its_stages_ran(capsys, monkeypatch, shared):
+    import fxpipe.cli
+
+    rows = [BenchRow("even", s, (1, 1, 1, 1), 2, 1.0, 1.0, 0.0, 0.0, (0.0,) * 4,
+                     threads=1 if index < shared else 0)
+            for index, s in enumerate(["gpipe", "1f1b"])]
+    monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: rows)
+    monkeypatch.setattr(fxpipe.cli, "usable_cores", lambda: 2)
+    assert main(["bench", "mlp", "--stages", "4", "--partitioners", "even"]) == 0
+    out = capsys.readouterr().out
+    assert ("they run on one thread (Plan(stage_threads))" in out) == (shared == 2)
+    assert ("splits the cores evenly" in out) == (shared < 2)
+    assert ("compile ran the stages on fewer threads than stages in 1 of the 2 rows "
+            "(even/gpipe on 1)" in out) == (shared == 1)
 
 
 def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch):

@@ -50,6 +50,10 @@ def compile_distributed(model, plan: Plan, args, kwargs, cache, target: Any = No
         raise PlanError("Plan(intra_layer=...) splits layers over the devices of one process; "
                         "under torchrun each rank runs one stage on one device. Drop "
                         "intra_layer, or run in one process with Plan(devices=[...]).")
+    if isinstance(plan.stage_threads, int):
+        raise PlanError(f"Plan(stage_threads={plan.stage_threads}) runs several stages of one "
+                        "process on a thread; under torchrun each rank runs its one stage on a "
+                        "thread of its own. Drop stage_threads, or run in one process.")
     layout = rank_layout(plan)
     device = rank_device(plan, layout)
     everyone = hosts(device)  # before pin_rank narrows what this rank may use
