@@ -196,7 +196,7 @@ def _bench(args: argparse.Namespace) -> None:
         if path:
             check_output_path(option, path)
     _factory(args.model)  # an unknown model fails here, before any progress is shown
-    if args.nproc is not None and args.stage_threads != "auto":
+    if args.nproc is not None and isinstance(args.stage_threads, int):
         raise FxpipeError(f"--stage-threads {args.stage_threads} sets the threads of one "
                           "process's stages, and under torchrun (--nproc) each rank runs its "
                           "stage on a thread of its own: drop --stage-threads or --nproc.")
@@ -231,8 +231,8 @@ def _bench(args: argparse.Namespace) -> None:
                                        threads=threads):
             print(line)
         if 0 < len(shared) < len(rows):  # compile decides per row, from the capacity it measured
-            named = ", ".join(f"{row.partitioner}/{row.schedule} on {row.threads}"
-                              for row in shared)
+            named = ", ".join(f"{row.partitioner}/{row.schedule} on {row.threads} thread"
+                              f"{'s' if row.threads > 1 else ''}" for row in shared)
             print(f"stage threads: compile ran the stages on fewer threads than stages in "
                   f"{len(shared)} of the {len(rows)} rows ({named}), where the interpreter "
                   "lock set their pace, and on a thread each in the others")

@@ -187,9 +187,8 @@ class CompiledPipeline(torch.nn.Module):
         backward = [s.b + overhead for s, overhead in zip(stages, self.backward_overhead)]
         send_f = {(e.src, e.dst): stages[e.src].cf for e in self.comm.edges}
         send_b = {(e.src, e.dst): stages[e.src].cb for e in self.comm.edges}
-        if self.thread_costs:
-            self._on_shared_threads(forward, backward, send_f, send_b, post_f, post_b,
-                                    recv_post_f, recv_post_b)
+        self._on_shared_threads(forward, backward, links=(send_f, send_b),
+                                posts=(post_f, post_b), receives=(recv_post_f, recv_post_b))
         cores, sharing = self.cpu_sharing()
         bound = {s: core for s, core in (self.bound_cores() or {}).items() if s in sharing}
         if bound:  # the cores they are bound to (bound_cores numbers them from 0)
@@ -204,18 +203,20 @@ class CompiledPipeline(torch.nn.Module):
                         cores=cores, sharing=sharing, bound=bound or None,
                         workers=self.shared_threads() or None)
 
-    def _on_shared_threads(self, forward: list[float], backward: list[float],
-                           *per_edge: dict[tuple[int, int], float]) -> None:
-        """The figures `predicted_timeline` simulates with, for stages on a thread that runs
-        several (`thread_costs`): every action also takes the thread's time between actions;
-        a SEND and a RECV take what they took on it; a message between two stages of one
-        thread is there once sent."""
-        send_f, send_b, post_f, post_b, recv_post_f, recv_post_b = per_edge
-        costs = self.thread_costs
+    def _on_shared_threads(self, forward: list[float], backward: list[float], *,
+                           links: tuple[dict, dict], posts: tuple[dict, dict],
+                           receives: tuple[dict, dict]) -> None:
+        """The figures `predicted_timeline` simulates with (each pair forward, backward; the
+        edges' keyed (src, dst)), for stages on a thread that runs several (`thread_costs`):
+        every action also takes the thread's time between actions; a SEND and a RECV take
+        what they took on it; a message between two stages of one thread is there once sent."""
+        (send_f, send_b), (post_f, post_b), (recv_post_f, recv_post_b) = links, posts, receives
+        thread_of = {s: i for i, group in enumerate(self.shared_threads()) for s in group}
+        # measured on the threads as they are (a later bind gives each stage its own again)
+        costs = {s: c for s, c in self.thread_costs.items() if s in thread_of}
         for s, c in costs.items():
             forward[s] += c.between
             backward[s] += c.between
-        thread_of = {s: i for i, group in enumerate(self.shared_threads()) for s in group}
         for src, dst in send_f:
             if src in costs:  # src sends the activations, dst the gradients back
                 post_f[src, dst] = costs[src].send_f + costs[src].between
@@ -521,9 +522,10 @@ class CompiledPipeline(torch.nn.Module):
             count = len(self.executor.driver.workers)
             run = f"{count} threads run" if count > 1 else "one thread runs"
             table += (f"\nstage threads: {run} the {len(self.executor.runners)} stages "
-                      f"(Plan(stage_threads={self.plan.stage_threads!r})): {threads}; each "
-                      "runs its stages' actions one at a time, the one nearest the loss first "
-                      "of those that need not wait")
+                      f"(Plan(stage_threads={self.plan.stage_threads!r})): {threads}; "
+                      f"{'each' if count > 1 else 'it'} runs its stages' actions one at a time, "
+                      "the first in its order (the stage nearest the loss first) of those that "
+                      "need not wait")
         if self.bound_cores() is not None:
             places = ", ".join(f"stage {s} on CPU {format_cpus(cpus)}"
                                for s, cpus in sorted(self.executor.driver.cores_of.items()))

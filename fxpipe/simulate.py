@@ -453,7 +453,9 @@ class _Run:
                 and self.finished[receive.partner] <= self.now)
 
     def _awaited_by_idle_threads(self) -> list[float]:
-        """When messages on their way to stages of idle shared threads arrive."""
+        """When the messages still on their way to the next RECVs of stages on shared threads,
+        none of them running an action or waiting in a RECV, arrive: a thread with nothing
+        to do until then starts again at one of these times."""
         times = []
         for s in self.worker_of:
             actions = self.schedule.actions[s]

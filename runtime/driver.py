@@ -78,7 +78,8 @@ class Driver:
         """From the next run on, run each stage s of `cores_of` on the CPUs cores_of[s] only,
         and every other stage on the CPUs the process could use when first bound: the worker
         taking a stage binds itself (a pool's workers take whichever stage comes next, so each
-        binds afresh). Only with a worker per stage: never the caller's thread."""
+        binds afresh). Only with a worker per stage: never the caller's thread. It gives each
+        stage a thread of its own again (undoing `share`)."""
         if self.pool is None or not hasattr(os, "sched_setaffinity"):
             return
         self.workers = tuple((s,) for s in self.runners)  # a worker per stage, each bound
@@ -92,8 +93,8 @@ class Driver:
         (for a receive, its message is there), and waits for a message only when none can.
         Every stage held here in exactly one group, a group's stages on one device, and a
         transport that tells whether a message arrived (LocalTransport). Fewer threads than
-        stages contend less for Python's interpreter lock; a stage thread's binding to cores
-        (`bind`) ends."""
+        stages contend less for Python's interpreter lock. Where a thread runs several stages,
+        the binding of stage threads to cores (`bind`) ends, and `bind` undoes this."""
         groups = tuple(tuple(int(s) for s in group) for group in groups)
         held = sorted(s for group in groups for s in group)
         if not groups or not all(groups) or held != sorted(self.runners):
@@ -159,8 +160,7 @@ class Driver:
         def on_worker(group: tuple[int, ...]) -> dict[int, T]:
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
-            if len(group) == 1:
-                self._on_own_cores(group[0])
+            self._on_own_cores(group[0])  # several stages: no binding (share), every CPU
             return {s: fn(s) for s in group}  # a worker's stages one after another
 
         if self.pool is None:
@@ -180,8 +180,7 @@ class Driver:
             torch.set_grad_enabled(run.grad_enabled)
             if self.threads is not None:
                 torch.set_num_threads(self.threads)  # per thread: this worker's parallel regions
-            if len(stages) == 1:
-                self._on_own_cores(stages[0])
+            self._on_own_cores(stages[0])  # several stages: no binding (share), every CPU
             context = contextlib.ExitStack()
             context.enter_context(device_context(self.runners[stages[0]].device))
             for device_type, dtype in run.autocast:  # thread-local, like grad mode: carried over

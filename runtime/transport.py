@@ -109,17 +109,20 @@ class LocalTransport:
     def _wait_for(self, keys: Sequence[Key]) -> None:
         """Wait, holding the lock, until one of `keys` is here; raise where the run was
         aborted or the timeout passed."""
-        dst = keys[0][1]
-        arrived = self._ready[dst].wait_for(
+        receivers = sorted({dst for _, dst, _, _ in keys})
+        who = (f"stage {receivers[0]}" if len(receivers) == 1 else
+               f"the thread running stages {', '.join(map(str, receivers))}")
+        arrived = self._ready[receivers[0]].wait_for(
             lambda: any(k in self._messages for k in keys) or self._error, self.timeout)
         if self._error is not None:
-            raise PipelineAborted(f"stage {dst} stopped: {self._error}") from self._error
+            raise PipelineAborted(f"{who} stopped: {self._error}") from self._error
         if not arrived:
-            waits = " or ".join(f"{d} micro-batch {m} from stage {s} to stage {t}"
-                                for s, t, d, m in keys)
+            waits = " or ".join(f"{direction} micro-batch {mb} from stage {src}"
+                                + (f" to stage {dst}" if len(receivers) > 1 else "")
+                                for src, dst, direction, mb in keys)
             raise FxpipeError(
-                f"stage {dst} waited {self.timeout:.0f} s for {waits}; the schedule's sends "
-                "and receives do not match."
+                f"{who} waited {self.timeout:.0f} s for {waits}; the schedule's sends and "
+                "receives do not match."
             )
 
     def abort(self, error: BaseException) -> None:

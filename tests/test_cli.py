@@ -589,6 +589,19 @@ def test_bench_rejects_an_unknown_cpu_affinity(capsys):
     assert "argument --cpu-affinity: invalid choice: 'cores'" in capsys.readouterr().err
 
 
+def test_a_torchrun_bench_hands_its_ranks_a_thread_per_stage(monkeypatch):
+    """--stage-threads stage is what every rank does under torchrun: accepted, and handed on."""
+    import fxpipe.cli
+
+    handed = []
+    monkeypatch.setattr(fxpipe.cli, "bench_under_torchrun",
+                        lambda nproc, words: handed.append(list(words)))
+    main(["bench", "mlp", "--stages", "2", "--nproc", "2", "--stage-threads", "stage",
+          "--partitioners", "even"])
+    [words] = handed
+    assert words[words.index("--stage-threads") + 1] == "stage"
+
+
 def test_bench_rejects_stage_threads_it_does_not_know(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "mlp", "--stage-threads", "many"])
@@ -627,7 +640,7 @@ def test_bench_says_on_how_many_threads_its_stages_ran(capsys, monkeypatch, shar
     assert ("they run on one thread (Plan(stage_threads))" in out) == (shared == 2)
     assert ("splits the cores evenly" in out) == (shared < 2)
     assert ("compile ran the stages on fewer threads than stages in 1 of the 2 rows "
-            "(even/gpipe on 1)" in out) == (shared == 1)
+            "(even/gpipe on 1 thread)" in out) == (shared == 1)
 
 
 def test_bench_tells_the_median_thread_capacity_of_its_rows(capsys, monkeypatch):

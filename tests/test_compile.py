@@ -499,7 +499,10 @@ def test_stages_run_on_one_thread_where_the_interpreter_lock_sets_their_pace(
     assert pipe.timing.concurrency == timed_beside
     on_shared = {s for group in shared for s in group}
     assert set(pipe.thread_costs) == on_shared
-    assert all(v >= 0 for costs in pipe.thread_costs.values() for v in costs)
+    for s, costs in pipe.thread_costs.items():  # a figure where the stage has such actions
+        assert costs.between > 0
+        assert (costs.send_f > 0, costs.recv_b > 0) == (s < 2, s < 2)
+        assert (costs.recv_f > 0, costs.send_b > 0) == (s > 0, s > 0)
     torch.testing.assert_close(pipe(x), model(x))
     timeline = pipe.predicted_timeline()
     for group in shared:
@@ -523,3 +526,45 @@ def test_stages_on_one_thread_must_share_a_device():
     with pytest.raises(fxpipe.PlanError, match=r"runs stages \[0, 1\] on one thread, but they "
                                                r"are on cpu, cuda:0; one thread runs"):
         check_stage_threads(fxpipe.Plan(stages=2, stage_threads=1), ["cpu", "cuda:0"])
+
+
+def test_a_shared_threads_sends_and_receives_take_what_they_took_on_it(monkeypatch):
+    """Each SEND and RECV of a stage on a shared thread takes, in the prediction, its own
+    figure for its direction and the thread's time between actions, and so does every
+    compute beside the units' time and the runtime's per action."""
+    from fxpipe.passes.analysis.capacity import ThreadCapacity
+    from fxpipe.runtime.executor import ThreadCosts
+    from fxpipe.schedules import ActionKind as K
+
+    local = importlib.import_module("fxpipe.compile.local")
+    monkeypatch.setattr(local, "measure_thread_capacity",
+                        lambda *args, **kwargs: ThreadCapacity(2, 3, 1.0, 0.7))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 4))
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=2, partitioner="even",
+                                             schedule="1f1b", cpu_affinity="none"),
+                          example_inputs=(torch.randn(8, 8),), cache=False)
+    assert pipe.shared_threads() == [(2, 1, 0)]
+    costs = {s: ThreadCosts(*(k * (s + 1) * 1e-3 for k in (1, 10, 20, 30, 40))) for s in range(3)}
+    vars(pipe)["thread_costs"] = costs
+    figure = {K.SEND_F: "send_f", K.SEND_B: "send_b", K.RECV_F: "recv_f", K.RECV_B: "recv_b"}
+    stages = pipe.partition.stages
+    compute = {K.F: lambda s: stages[s].f + pipe.forward_overhead[s],
+               K.B: lambda s: stages[s].b + pipe.backward_overhead[s]}
+    for e in pipe.predicted_timeline().events:
+        c = costs[e.stage]
+        own = (getattr(c, figure[e.action.kind]) if e.action.kind in figure
+               else compute[e.action.kind](e.stage))
+        assert e.duration == pytest.approx(own + c.between, rel=1e-6), e.action
+
+
+def test_a_number_of_stage_threads_is_refused_under_torchrun():
+    """Each rank runs its one stage on a thread of its own: a number of threads for several
+    stages would be silently ignored there, so it fails first."""
+    from fxpipe.compile.distributed import compile_distributed
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(fxpipe.PlanError, match=r"Plan\(stage_threads=1\) runs several stages "
+                                               r"of one process on a thread; under torchrun"):
+        compile_distributed(model, fxpipe.Plan(stages=2, stage_threads=1),
+                            (torch.randn(4, 8),), {}, None)

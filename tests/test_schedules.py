@@ -878,6 +878,12 @@ def test_a_thread_starts_the_first_of_its_stages_that_need_not_wait():
     at = {str(e.action): (e.start, e.end)
           for e in simulate(gpipe(2, 2), 1.0, 1.0, workers=[(0, 1)]).events}
     assert at["0F1"] == (1.0, 2.0) and at["1F0"] == (2.0, 3.0)
+    # messages that take 2 on the link (one at a time): the thread idles until each arrives
+    # (2 to 3, 4 to 5, 8 to 9, 10 to 11) and starts at once when it does
+    at = {str(e.action): (e.start, e.end)
+          for e in simulate(gpipe(2, 2), 1.0, 1.0, 2.0, 2.0, workers=[(1, 0)]).events}
+    assert at["0F1"] == (1.0, 2.0) and at["1F0"] == (3.0, 4.0) and at["1F1"] == (5.0, 6.0)
+    assert at["1B0"] == (7.0, 8.0) and at["0B1"] == (9.0, 10.0) and at["0B0"] == (11.0, 12.0)
     # a stage in no group keeps a thread of its own
     assert simulate(gpipe(2, 2), 1.0, 1.0, workers=[(1,)]).makespan == 6.0
     with pytest.raises(ValueError, match="in one group at most"):

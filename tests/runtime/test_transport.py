@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fxpipe.errors import FxpipeError
 from fxpipe.runtime.transport import LocalTransport, PipelineAborted
 
 STAGES = 4
@@ -145,3 +146,60 @@ def test_both_peers_pace_the_posting_measure_by_the_same_figures():
     sender, receiver = [0.001, 0.003], [0.002, 0.0]  # forward, backward (the receiver's: 0)
     both = _paced_by(True, sender, receiver)
     assert both == _paced_by(False, receiver, sender) == [0.001, 0.003, 0.002]
+
+
+def _wait_for_any(transport: LocalTransport, keys: list, failed: list) -> None:
+    try:
+        transport.wait_for_any(keys)
+    except BaseException as error:  # reported by the test, not lost in the thread
+        failed.append(error)
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_running_several_stages_wakes_for_a_message_to_any_of_them():
+    """Stages 1 and 3 share a thread's wake-ups: a message to stage 3 ends its wait for
+    either stage's next message, and only then is that message there."""
+    transport = LocalTransport(["cpu"] * STAGES, timeout=20.0)
+    transport.share_wakeups([(3, 1), (0,), (2,)])
+    assert transport._ready[1] is transport._ready[3] is not transport._ready[0]
+    failed: list = []
+    keys = [(0, 1, "F", 5), (2, 3, "F", 5)]
+    waiter = threading.Thread(target=_wait_for_any, args=(transport, keys, failed), daemon=True)
+    waiter.start()
+    assert not any(transport.arrived(*key) for key in keys)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # nothing for either stage yet
+    transport.send(0, 2, "F", 5, {"value": torch.tensor(1)})  # to stage 2: not awaited
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    transport.send(2, 3, "F", 5, {"value": torch.tensor(2)})
+    waiter.join(20)
+    assert not waiter.is_alive() and not failed
+    assert transport.arrived(2, 3, "F", 5) and not transport.arrived(0, 1, "F", 5)
+    assert int(transport.recv(2, 3, "F", 5)["value"]) == 2
+    assert not transport.arrived(2, 3, "F", 5)  # taken
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_waiting_for_several_stages_is_woken_by_an_abort_and_times_out_clearly():
+    transport = LocalTransport(["cpu"] * STAGES, timeout=20.0)
+    transport.share_wakeups([(3, 1)])
+    failed: list = []
+    keys = [(0, 1, "F", 0), (2, 3, "B", 0)]
+    waiter = threading.Thread(target=_wait_for_any, args=(transport, keys, failed), daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    transport.abort(RuntimeError("stage 0 failed"))
+    waiter.join(5)
+    assert not waiter.is_alive()
+    [error] = failed
+    assert isinstance(error, PipelineAborted)
+    assert "the thread running stages 1, 3 stopped: stage 0 failed" in str(error)
+    quick = LocalTransport(["cpu"] * STAGES, timeout=0.05)
+    with pytest.raises(FxpipeError, match=r"the thread running stages 1, 3 waited 0 s for F "
+                                          r"micro-batch 0 from stage 0 to stage 1 or B "
+                                          r"micro-batch 0 from stage 2 to stage 3; the"):
+        quick.wait_for_any(keys)
+    with pytest.raises(FxpipeError, match=r"^stage 1 waited 0 s for F micro-batch 0 from stage "
+                                          r"0; the schedule's sends and receives do not match"):
+        quick.recv(0, 1, "F", 0)
