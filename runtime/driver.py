@@ -11,7 +11,6 @@ others stop instead of waiting forever.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
 import os
@@ -198,10 +197,14 @@ class Driver:
                         for ahead in (walk.program[i] for i in walk.receives):
                             self.transport.prefetch(ahead.peer, walk.stage, _direction(ahead),
                                                     (key, ahead.mb))
+                if len(walks) == 1:  # the stage's list in order, as quickly as it goes
+                    (walk,) = walks
+                    for _ in walk.program:
+                        self._advance(walk, run, key, start)
+                    return
                 pending = [w for w in walks if not w.done]
                 while pending:
-                    walk = pending[0] if len(walks) == 1 else next(
-                        (w for w in pending if self._can_go_on(w, key)), None)
+                    walk = next((w for w in pending if self._can_go_on(w, key)), None)
                     if walk is None:  # every stage's next action is a receive still on its way
                         waiting = time.perf_counter()
                         self.transport.wait_for_any([w.awaited(key) for w in pending])
@@ -222,10 +225,9 @@ class Driver:
 
     def _advance(self, walk: _Walk, run: Run, key: Any, start: float) -> None:
         """Run the stage's next action, timed, and drop what no later action of it needs."""
-        s, i, action, state = walk.stage, walk.next, walk.program[walk.next], walk.state
-        ahead = walk.receive_after(i)
-        if ahead is not None and action.kind in (K.F, K.B):
-            # start its transfer during this compute
+        s, i, state = walk.stage, walk.next, walk.state
+        action, ahead = walk.program[i], walk.ahead[i]
+        if ahead is not None:  # start its transfer during this compute
             self.transport.prefetch(ahead.peer, s, _direction(ahead), (key, ahead.mb))
         began = time.perf_counter()
         self._execute(s, action, run, key, state)
@@ -322,6 +324,14 @@ class _Walk:
         backwards = [a for a in program if a.kind is K.B]
         state.last_backward = backwards[-1] if backwards else None
         self.receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
+        # per action, the receive to post ahead while it runs: a compute's first one after it
+        self.ahead: list[Action | None] = []
+        following = None
+        for a in reversed(program):
+            self.ahead.append(following if a.kind in (K.F, K.B) else None)
+            if a.kind in (K.RECV_F, K.RECV_B):
+                following = a
+        self.ahead.reverse()
 
     @property
     def done(self) -> bool:
@@ -333,11 +343,6 @@ class _Walk:
         if a.kind not in (K.RECV_F, K.RECV_B):
             return None
         return a.peer, self.stage, _direction(a), (key, a.mb)
-
-    def receive_after(self, i: int) -> Action | None:
-        """The first receive after action i, if any."""
-        following = bisect.bisect_right(self.receives, i)
-        return self.program[self.receives[following]] if following < len(self.receives) else None
 
 
 class _StageState:
