@@ -143,7 +143,9 @@ class Plan:
 
     def _check_stage_threads(self) -> None:
         if isinstance(self.stage_threads, str):
-            _choice("stage_threads", self.stage_threads, STAGE_THREADS)
+            if self.stage_threads not in STAGE_THREADS:
+                raise PlanError(f"Plan(stage_threads={self.stage_threads!r}) is not known; give "
+                                "'auto', 'stage' or a number of threads.")
             return
         _positive_int("stage_threads", self.stage_threads)
         if self.stage_threads > self.stages:

@@ -529,16 +529,21 @@ def test_bench_rows_keep_the_thread_capacity_compile_measured(monkeypatch, tmp_p
     assert math.isnan(again[1].capacity_cores) and math.isnan(again[1].capacity_stages)
 
 
-@pytest.mark.parametrize("bound", [0, 1, 2])
-def test_bench_says_whether_compile_bound_its_stage_threads(capsys, monkeypatch, bound):
+def _four_stage_bench_printing(capsys, monkeypatch, rows: list[BenchRow]) -> str:
+    """What `fxpipe bench mlp --stages 4` on 2 cores prints around `rows` (run no further)."""
     import fxpipe.cli
 
-    rows = [BenchRow("even", s, (1, 1, 1, 1), 2, 1.0, 1.0, 0.0, 0.0, (0.0,) * 4,
-                     bound=index < bound) for index, s in enumerate(["gpipe", "1f1b"])]
     monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: rows)
     monkeypatch.setattr(fxpipe.cli, "usable_cores", lambda: 2)
     assert main(["bench", "mlp", "--stages", "4", "--partitioners", "even"]) == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_bench_says_whether_compile_bound_its_stage_threads(capsys, monkeypatch, bound):
+    rows = [BenchRow("even", s, (1, 1, 1, 1), 2, 1.0, 1.0, 0.0, 0.0, (0.0,) * 4,
+                     bound=index < bound) for index, s in enumerate(["gpipe", "1f1b"])]
+    out = _four_stage_bench_printing(capsys, monkeypatch, rows)
     assert ("splits each core among the stages on it" in out) == (bound == 2)
     assert ("splits the cores evenly" in out) == (bound < 2)
     assert ("compile bound them to cores in 1 of the 2 rows (even/gpipe)" in out) == (bound == 1)
@@ -551,10 +556,9 @@ def test_every_plan_of_the_bench_has_the_cpu_affinity_asked_for(affinity):
     assert all(plan.cpu_affinity == affinity for plan in plans.values())
 
 
-@pytest.mark.parametrize("affinity", [None, "auto", "none"])
-def test_bench_compiles_with_the_cpu_affinity_asked_for(monkeypatch, affinity):
-    """`--cpu-affinity none` reaches the configurations' compile (so their stage threads stay
-    unbound, as test_compile checks); without the option, the plans keep Plan's default."""
+def _first_compiled_plan(monkeypatch, options: list[str]):
+    """The plan `fxpipe bench mlp --stages 2 --partitioners even` with `options` hands its
+    first compile (the benchmark stops there)."""
     import fxpipe.bench
 
     class Compiled(Exception):
@@ -564,10 +568,17 @@ def test_bench_compiles_with_the_cpu_affinity_asked_for(monkeypatch, affinity):
         raise Compiled(plan)
 
     monkeypatch.setattr(fxpipe.bench, "compile", record)
-    option = [] if affinity is None else ["--cpu-affinity", affinity]
     with pytest.raises(Compiled) as compiled:
-        main(["bench", "mlp", "--stages", "2", "--partitioners", "even", *option])
-    assert compiled.value.args[0].cpu_affinity == (affinity or "auto")
+        main(["bench", "mlp", "--stages", "2", "--partitioners", "even", *options])
+    return compiled.value.args[0]
+
+
+@pytest.mark.parametrize("affinity", [None, "auto", "none"])
+def test_bench_compiles_with_the_cpu_affinity_asked_for(monkeypatch, affinity):
+    """`--cpu-affinity none` reaches the configurations' compile (so their stage threads stay
+    unbound, as test_compile checks); without the option, the plans keep Plan's default."""
+    option = [] if affinity is None else ["--cpu-affinity", affinity]
+    assert _first_compiled_plan(monkeypatch, option).cpu_affinity == (affinity or "auto")
 
 
 def test_a_torchrun_bench_hands_its_ranks_the_cpu_affinity(monkeypatch):
@@ -611,32 +622,16 @@ def test_bench_rejects_stage_threads_it_does_not_know(capsys):
 
 @pytest.mark.parametrize("threads, plan", [(None, "auto"), ("stage", "stage"), ("1", 1)])
 def test_bench_compiles_with_the_stage_threads_asked_for(monkeypatch, threads, plan):
-    import fxpipe.bench
-
-    class Compiled(Exception):
-        """Stops the benchmark at its first compile, with the plan it was given."""
-
-    def record(model, plan, **kwargs):
-        raise Compiled(plan)
-
-    monkeypatch.setattr(fxpipe.bench, "compile", record)
     option = [] if threads is None else ["--stage-threads", threads]
-    with pytest.raises(Compiled) as compiled:
-        main(["bench", "mlp", "--stages", "2", "--partitioners", "even", *option])
-    assert compiled.value.args[0].stage_threads == plan
+    assert _first_compiled_plan(monkeypatch, option).stage_threads == plan
 
 
 @pytest.mark.parametrize("shared", [0, 1, 2])
 def test_bench_says_on_how_many_threads_its_stages_ran(capsys, monkeypatch, shared):
-    import fxpipe.cli
-
     rows = [BenchRow("even", s, (1, 1, 1, 1), 2, 1.0, 1.0, 0.0, 0.0, (0.0,) * 4,
                      threads=1 if index < shared else 0)
             for index, s in enumerate(["gpipe", "1f1b"])]
-    monkeypatch.setattr(fxpipe.cli, "_bench_rows", lambda *args: rows)
-    monkeypatch.setattr(fxpipe.cli, "usable_cores", lambda: 2)
-    assert main(["bench", "mlp", "--stages", "4", "--partitioners", "even"]) == 0
-    out = capsys.readouterr().out
+    out = _four_stage_bench_printing(capsys, monkeypatch, rows)
     assert ("they run on one thread (Plan(stage_threads))" in out) == (shared == 2)
     assert ("splits the cores evenly" in out) == (shared < 2)
     assert ("compile ran the stages on fewer threads than stages in 1 of the 2 rows "

@@ -33,7 +33,7 @@ from fxpipe import Plan, PlanError
     ({"stages": 2, "cpu_memory": "jemalloc"}, r"Plan\(cpu_memory='jemalloc'\) is not known; "
                                               r"choose one of 'keep', 'system'"),
     ({"stages": 2, "stage_threads": "cores"}, r"Plan\(stage_threads='cores'\) is not known; "
-                                              r"choose one of 'auto', 'stage'"),
+                                              r"give 'auto', 'stage' or a number of threads"),
     ({"stages": 2, "stage_threads": 0}, r"Plan\(stage_threads=0\) must be a positive integer"),
     ({"stages": 2, "stage_threads": True}, r"Plan\(stage_threads=True\) must be a positive"),
     ({"stages": 2, "stage_threads": 3}, r"Plan\(stage_threads=3\) asks for more threads than "
