@@ -404,9 +404,7 @@ class PipelineExecutor:
         took: dict[tuple[int, ActionKind], list[float]] = {}
         with self._timing_the_stages():
             for i in range(repeats + 1):
-                call = self._call(flat_inputs)
-                _, run = self._run_step(call, 1, lambda mb, outputs: _stand_in_loss(outputs),
-                                        schedule)
+                run = self._stand_in_step(self._call(flat_inputs), schedule)
                 if i == 0:  # the first one allocates
                     continue
                 for group in shared:
@@ -427,6 +425,10 @@ class PipelineExecutor:
                     for kind in (K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B)))
         return costs
 
+    def _stand_in_step(self, call: Call, schedule: Schedule) -> Run:
+        """One step of `schedule` on `call`, its loss a stand-in (_stand_in_loss)."""
+        return self._run_step(call, 1, lambda mb, outputs: _stand_in_loss(outputs), schedule)[1]
+
     def _outside_of_step(self, flat_inputs: Sequence[Any] | None, schedule: Schedule,
                          wall: bool = False) -> float:
         """One step's seconds outside the span of its actions here (`wall`: the whole step's),
@@ -437,7 +439,7 @@ class PipelineExecutor:
         call = self._call(flat_inputs if self.first else None)
         if self.last:  # the target is split as the inputs are (a stand-in of its rows)
             split([torch.empty(sum(call.sizes))], self.micro_batches)
-        _, run = self._run_step(call, 1, lambda mb, outputs: _stand_in_loss(outputs), schedule)
+        run = self._stand_in_step(call, schedule)
         seconds = time.perf_counter() - start
         if wall or not run.events:
             return seconds
