@@ -77,6 +77,10 @@ class CompiledPipeline(torch.nn.Module):
             step_overhead=0.0,  # seconds a step spends outside its schedule, once measured
             forward_overhead=(0.0,) * plan.stages,  # per stage: the runtime's own per forward
             backward_overhead=(0.0,) * plan.stages,  # and per backward
+            # per stage: how much longer a forward takes right after a backward, and a
+            # backward right after a forward, than after their own kind
+            forward_switch=(0.0,) * plan.stages,
+            backward_switch=(0.0,) * plan.stages,
             # per stage on a thread running several: that thread's costs (ThreadCosts)
             thread_costs={},
             link_probe=None,  # flat inputs -> the link measured as compile did: set by compile
@@ -171,7 +175,9 @@ class CompiledPipeline(torch.nn.Module):
         """The event simulator's timeline of the last run's schedule (or the plan's), with the
         stage costs of `partition` (default: the one compiled; e.g. `fxpipe.retime(...)`),
         every forward and backward also taking the runtime's own time per forward and per
-        backward (`forward_overhead`, `backward_overhead`)."""
+        backward (`forward_overhead`, `backward_overhead`), and the time a switch from the
+        other kind costs it where it follows one on its thread (`forward_switch`,
+        `backward_switch`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.latest_schedule
         post_f, post_b = self._posting(self.link.post, self.link.posting_back)
@@ -201,7 +207,8 @@ class CompiledPipeline(torch.nn.Module):
                         after_receive_f=landing_f, after_receive_b=landing_b,
                         after_post_f=after_post_f, after_post_b=after_post_b,
                         cores=cores, sharing=sharing, bound=bound or None,
-                        workers=self.shared_threads() or None)
+                        workers=self.shared_threads() or None,
+                        switch_f=self.forward_switch, switch_b=self.backward_switch)
 
     def _on_shared_threads(self, forward: list[float], backward: list[float], *,
                            links: tuple[dict, dict], posts: tuple[dict, dict],
@@ -307,13 +314,29 @@ class CompiledPipeline(torch.nn.Module):
         vars(self).update(forward_overhead=tuple(forward), backward_overhead=tuple(backward))
         return self.forward_overhead, self.backward_overhead
 
+    def measure_switch_overhead(self, *inputs: Any, **kwargs: Any
+                                ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per stage, how much longer a forward takes right after a backward than after a
+        forward, and a backward right after a forward than after a backward (see
+        PipelineExecutor.switch_overhead): the units were timed each kind back to back, and a
+        1F1B step switches between the two at almost every compute. Measured now on `inputs`
+        (a mini-batch) and kept as `forward_switch` and `backward_switch`, which
+        `predicted_timeline` adds to every compute that follows the other kind on its thread.
+        Under torchrun every rank of the pipeline must call it."""
+        flat = self.traced.bind(inputs, kwargs)
+        forward, backward = self.executor.switch_overhead(flat)
+        vars(self).update(forward_switch=tuple(forward), backward_switch=tuple(backward))
+        return self.forward_switch, self.backward_switch
+
     def measure_runtime_overhead(self, *inputs: Any, **kwargs: Any) -> None:
         """The runtime's own time that a prediction of whole steps adds to the units' compute,
-        measured now on `inputs` (a mini-batch): per step (`measure_step_overhead`) and per
-        action (`measure_action_overhead`). Under torchrun every rank of the pipeline must
-        call it."""
+        measured now on `inputs` (a mini-batch): per step (`measure_step_overhead`), per
+        action (`measure_action_overhead`), per switch between forwards and backwards
+        (`measure_switch_overhead`) and on threads running several stages
+        (`measure_thread_costs`). Under torchrun every rank of the pipeline must call it."""
         self.measure_step_overhead(*inputs, **kwargs)
         self.measure_action_overhead(*inputs, **kwargs)
+        self.measure_switch_overhead(*inputs, **kwargs)
         self.measure_thread_costs(*inputs, **kwargs)
 
     def measure_thread_costs(self, *inputs: Any, **kwargs: Any) -> dict[int, ThreadCosts]:
@@ -509,6 +532,8 @@ class CompiledPipeline(torch.nn.Module):
         table = format_stage_table(title, self.units, partition, self.comm, self.devices, params,
                                    self.shared_parameters(), self.plan.costs != "none",
                                    self.link, simulated)
+        if any(self.forward_switch) or any(self.backward_switch):
+            table += "\n" + self._switch_line()
         if self.plan.schedule == "async-1f1b" and self.executor is not None:
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:
@@ -533,6 +558,16 @@ class CompiledPipeline(torch.nn.Module):
                       f"outnumber the cores): {places}; the prediction shares each core among "
                       "the stages on it")
         return table
+
+    def _switch_line(self) -> str:
+        def per_stage(seconds: tuple[float, ...]) -> str:
+            return "/".join(f"{t * 1e6:.0f}" for t in seconds)
+
+        return (f"switching kind: a forward right after a backward takes "
+                f"{per_stage(self.forward_switch)} us longer, a backward right after a forward "
+                f"{per_stage(self.backward_switch)} us (per stage; the units were timed each "
+                "kind back to back), which the prediction adds where a compute follows the "
+                "other kind on its thread")
 
     def _weight_copies_line(self) -> str:
         runners = self.executor.runners

@@ -141,6 +141,8 @@ def simulate(
     sharing: Iterable[int] | None = None,
     bound: Mapping[int, int] | None = None,
     workers: Iterable[Sequence[int]] | None = None,
+    switch_f: Costs = 0.0,
+    switch_b: Costs = 0.0,
 ) -> Timeline:
     """Time `schedule` and return every action's start and end.
 
@@ -182,8 +184,11 @@ def simulate(
     `workers`, each group of stages listed is run by one thread, an action at a time: when it
     is free it starts, of its stages in the group's order, the first whose next action need
     not wait (a RECV's message has arrived; a compute's F or B done), and otherwise waits for
-    the first such message (a stage in no group has a thread of its own). A
-    compute-only schedule is lowered with
+    the first such message (a stage in no group has a thread of its own). A forward of stage s
+    right after a backward on its thread (its own list's, or its group's) takes switch_f[s]
+    longer, and a backward (or W) right after a forward switch_b[s] longer: the computes were
+    timed each after its own kind (0 by default); a thread's first compute follows the last
+    step's last, a backward. A compute-only schedule is lowered with
     `add_communication(schedule, edges)` first, so both forms time the same; a lowered one is
     checked with `check_communication`.
 
@@ -200,7 +205,8 @@ def simulate(
     that posts the receive, given the same ways. resume: a scalar or one per stage. cores: a
     number above 0, or None; sharing: stage indices (default: all); bound: a core for every
     sharing stage, or None; workers: groups of stage indices, each stage in one at most.
-    edges: the stage pairs values cross, for a compute-only schedule (default: the chain).
+    switch_f, switch_b: a scalar or one per stage. edges: the stage pairs values cross, for a
+    compute-only schedule (default: the chain).
 
     Raises DeadlockError when the lists wait on each other forever, ScheduleError when the
     sends and receives of a lowered schedule do not match.
@@ -240,7 +246,9 @@ def simulate(
                          after_send_b if after_wake_b is None else after_wake_b, n)
     after_post = _by_direction("after_post", after_post_f, after_post_b, n)
     durations = _Durations(compute, other, link, post, receive, after, landing, wake,
-                           after_post, _per_stage("resume", resume, n))
+                           after_post, _per_stage("resume", resume, n),
+                           {ActionKind.F: _per_stage("switch_f", switch_f, n),
+                            ActionKind.B: _per_stage("switch_b", switch_b, n)})
     run = _Run(lowered, durations, groups, worker_of)
     run.run()
     stuck = run.stuck()
@@ -268,6 +276,7 @@ class _Durations:
     wake: dict[ActionKind, Callable[[int, int], float]]
     after_post: dict[ActionKind, Callable[[int, int], float]]
     resume: np.ndarray
+    switch: dict[ActionKind, np.ndarray]  # F: a forward after a backward; B: the converse
 
 
 @dataclasses.dataclass
@@ -302,6 +311,9 @@ class _Run:
         self.receives = [[i for i, a in enumerate(actions) if a.kind.is_recv]
                          for actions in schedule.actions]
         self.prefetched = [-1] * n  # the last RECV whose receive a compute posted
+        # per thread (its stages), whether its last compute was a forward: a step follows
+        # the last one's backwards
+        self.forward_last: dict[tuple[int, ...], bool] = {}
         self.started = [0.0] * n  # when the stage's current action started
         self.busy = [0.0] * n
         self.finished: dict[Action, float] = {}  # computes, and messages keyed by their SEND
@@ -363,7 +375,7 @@ class _Run:
         if a.kind.is_recv:  # posting the receive is the receiver's work, as sending is
             seconds = d.receive[a.partner.kind](a.peer, s)
         elif a.kind.is_compute:
-            seconds = float(d.compute[a.kind][s, a.mb])
+            seconds = float(d.compute[a.kind][s, a.mb]) + self._switching(s, a.kind)
             posting = self._posting_beside(s)
             extra = (float(d.resume[s]) + min(posting, seconds) if self.waited[s]
                      else min(self.owed[s] + posting, seconds))
@@ -428,6 +440,16 @@ class _Run:
         self.prefetched[s] = receives[following]
         receive = self.schedule.actions[s][receives[following]]
         return self.durations.after_post[receive.partner.kind](receive.peer, s)
+
+    def _switching(self, s: int, kind: ActionKind) -> float:
+        """How much longer stage s's compute of `kind` about to start takes for following
+        the other kind on its thread (switch_f / switch_b), which then last ran `kind`."""
+        thread, forward = self.worker_of.get(s, (s,)), kind is ActionKind.F
+        switched = self.forward_last.get(thread, False) != forward
+        self.forward_last[thread] = forward
+        if not switched:
+            return 0.0
+        return float(self.durations.switch[ActionKind.F if forward else ActionKind.B][s])
 
     def _next_on_thread(self, stages: tuple[int, ...]) -> int | None:
         """The stage whose next action a thread running `stages` starts now: none while one

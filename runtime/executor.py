@@ -59,6 +59,8 @@ _BACKWARD = (K.RECV_B, K.B, K.SEND_B)
 
 T = TypeVar("T")
 RECENT_STEPS = 10  # training steps recent_steps() keeps, for pipe.report()
+# rounds of _switch_time at most: a model of short computes gets many in its time
+MOST_SWITCH_ROUNDS = 100
 
 
 class Coordinator(Protocol):
@@ -487,6 +489,32 @@ class PipelineExecutor:
         finally:
             runner.discard("resume")  # what a failed run left in flight
 
+    def switch_overhead(self, flat_inputs: Sequence[Any] | None, rounds: int = 8,
+                        seconds: float = 0.05) -> tuple[list[float], list[float]]:
+        """Per stage, how much longer its module's call takes right after a backward than
+        after a forward (a step switching from backwards to forwards), and its autograd call
+        right after a forward than after a backward (the units' timings run each kind back to
+        back), at least 0. Each stage runs rounds of forwards and backwards, in runs of a kind
+        and alternating, at least `rounds` and more until they took `seconds`
+        (_switch_time), on the values a forward of `flat_inputs` hands it, on its worker. The
+        stages take turns, the others idle: a difference of microseconds is lost in the noise
+        of threads or ranks sharing a core or the interpreter lock. 0 on a GPU. Leaves no
+        gradient, buffer or random number generator changed. Every rank of the pipeline must
+        call it."""
+        mine: dict[int, tuple[float, float]] = {}
+
+        def timed(s: int, turn: int) -> tuple[float, float] | None:
+            return _switch_time(self.runners[s], inputs[s], rounds, seconds) if s == turn else None
+
+        with self.timing_the_stages(flat_inputs) as inputs:
+            for turn in range(len(self.comm.stages)):
+                self.coordinator.barrier()  # the ranks take turns too
+                if turn in self.runners:
+                    mine[turn] = self.driver.on_stage_workers(
+                        functools.partial(timed, turn=turn))[turn]
+        forward, backward = zip(*self.coordinator.per_stage(mine))
+        return list(forward), list(backward)
+
     def action_overhead(self, flat_inputs: Sequence[Any] | None, repeats: int = 30
                         ) -> tuple[list[float], list[float]]:
         """Per stage, the runtime's own seconds per forward action beyond its stage module's
@@ -707,17 +735,14 @@ def _without_policies(runners: Iterable[StageRunner]) -> Iterator[None]:
             runner.policy = policy
 
 
-def _own_time_per_action(runner: StageRunner, values: Mapping[str, Any], repeats: int
-                         ) -> tuple[float, float]:
-    """The medians of `repeats` forwards' time in `runner.forward` outside its stage module's
-    call, and of their backwards' time in `runner.backward` outside its autograd call, each
-    forward followed by its backward, as a stage runs ((0, 0) on a GPU)."""
-    if runner.device.type != "cpu":
-        return 0.0, 0.0
+@contextlib.contextmanager
+def _call_spans(runner: StageRunner, key: str) -> Iterator[list[float]]:
+    """Meanwhile, the seconds of each call of `runner`'s stage module and of each autograd
+    call of its backward, appended in order to the list yielded; with gradients enabled (a
+    worker keeps its grad mode), and whatever runs under micro-batch keys (`key`, i) forgotten
+    after."""
     module, began = runner.stage.module, [0.0]
-    spans: list[float] = []  # the last module call's or autograd call's seconds
-    forwards: list[float] = []
-    backwards: list[float] = []
+    spans: list[float] = []
     backpropagate = runner.backpropagate
 
     def timed_backpropagate(*args: Any) -> None:
@@ -725,15 +750,28 @@ def _own_time_per_action(runner: StageRunner, values: Mapping[str, Any], repeats
         backpropagate(*args)
         spans.append(time.perf_counter() - start)
 
-    with contextlib.ExitStack() as undo, torch.enable_grad():  # a worker keeps its grad mode
+    with contextlib.ExitStack() as undo, torch.enable_grad():
         for hook in (
                 module.register_forward_pre_hook(
                     lambda *_: began.__setitem__(0, time.perf_counter())),
                 module.register_forward_hook(
                     lambda *_: spans.append(time.perf_counter() - began[0]))):
             undo.callback(hook.remove)
-        undo.callback(runner.discard, "overhead")
+        undo.callback(runner.discard, key)
         undo.enter_context(_replaced(runner, "backpropagate", timed_backpropagate))
+        yield spans
+
+
+def _own_time_per_action(runner: StageRunner, values: Mapping[str, Any], repeats: int
+                         ) -> tuple[float, float]:
+    """The medians of `repeats` forwards' time in `runner.forward` outside its stage module's
+    call, and of their backwards' time in `runner.backward` outside its autograd call, each
+    forward followed by its backward, as a stage runs ((0, 0) on a GPU)."""
+    if runner.device.type != "cpu":
+        return 0.0, 0.0
+    forwards: list[float] = []
+    backwards: list[float] = []
+    with _call_spans(runner, "overhead") as spans:  # the last call's seconds: spans[-1]
         for i in range(repeats):
             key = ("overhead", i)
             start = time.perf_counter()
@@ -745,6 +783,50 @@ def _own_time_per_action(runner: StageRunner, values: Mapping[str, Any], repeats
             runner.backward(key, grads)
             backwards.append(time.perf_counter() - start - spans[-1])
     return max(statistics.median(forwards), 0.0), max(statistics.median(backwards), 0.0)
+
+
+def _switch_time(runner: StageRunner, values: Mapping[str, Any], rounds: int, seconds: float,
+                 run: int = 4) -> tuple[float, float]:
+    """How much longer `runner`'s stage module's call takes right after a backward than right
+    after a forward, and its autograd call right after a forward than after a backward: the
+    medians' differences, at least 0, over rounds of `run` forwards, then their backwards,
+    then `run` forwards each followed by its backward (after a first round to warm up): at
+    least `rounds`, and more until they took `seconds` (at most MOST_SWITCH_ROUNDS). (0, 0) on
+    a GPU, whose host prepares an action while the device computes the one before."""
+    if runner.device.type != "cpu":
+        return 0.0, 0.0
+    after: dict[tuple[bool, bool], list[float]] = {}  # (forward?, after a forward?) -> spans
+    forward_last = False
+    keys = itertools.count()
+
+    def compute(forward: bool, outputs: Any = None, key: Any = None) -> Any:
+        nonlocal forward_last
+        if forward:
+            key = ("switch", next(keys))
+            outputs = runner.forward(key, values)
+        else:
+            spans.append(0.0)  # no autograd call where no output needs a gradient
+            runner.backward(key, _ones_for(runner, outputs))
+        after.setdefault((forward, forward_last), []).append(spans[-1])
+        forward_last = forward
+        return key, outputs
+
+    with _call_spans(runner, "switch") as spans:
+        for i in range(MOST_SWITCH_ROUNDS + 1):
+            if i == 1:
+                after.clear()  # the first round warmed up
+                start = time.perf_counter()
+            elif i > rounds and time.perf_counter() - start >= seconds:
+                break
+            ran = [compute(True) for _ in range(run)]
+            for key, outputs in ran:
+                compute(False, outputs, key)
+            for _ in range(run):
+                key, outputs = compute(True)
+                compute(False, outputs, key)
+    median = {kinds: statistics.median(spans) for kinds, spans in after.items()}
+    return (max(median[True, False] - median[True, True], 0.0),
+            max(median[False, True] - median[False, False], 0.0))
 
 
 _NOTHING = object()

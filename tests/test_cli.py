@@ -374,6 +374,12 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
 
     monkeypatch.setattr(CompiledPipeline, "measure_action_overhead", measure_action_overhead)
 
+    def measure_switch_overhead(self, x):  # likewise
+        vars(self).update(forward_switch=(4e-6, 6e-6), backward_switch=(5e-6, 7e-6))
+        return self.forward_switch, self.backward_switch
+
+    monkeypatch.setattr(CompiledPipeline, "measure_switch_overhead", measure_switch_overhead)
+
     def build():
         x, y = spec.batch(8, torch.Generator().manual_seed(0))
         return spec.build(), x, y, spec.loss_fn

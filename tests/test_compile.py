@@ -546,7 +546,8 @@ def test_a_shared_threads_sends_and_receives_take_what_they_took_on_it(monkeypat
                           example_inputs=(torch.randn(8, 8),), cache=False)
     assert pipe.shared_threads() == [(2, 1, 0)]
     costs = {s: ThreadCosts(*(k * (s + 1) * 1e-3 for k in (1, 10, 20, 30, 40))) for s in range(3)}
-    vars(pipe)["thread_costs"] = costs
+    vars(pipe).update(thread_costs=costs, forward_switch=(0.0,) * 3,  # no switches: each
+                      backward_switch=(0.0,) * 3)  # compute at its own figures
     figure = {K.SEND_F: "send_f", K.SEND_B: "send_b", K.RECV_F: "recv_f", K.RECV_B: "recv_b"}
     stages = pipe.partition.stages
     compute = {K.F: lambda s: stages[s].f + pipe.forward_overhead[s],

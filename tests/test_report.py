@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -158,6 +159,8 @@ def test_report_predicts_with_the_partition_it_is_given(trained):
     """E.g. one re-timed beside the run: here the compiled costs doubled, so the stages' predicted
     compute doubles (the runtime's own time per forward stays) and the measured times stay."""
     part = trained.partition
+    for name in ("forward_switch", "backward_switch"):  # each forward at its figures alone
+        monkeypatch.setattr(trained, name, (0.0,) * len(part.sizes))
     doubled = dataclasses.replace(trained.cost, f=trained.cost.f * 2, b=trained.cost.b * 2)
     slower = Partition.evaluate(doubled, part.bounds, part.micro_batches, part.partitioner,
                                 schedule="1f1b")
@@ -196,6 +199,8 @@ def test_the_trace_and_the_picture_predict_with_the_partition_they_are_given(tra
                                                                               tmp_path,
                                                                               monkeypatch):
     part = trained.partition
+    for name in ("forward_switch", "backward_switch"):  # each forward at its figures alone
+        monkeypatch.setattr(trained, name, (0.0,) * len(part.sizes))
     doubled = dataclasses.replace(trained.cost, f=trained.cost.f * 2, b=trained.cost.b * 2)
     slower = Partition.evaluate(doubled, part.bounds, part.micro_batches, part.partitioner,
                                 schedule="1f1b")
@@ -579,11 +584,89 @@ def test_a_backward_with_no_autograd_call_is_the_runtimes_own_work_alone(monkeyp
     assert backwards[0] == pytest.approx(0.002, abs=1e-3)
 
 
+@contextlib.contextmanager
+def _slowed_after(monkeypatch, runner, slowed_kind: str, seconds: float = 0.002):
+    """Meanwhile the runner's stage module's call ("F") or its autograd call ("B") takes
+    `seconds` longer where the runner's compute before it was of the other kind."""
+    last = ["B"]
+    forward, backward, backpropagate = runner.forward, runner.backward, runner.backpropagate
+
+    def switching(kind: str) -> None:
+        if kind == slowed_kind and last[0] != kind:
+            time.sleep(seconds)
+
+    def forwarding(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            last[0] = "F"
+
+    def backwarding(*args, **kwargs):
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            last[0] = "B"
+
+    def backpropagating(*args):
+        switching("B")
+        return backpropagate(*args)
+
+    monkeypatch.setattr(runner, "forward", forwarding)
+    monkeypatch.setattr(runner, "backward", backwarding)
+    monkeypatch.setattr(runner, "backpropagate", backpropagating)
+    # a forward hook runs inside the call's timing, which its own later hook ends
+    hook = runner.stage.module.register_forward_hook(lambda *_: switching("F"))
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("slowed", [FORWARDS, BACKWARDS])
+def test_the_switch_overhead_is_a_compute_slower_after_the_other_kind(monkeypatch, slowed):
+    # the last stage's module call slowed 2 ms right after a backward (its autograd call
+    # right after a forward): that figure of that stage is 2 ms larger, the others as they were
+    pipe = fxpipe.compile(fxpipe.models.MLP(), fxpipe.Plan(stages=2, micro_batches=2),
+                          example_inputs=(torch.randn(4, 32),), cache=False)
+    x, last = torch.randn(4, 32), 1
+    plain = pipe.measure_switch_overhead(x)
+    assert all(v >= 0 for figures in plain for v in figures)
+    with monkeypatch.context() as patch, _slowed_after(patch, pipe.executor.runners[last],
+                                                       "FB"[slowed]):
+        slower = pipe.measure_switch_overhead(x)
+    assert (pipe.forward_switch, pipe.backward_switch) == slower
+    assert slower[slowed][last] - plain[slowed][last] == pytest.approx(0.002, abs=1e-3)
+    assert slower[1 - slowed][last] == pytest.approx(plain[1 - slowed][last], abs=1e-3)
+    for kind in (FORWARDS, BACKWARDS):
+        assert slower[kind][0] == pytest.approx(plain[kind][0], abs=1e-3)
+
+
+def test_the_predicted_timeline_adds_the_switches_of_each_stage():
+    plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9), schedule="1f1b")
+    pipe = fxpipe.compile(fxpipe.models.MLP(), plan, example_inputs=(torch.randn(6, 32),),
+                          cache=False)
+    vars(pipe).update(forward_switch=(0.0, 0.0), backward_switch=(0.0, 0.0))
+    plain = pipe.predicted_timeline()
+    vars(pipe).update(forward_switch=(0.001, 0.003), backward_switch=(0.002, 0.004))
+    switching = pipe.predicted_timeline()
+    for before, after in zip(plain.events, switching.events):
+        assert after.action == before.action
+        if after.action.kind.is_compute:
+            switch = {ActionKind.F: (0.001, 0.003), ActionKind.B: (0.002, 0.004)}
+            previous = [e for e in plain.events
+                        if e.stage == after.stage and e.action.kind.is_compute
+                        and e.start < before.start]
+            other = (previous[-1].action.kind if previous else ActionKind.B) != after.action.kind
+            added = switch[after.action.kind][after.stage] if other else 0.0
+            assert after.duration == pytest.approx(before.duration + added)
+
+
 def test_the_predicted_timeline_adds_the_action_overhead_to_every_forward_and_backward():
     plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9))  # no per-message terms
     pipe = fxpipe.compile(fxpipe.models.MLP(), plan, example_inputs=(torch.randn(6, 32),),
                           cache=False)
-    vars(pipe).update(forward_overhead=(0.001, 0.003), backward_overhead=(0.002, 0.004))
+    vars(pipe).update(forward_overhead=(0.001, 0.003), backward_overhead=(0.002, 0.004),
+                      forward_switch=(0.0, 0.0), backward_switch=(0.0, 0.0))
     stages = pipe.partition.stages
     events = pipe.predicted_timeline().events
     forwards = [e for e in events if e.action.kind is ActionKind.F]

@@ -890,3 +890,67 @@ def test_a_thread_starts_the_first_of_its_stages_that_need_not_wait():
         simulate(gpipe(2, 2), 1.0, 1.0, workers=[(0, 1), (1,)])
     with pytest.raises(ValueError, match="in one group at most"):
         simulate(gpipe(2, 2), 1.0, 1.0, workers=[(0, 2)])
+
+
+def _switched(order: list[Action]) -> list[Action]:
+    """The computes of `order` (one thread's, in the order it ran them) that follow a compute
+    of the other kind, forward against backward; the first follows the last step's backward."""
+    forward_last, switched = False, []
+    for a in order:
+        if a.kind.is_compute:
+            if (a.kind is F) != forward_last:
+                switched.append(a)
+            forward_last = a.kind is F
+    return switched
+
+
+@given(schedules(("gpipe", "1f1b")), st.integers(0, 2**32 - 1), st.booleans())
+def test_a_compute_after_the_other_kind_on_its_stage_takes_the_switch_longer(
+        schedule: Schedule, seed: int, links: bool):
+    """With a thread per stage, switch_f / switch_b are the same as adding them to the given
+    times of the computes that follow the other kind in their stage's list."""
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    switch_f, switch_b = random_times(seed + 2, (n,), low=0.0), random_times(seed + 3, (n,))
+    link = 0.3 if links else 0.0
+    folded = {F: fwd.copy(), B: bwd.copy()}
+    for s in range(n):
+        for a in _switched(list(schedule.actions[s])):
+            folded[a.kind][s, a.mb] += (switch_f if a.kind is F else switch_b)[s]
+    switching = simulate(schedule, fwd, bwd, link, link, post_f=0.05, switch_f=switch_f,
+                         switch_b=switch_b)
+    plain = simulate(schedule, folded[F], folded[B], link, link, post_f=0.05)
+    assert [e.action for e in switching.events] == [e.action for e in plain.events]
+    assert [t for e in switching.events for t in (e.start, e.end)] == pytest.approx(
+        [t for e in plain.events for t in (e.start, e.end)])
+    assert switching.makespan == pytest.approx(plain.makespan)
+
+
+@given(schedules(("gpipe", "1f1b")), st.integers(0, 2**32 - 1), st.data())
+def test_a_thread_of_several_stages_switches_with_its_own_last_compute(schedule: Schedule,
+                                                                      seed: int, data):
+    """One thread running every stage (messages taking no time): its order does not depend on
+    the times, and the step is all the work plus each switch of the thread between forwards
+    and backwards, whichever stages they are of."""
+    n, m = schedule.stages, micro_batch_count(schedule)
+    fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
+    switch_f, switch_b = random_times(seed + 2, (n,), low=0.0), random_times(seed + 3, (n,))
+    group = [data.draw(st.permutations(range(n)))]
+    plain = simulate(schedule, fwd, bwd, workers=group)
+    switching = simulate(schedule, fwd, bwd, workers=group, switch_f=switch_f,
+                         switch_b=switch_b)
+    order = [e.action for e in sorted(plain.events, key=lambda e: (e.start, e.end))]
+    assert [e.action for e in sorted(switching.events, key=lambda e: (e.start, e.end))] == order
+    extra = sum((switch_f if a.kind is F else switch_b)[a.stage] for a in _switched(order))
+    assert switching.makespan == pytest.approx(fwd.sum() + bwd.sum() + extra)
+
+
+def test_switch_example():
+    # gpipe(1, 2), forwards 1, backwards 2: F0 after the last step's backward (+0.5), F1,
+    # B1 after a forward (+0.25), B0
+    at = {str(e.action): (e.start, e.end)
+          for e in simulate(gpipe(1, 2), 1.0, 2.0, switch_f=0.5, switch_b=0.25).events}
+    assert at == {"0F0": (0.0, 1.5), "0F1": (1.5, 2.5), "0B1": (2.5, 4.75),
+                  "0B0": (4.75, 6.75)}
+    with pytest.raises(ValueError, match="switch_f must hold finite non-negative"):
+        simulate(gpipe(1, 2), 1.0, 2.0, switch_f=-0.1)
