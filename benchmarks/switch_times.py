@@ -69,7 +69,7 @@ def main() -> None:
     def backward_after(s: int, kind: str) -> Callable[[], float]:
         """Stage 1's backward right after stage s's compute of `kind`."""
         def timed() -> float:
-            ran = forward(1)
+            ran = forward(1)[1]
             before = forward(s)[1] if (s, kind) != (1, "F") else None
             if kind == "B":
                 backward(s, before)
