@@ -795,38 +795,40 @@ def _switch_time(runner: StageRunner, values: Mapping[str, Any], rounds: int, se
     a GPU, whose host prepares an action while the device computes the one before."""
     if runner.device.type != "cpu":
         return 0.0, 0.0
-    after: dict[tuple[bool, bool], list[float]] = {}  # (forward?, after a forward?) -> spans
-    forward_last = False
+    after: dict[tuple[str, str], list[float]] = {}  # (kind, the kind before) -> call seconds
+    last = ["B"]
     keys = itertools.count()
 
-    def compute(forward: bool, outputs: Any = None, key: Any = None) -> Any:
-        nonlocal forward_last
-        if forward:
-            key = ("switch", next(keys))
-            outputs = runner.forward(key, values)
-        else:
-            spans.append(0.0)  # no autograd call where no output needs a gradient
-            runner.backward(key, _ones_for(runner, outputs))
-        after.setdefault((forward, forward_last), []).append(spans[-1])
-        forward_last = forward
+    def took(kind: str) -> None:  # the call just made (its seconds: spans[-1])
+        after.setdefault((kind, last[0]), []).append(spans[-1])
+        last[0] = kind
+
+    def forward() -> tuple[Any, dict[str, Any]]:
+        key = ("switch", next(keys))
+        outputs = runner.forward(key, values)
+        took("F")
         return key, outputs
 
+    def backward(key: Any, outputs: dict[str, Any]) -> None:
+        spans.append(0.0)  # no autograd call where no output needs a gradient
+        runner.backward(key, _ones_for(runner, outputs))
+        took("B")
+
     with _call_spans(runner, "switch") as spans:
+        start = time.perf_counter()
         for i in range(MOST_SWITCH_ROUNDS + 1):
             if i == 1:
                 after.clear()  # the first round warmed up
                 start = time.perf_counter()
             elif i > rounds and time.perf_counter() - start >= seconds:
                 break
-            ran = [compute(True) for _ in range(run)]
-            for key, outputs in ran:
-                compute(False, outputs, key)
+            for ran in [forward() for _ in range(run)]:
+                backward(*ran)
             for _ in range(run):
-                key, outputs = compute(True)
-                compute(False, outputs, key)
+                backward(*forward())
     median = {kinds: statistics.median(spans) for kinds, spans in after.items()}
-    return (max(median[True, False] - median[True, True], 0.0),
-            max(median[False, True] - median[False, False], 0.0))
+    return (max(median["F", "B"] - median["F", "F"], 0.0),
+            max(median["B", "F"] - median["B", "B"], 0.0))
 
 
 _NOTHING = object()
