@@ -826,7 +826,7 @@ def _switch_time(runner: StageRunner, values: Mapping[str, Any], rounds: int, se
                 backward(*ran)
             for _ in range(run):
                 backward(*forward())
-    median = {kinds: statistics.median(spans) for kinds, spans in after.items()}
+    median = {kinds: statistics.median(calls) for kinds, calls in after.items()}
     return (max(median["F", "B"] - median["F", "F"], 0.0),
             max(median["B", "F"] - median["B", "B"], 0.0))
 
