@@ -502,16 +502,13 @@ class PipelineExecutor:
         gradient, buffer or random number generator changed. Every rank of the pipeline must
         call it."""
         mine: dict[int, tuple[float, float]] = {}
-
-        def timed(s: int, turn: int) -> tuple[float, float] | None:
-            return _switch_time(self.runners[s], inputs[s], rounds, seconds) if s == turn else None
-
         with self.timing_the_stages(flat_inputs) as inputs:
             for turn in range(len(self.comm.stages)):
                 self.coordinator.barrier()  # the ranks take turns too
-                if turn in self.runners:
+                if turn in self.runners:  # on the stage's own worker, the others idle
                     mine[turn] = self.driver.on_stage_workers(
-                        functools.partial(timed, turn=turn))[turn]
+                        lambda s, turn=turn: _switch_time(self.runners[s], inputs[s], rounds,
+                                                          seconds) if s == turn else None)[turn]
         forward, backward = zip(*self.coordinator.per_stage(mine))
         return list(forward), list(backward)
 
