@@ -20,6 +20,7 @@ import torch
 
 from fxpipe.compile import compile, retime, units_of
 from fxpipe.compile.front import check_stage_count
+from fxpipe.core_speed import core_times
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
@@ -41,6 +42,7 @@ __all__ = [
     "bench_plans",
     "bench_under_torchrun",
     "check_stage_count_of",
+    "core_speed_line",
     "first_rank_error",
     "format_rows",
     "median_thread_capacity",
@@ -96,6 +98,9 @@ class BenchRow:
     # its actions)
     round_compute_ms: tuple[float, ...] = ()
     round_runtime_ms: tuple[float, ...] = ()
+    # the machine's own speed, timed before each round (empty where not known): the slowest
+    # core's time for a fixed piece of work (fxpipe.core_speed.core_times; every rank's cores)
+    round_core_ms: tuple[float, ...] = ()
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
     late_steps: float = float("nan")
     # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
@@ -159,16 +164,22 @@ class BenchRow:
         """How far fxpipe's own overhead per step that the rounds measured spread."""
         return _spread(self.round_runtime_ms)
 
+    @property
+    def core_spread(self) -> float:
+        """How far the machine's own speed moved between the rounds: its slowest core's time
+        for a fixed piece of work (largest / smallest - 1). Nothing the plan does moves it."""
+        return _spread(self.round_core_ms)
+
 
 # the CSV's columns after BenchRow's fields: what a row derives from them
 _DERIVED = ("ratio", "rounds", "predicted_low_ms", "predicted_high_ms", "measured_low_ms",
             "measured_high_ms", "predicted_spread", "measured_spread", "compute_spread",
-            "runtime_spread")
+            "runtime_spread", "core_spread")
 
 
 # the fields of one figure per round, written space-separated in the CSV
 _PER_ROUND_FIELDS = ("round_predicted_ms", "round_measured_ms", "round_compute_ms",
-                     "round_runtime_ms")
+                     "round_runtime_ms", "round_core_ms")
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -247,7 +258,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         predictions, times, late = [], [], []
         round_steps, made_of = [], []  # each round's median step, and what it predicted from
+        slowest_core = []  # the machine's own speed before each round
         for steps in _split(repeats, rounds):
+            slowest_core.append(_slowest_core_time())
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats,
                            min_time=profile_time)
@@ -294,6 +307,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
             round_measured_ms=tuple(t * 1e3 for t in round_steps),
             round_compute_ms=tuple(compute * 1e3 for compute, _ in made_of),
             round_runtime_ms=tuple(runtime * 1e3 for _, runtime in made_of),
+            round_core_ms=() if any(map(math.isnan, slowest_core)) else tuple(
+                t * 1e3 for t in slowest_core),
             late_steps=statistics.fmean(found.late > 0 for found in late),
             late_ms=statistics.fmean(found.excess for found in late) * 1e3,
             # this process's stages (under torchrun, this rank's)
@@ -321,6 +336,23 @@ def _own_overhead_per_step(pipe) -> float:
     return total
 
 
+def _slowest_core_time() -> float:
+    """The slowest of the cores' times for a fixed piece of work (core_times), under torchrun
+    of every rank's cores, the ranks in turn (the others wait in a barrier); nan where no core
+    could be timed."""
+    everyone: list[Any] = [None] * _world_size()
+    if len(everyone) == 1:
+        everyone = [core_times()]
+    else:
+        mine: dict[int, float] = {}
+        for rank in range(len(everyone)):
+            _barrier()
+            if rank == torch.distributed.get_rank():
+                mine = core_times()
+        torch.distributed.all_gather_object(everyone, mine)
+    return max((t for times in everyone for t in times.values()), default=float("nan"))
+
+
 def _lower_median_index(values: Sequence[float]) -> int:
     """The index of the values' median, the lower middle one of an even count (a round's
     prediction, whose timeline the row then shows, rather than a mean of two)."""
@@ -344,6 +376,18 @@ def median_thread_capacity(rows: Sequence[BenchRow], cores: int, stages: int
         return None
     return ThreadCapacity(cores, stages, statistics.median(r.capacity_cores for r in measured),
                           statistics.median(r.capacity_stages for r in measured))
+
+
+def core_speed_line(rows: Sequence[BenchRow]) -> str | None:
+    """How far the machine's own speed moved over the rows' rounds (round_core_ms), in a line
+    to print beside the table; None where no round timed it."""
+    times = [t for r in rows for t in r.round_core_ms]
+    if len(times) < 2:
+        return None
+    return (f"core speed during the run: a fixed piece of work took {_low_high(times, 3)} ms "
+            f"on the slowest core before each round, {_percent(_spread(times))} apart (a virtual "
+            "machine's core can run slower for seconds at a time with no steal to show for "
+            "it); a meas/pred off 1 by no more than that may be the machine's drift alone")
 
 
 class StealMeter:
@@ -437,7 +481,8 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
 def what_moved_lines(rows: Sequence[BenchRow], off_by: float = OFF_BY) -> list[str]:
     """A line for each row whose step was further than `off_by` from its prediction, that ran
     several rounds: how far two of the predictions' inputs moved between its rounds (the
-    stages' compute, fxpipe's own overhead), beside the predictions and the median steps."""
+    stages' compute, fxpipe's own overhead), beside the predictions and the median steps, and
+    how far the machine's own speed did (round_core_ms), where the rounds timed it."""
     lines = []
     for r in rows:
         known = r.rounds >= 2 and r.round_compute_ms and r.round_runtime_ms
@@ -451,12 +496,16 @@ def what_moved_lines(rows: Sequence[BenchRow], off_by: float = OFF_BY) -> list[s
             f"the predictions were made from, the stages' compute "
             f"{_percent(r.compute_spread)} ({_low_high(r.round_compute_ms)} ms per "
             f"micro-batch, summed) and fxpipe's own overhead {_percent(r.runtime_spread)} "
-            f"({_low_high(r.round_runtime_ms)} ms per step); the CSV has every round's figures")
+            f"({_low_high(r.round_runtime_ms)} ms per step)"
+            + (f"; the machine's own speed moved {_percent(r.core_spread)} (a fixed piece of "
+               f"work on its slowest core, {_low_high(r.round_core_ms, 3)} ms)"
+               if r.round_core_ms else "")
+            + "; the CSV has every round's figures")
     return lines
 
 
-def _low_high(values: Sequence[float]) -> str:
-    return f"{min(values):.2f} to {max(values):.2f}"
+def _low_high(values: Sequence[float], digits: int = 2) -> str:
+    return f"{min(values):.{digits}f} to {max(values):.{digits}f}"
 
 
 def _percent(share: float) -> str:

@@ -23,6 +23,7 @@ from fxpipe.bench import (
     bench_plans,
     bench_under_torchrun,
     check_stage_count_of,
+    core_speed_line,
     format_rows,
     median_thread_capacity,
     pyplot,
@@ -253,6 +254,8 @@ def _bench(args: argparse.Namespace) -> None:
           "above 1 with many late steps comes at least in part from there, not from the plan; "
           "late ms: those receives' waits beyond the predicted ones, summed, per timed step "
           "on average (set beside measured less predicted ms)")
+    if (line := core_speed_line(rows)) is not None:
+        print(line)
     if steal.share is not None:
         print(f"CPU steal during the run: {steal.share:.1%} of this machine's CPU time went to "
               "other guests of its host (timings drift with it; rerun when it is near 0%)")

@@ -271,6 +271,10 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     assert out.count("the speed of even") == 2
     if os.path.exists("/proc/stat"):  # Linux: how much CPU the hypervisor took meanwhile
         assert re.search(r"CPU steal during the run: \d+\.\d% of this machine's CPU time", out)
+    if hasattr(os, "sched_setaffinity"):  # the cores' own speed, from one round per row
+        assert re.search(r"core speed during the run: a fixed piece of work took \d+\.\d{3} "
+                         r"to \d+\.\d{3} ms on the slowest core before each round, \d+% apart",
+                         out)
     rows = list(csv.DictReader(csv_path.open()))
     assert [(r["partitioner"], r["schedule"]) for r in rows] == [
         ("even", "gpipe"), ("even", "1f1b"), ("csimd", "gpipe"), ("csimd", "1f1b")]
@@ -288,6 +292,9 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
         for kind in ("compute", "runtime"):
             [figure] = [float(v) for v in r[f"round_{kind}_ms"].split()]
             assert 0 < figure < float(r["predicted_ms"])
+        if hasattr(os, "sched_setaffinity"):  # and the machine's speed before it: one figure
+            [figure] = [float(v) for v in r["round_core_ms"].split()]
+            assert figure > 0
     assert "pred spread" in out and "late steps: the timed steps in which a message" in out
     assert "meas spread: how far the rounds' median steps moved" in out
     assert all(0.0 <= float(r["late_steps"]) <= 1.0 for r in rows)
@@ -379,6 +386,9 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
         return self.forward_switch, self.backward_switch
 
     monkeypatch.setattr(CompiledPipeline, "measure_switch_overhead", measure_switch_overhead)
+    # the machine's own speed before each round: its cores' times for the fixed work
+    cores = iter([{0: 1e-4, 1: 1.2e-4}, {0: 1.5e-4, 1: 1e-4}, {0: 1e-4, 1: 1.1e-4}])
+    monkeypatch.setattr(fxpipe.bench, "core_times", lambda: next(cores))
 
     def build():
         x, y = spec.batch(8, torch.Generator().manual_seed(0))
@@ -407,6 +417,9 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
     assert row.compute_spread > 0.3
     assert row.round_runtime_ms == pytest.approx([2 * (1 + 2 + 3 + 5) * 1e-2] * 3)
     assert row.runtime_spread == 0.0
+    # the slowest core of each round, in order, whichever core it was
+    assert row.round_core_ms == pytest.approx((0.12, 0.15, 0.11))
+    assert row.core_spread == pytest.approx(0.15 / 0.11 - 1)
 
 
 @given(stages=st.integers(1, 4), micro_batches=st.integers(1, 6), name=st.sampled_from(
@@ -426,12 +439,13 @@ def test_the_runtimes_time_per_step_counts_each_forward_and_backward_once(
         seconds[8] + micro_batches * (sum(forward) + sum(backward)))
 
 
-def _off_row(predicted, measured, compute=(1.0, 1.5), runtime=(0.25, 0.25)) -> BenchRow:
+def _off_row(predicted, measured, compute=(1.0, 1.5), runtime=(0.25, 0.25), core=()
+             ) -> BenchRow:
     """A 1f1b row of even's with these rounds' figures (ms), at the median of each."""
     return BenchRow("even", "1f1b", (2, 2), 4, statistics.median(predicted),
                     statistics.median(measured), 0.0, 0.0, (0.0, 0.0),
                     round_predicted_ms=predicted, round_measured_ms=measured,
-                    round_compute_ms=compute, round_runtime_ms=runtime)
+                    round_compute_ms=compute, round_runtime_ms=runtime, round_core_ms=core)
 
 
 def test_a_row_off_its_prediction_says_what_its_rounds_inputs_did():
@@ -444,7 +458,12 @@ def test_a_row_off_its_prediction_says_what_its_rounds_inputs_did():
                            "the predictions moved 33% (1.50 to 2.00 ms), the median steps 4% "
                            "(2.50 to 2.60 ms)")
     assert "the stages' compute 50% (1.00 to 1.50 ms per micro-batch, summed)" in line
-    assert "fxpipe's own overhead 0% (0.25 to 0.25 ms per step)" in line
+    assert "fxpipe's own overhead 0% (0.25 to 0.25 ms per step); the CSV" in line
+    # and the machine's own speed, where the rounds timed it
+    [line] = what_moved_lines([_off_row((1.5, 2.0), (2.5, 2.6), core=(0.08, 0.1))])
+    assert ("fxpipe's own overhead 0% (0.25 to 0.25 ms per step); the machine's own speed "
+            "moved 25% (a fixed piece of work on its slowest core, 0.080 to 0.100 ms); the CSV"
+            ) in line
     # the edge of OFF_BY, 15%, either way
     assert len(what_moved_lines([_off_row((2.0, 2.0), (2.32, 2.32))])) == 1  # 1.16x
     assert what_moved_lines([_off_row((2.0, 2.0), (2.28, 2.28))]) == []  # 1.14x
