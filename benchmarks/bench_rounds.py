@@ -50,7 +50,8 @@ def row_ratios(row: Mapping[str, str], group: int, firsts: Sequence[int]
     return ratios
 
 
-SPREADS = ("predicted_spread", "measured_spread", "compute_spread", "runtime_spread")
+SPREADS = ("predicted_spread", "measured_spread", "compute_spread", "runtime_spread",
+           "core_spread")
 
 
 def summary(rows: Sequence[Mapping[str, str]]) -> list[str]:

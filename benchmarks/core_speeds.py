@@ -15,6 +15,7 @@ stretch of slow windows in a row.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import statistics
@@ -26,37 +27,39 @@ SLOW = 1.25  # a window this much slower than the core's fastest tenth counts as
 
 
 def windows_on(cpu: int, seconds: float, window: float) -> list[float]:
-    """Bound to `cpu`, the median time of reference_work in each window of `seconds`."""
+    """Bound to `cpu`, the median time of reference_work in each window of `seconds` (nan for
+    a window it did not run in: the process was not running)."""
     os.sched_setaffinity(0, {cpu})
-    medians: list[list[float]] = []
+    windows: list[list[float]] = []
     start = time.perf_counter()
     while (now := time.perf_counter()) - start < seconds:
         index = int((now - start) / window)
-        while len(medians) <= index:
-            medians.append([])
+        while len(windows) <= index:
+            windows.append([])
         began = time.perf_counter()
         reference_work()
-        medians[index].append(time.perf_counter() - began)
-    return [statistics.median(m) for m in medians if m]
+        windows[index].append(time.perf_counter() - began)
+    return [statistics.median(w) if w else math.nan for w in windows]
 
 
 def report(label: str, cpu: int, medians: list[float], window: float) -> None:
-    fast = statistics.quantiles(medians, n=10)[0]
-    slow = [m > SLOW * fast for m in medians]
-    longest = run = 0
+    """Print a core's windows: the fastest tenth's and the median one, the share of slow
+    windows and their median, and the longest stretch of slow windows in a row (a window
+    without a run breaks a stretch)."""
+    ran = [m for m in medians if not math.isnan(m)]
+    fast = sorted(ran)[len(ran) // 10]
+    slow = [m > SLOW * fast for m in medians]  # nan compares False
+    longest = stretch = 0
     for is_slow in slow:
-        run = run + 1 if is_slow else 0
-        longest = max(longest, run)
+        stretch = stretch + 1 if is_slow else 0
+        longest = max(longest, stretch)
+    slow_ones = [m for m, s in zip(medians, slow) if s]
     print(f"{label}, core {cpu}: fastest tenth {fast * 1e6:.1f} us, median "
-          f"{statistics.median(medians) * 1e6:.1f} us; {sum(slow) / len(slow):.0%} of "
-          f"{len(slow)} windows of {window * 1e3:g} ms over {SLOW - 1:.0%} slower than the "
-          f"fastest tenth (their median {_median_of(medians, slow) * 1e6:.1f} us), the longest "
-          f"stretch of them {longest * window * 1e3:g} ms")
-
-
-def _median_of(medians: list[float], chosen: list[bool]) -> float:
-    picked = [m for m, c in zip(medians, chosen) if c]
-    return statistics.median(picked) if picked else float("nan")
+          f"{statistics.median(ran) * 1e6:.1f} us; {len(slow_ones) / len(ran):.0%} of "
+          f"{len(ran)} windows of {window * 1e3:g} ms over {SLOW - 1:.0%} slower than the "
+          f"fastest tenth (their median "
+          f"{statistics.median(slow_ones) * 1e6 if slow_ones else math.nan:.1f} us), the "
+          f"longest stretch of them {longest * window * 1e3:g} ms")
 
 
 def main() -> None:
@@ -64,6 +67,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--window", type=float, default=0.01)
     args = parser.parse_args()
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit("this script binds a process to each core in turn: Linux only")
     cpus = sorted(os.sched_getaffinity(0))
     with multiprocessing.Pool(len(cpus)) as pool:
         together = pool.starmap(windows_on, [(cpu, args.seconds, args.window) for cpu in cpus])

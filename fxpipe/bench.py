@@ -98,8 +98,9 @@ class BenchRow:
     # its actions)
     round_compute_ms: tuple[float, ...] = ()
     round_runtime_ms: tuple[float, ...] = ()
-    # the machine's own speed, timed before each round (empty where not known): the slowest
-    # core's time for a fixed piece of work (fxpipe.core_speed.core_times; every rank's cores)
+    # the machine's own speed, timed right after each round's steps (empty where not known):
+    # the slowest core's time for a fixed piece of work (fxpipe.core_speed.core_times; every
+    # rank's cores)
     round_core_ms: tuple[float, ...] = ()
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
     late_steps: float = float("nan")
@@ -167,7 +168,7 @@ class BenchRow:
     @property
     def core_spread(self) -> float:
         """How far the machine's own speed moved between the rounds: its slowest core's time
-        for a fixed piece of work (largest / smallest - 1). Nothing the plan does moves it."""
+        for a fixed piece of work, timed outside the steps (largest / smallest - 1)."""
         return _spread(self.round_core_ms)
 
 
@@ -258,9 +259,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         predictions, times, late = [], [], []
         round_steps, made_of = [], []  # each round's median step, and what it predicted from
-        slowest_core = []  # the machine's own speed before each round
+        slowest_core = []  # the machine's own speed at the end of each round's steps
         for steps in _split(repeats, rounds):
-            slowest_core.append(_slowest_core_time())
             pipe.measure_link(x)  # what sending costs, for retime and the prediction
             fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats,
                            min_time=profile_time)
@@ -283,6 +283,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 pipe.step(x, y)
                 timed.append(time.perf_counter() - start)
                 kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
+            # while the cores are busy: one idle for a while runs slower at first
+            slowest_core.append(_slowest_core_time())
             # gathered after the round, so that only the barrier comes between its steps
             late += [late_messages(events, timeline.events)
                      for events in pipe.executor.full_traces(kept)]
@@ -385,9 +387,9 @@ def core_speed_line(rows: Sequence[BenchRow]) -> str | None:
     if len(times) < 2:
         return None
     return (f"core speed during the run: a fixed piece of work took {_low_high(times, 3)} ms "
-            f"on the slowest core before each round, {_percent(_spread(times))} apart (a virtual "
-            "machine's core can run slower for seconds at a time with no steal to show for "
-            "it); a meas/pred off 1 by no more than that may be the machine's drift alone")
+            f"on the slowest core after each round's steps, {_percent(_spread(times))} apart, "
+            "over every row (a virtual machine's core can run far slower for a stretch, as "
+            "after it idled, with no steal to show for it; the CSV has each row's rounds)")
 
 
 class StealMeter:

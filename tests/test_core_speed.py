@@ -45,6 +45,38 @@ def test_each_cores_time_is_of_the_work_run_on_that_core():
 
 
 @bindable
+def test_the_threads_cores_come_back_when_the_work_fails():
+    allowed = os.sched_getaffinity(0)
+    calls = []
+
+    def work():
+        calls.append(os.sched_getaffinity(0))
+        if len(calls) > 1:  # past the first, untimed run on the first core
+            raise RuntimeError("the work failed")
+
+    with pytest.raises(RuntimeError, match="the work failed"):
+        core_times(seconds=0.002, work=work)
+    assert calls[0] == {min(allowed)}  # it ran bound
+    assert os.sched_getaffinity(0) == allowed
+
+
+@bindable
+def test_a_core_the_thread_cannot_be_bound_to_is_left_out(monkeypatch):
+    allowed = sorted(os.sched_getaffinity(0))
+    refused, bind = allowed[-1], os.sched_setaffinity
+
+    def setaffinity(pid, cpus):
+        if set(cpus) == {refused} and len(allowed) > 1:
+            raise OSError(22, "Invalid argument")
+        bind(pid, cpus)
+
+    monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
+    times = core_times(seconds=0.002)
+    assert set(times) == (set(allowed) - {refused} if len(allowed) > 1 else set(allowed))
+    assert os.sched_getaffinity(0) == set(allowed)
+
+
+@bindable
 def test_the_cores_are_timed_for_a_bounded_time_in_all():
     start = time.perf_counter()
     core_times(seconds=1.0)  # more than the cap allows over all of them
@@ -60,5 +92,6 @@ def test_the_bench_says_how_far_the_cores_speed_moved_over_all_rows():
     line = core_speed_line([_row((0.08, 0.09)), _row(()), _row((0.1,))])
     assert line is not None
     assert line.startswith("core speed during the run: a fixed piece of work took 0.080 to "
-                           "0.100 ms on the slowest core before each round, 25% apart")
+                           "0.100 ms on the slowest core after each round's steps, 25% apart, "
+                           "over every row")
     assert core_speed_line([_row((0.08,)), _row(())]) is None  # nothing to compare

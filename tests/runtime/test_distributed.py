@@ -171,3 +171,5 @@ def test_bench_under_torchrun_measures_each_ranks_peak_memory():
         assert sum(row.memory) > 2 * whole_model
         assert all(m < 2 * whole_model + 10e6 for m in row.memory)
         assert row.measured_ms > 0 and row.predicted_ms > 0
+        if hasattr(os, "sched_setaffinity"):  # every rank's cores timed, handed back
+            assert len(row.round_core_ms) == row.rounds == 1
