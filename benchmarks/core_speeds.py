@@ -7,9 +7,12 @@ reference_work) in a process bound to each core, back to back for `--seconds`: f
 core at once, then on each core alone in turn. It splits the time into windows of `--window`
 seconds and takes each window's median; per core it prints the fastest tenth's and the median
 window, the share of windows over 25% slower than the fastest tenth ("slow"), and the longest
-stretch of slow windows in a row.
+stretch of slow windows in a row. With `--after-idle S`, it then asks how a core runs right
+after it idled: `--tries` times on each core alone, it sleeps S seconds and times the work for
+0.3 s, and prints how long the windows ran slow from the start (against the fastest tenth of
+that core's windows with every core busy), and how many of the 0.3 s's windows were slow.
 
-    python benchmarks/core_speeds.py --seconds 30
+    python benchmarks/core_speeds.py --seconds 30 --after-idle 0.5
 """
 
 from __future__ import annotations
@@ -42,12 +45,18 @@ def windows_on(cpu: int, seconds: float, window: float) -> list[float]:
     return [statistics.median(w) if w else math.nan for w in windows]
 
 
+def fastest_tenth(medians: list[float]) -> float:
+    """The window median a tenth of the way from the fastest (nan windows left out)."""
+    ran = sorted(m for m in medians if not math.isnan(m))
+    return ran[len(ran) // 10]
+
+
 def report(label: str, cpu: int, medians: list[float], window: float) -> None:
     """Print a core's windows: the fastest tenth's and the median one, the share of slow
     windows and their median, and the longest stretch of slow windows in a row (a window
     without a run breaks a stretch)."""
     ran = [m for m in medians if not math.isnan(m)]
-    fast = sorted(ran)[len(ran) // 10]
+    fast = fastest_tenth(medians)
     slow = [m > SLOW * fast for m in medians]  # nan compares False
     longest = stretch = 0
     for is_slow in slow:
@@ -62,10 +71,24 @@ def report(label: str, cpu: int, medians: list[float], window: float) -> None:
           f"longest stretch of them {longest * window * 1e3:g} ms")
 
 
+def after_idle(cpu: int, idle: float, fast: float, window: float) -> tuple[float, int, int]:
+    """Bound to `cpu`: asleep for `idle` seconds, then the work timed for 0.3 s in windows.
+    How long the windows ran slow from the start (seconds), how many were slow, of how many."""
+    os.sched_setaffinity(0, {cpu})
+    time.sleep(idle)
+    medians = windows_on(cpu, 0.3, window)
+    slow = [m > SLOW * fast for m in medians]
+    first = next((i for i, s in enumerate(slow) if not s), len(slow))
+    return first * window, sum(slow), len(slow)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--window", type=float, default=0.01)
+    parser.add_argument("--after-idle", type=float, default=0.0,
+                        help="seconds asleep before each try on a core (0: no tries)")
+    parser.add_argument("--tries", type=int, default=5)
     args = parser.parse_args()
     if not hasattr(os, "sched_setaffinity"):
         raise SystemExit("this script binds a process to each core in turn: Linux only")
@@ -78,6 +101,16 @@ def main() -> None:
         with multiprocessing.Pool(1) as pool:
             report("alone", cpu, pool.apply(windows_on, (cpu, args.seconds, args.window)),
                    args.window)
+    if args.after_idle <= 0:
+        return
+    for cpu, medians in zip(cpus, together):
+        fast = fastest_tenth(medians)
+        with multiprocessing.Pool(1) as pool:
+            tries = [pool.apply(after_idle, (cpu, args.after_idle, fast, args.window))
+                     for _ in range(args.tries)]
+        print(f"after {args.after_idle:g} s idle, core {cpu}: slow from the start for "
+              + ", ".join(f"{first * 1e3:g}" for first, _, _ in tries) + " ms; slow windows "
+              + ", ".join(f"{slow} of {count}" for _, slow, count in tries))
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 pipe.step(x, y)
                 timed.append(time.perf_counter() - start)
                 kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
-            # while the cores are busy: one idle for a while runs slower at first
+            # timed where the steps left the cores busy: a core that idled runs slower a while
             slowest_core.append(_slowest_core_time())
             # gathered after the round, so that only the barrier comes between its steps
             late += [late_messages(events, timeline.events)
