@@ -283,7 +283,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
                 pipe.step(x, y)
                 timed.append(time.perf_counter() - start)
                 kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
-            # timed where the steps left the cores busy: a core that idled runs slower a while
+            # in the state the steps left the cores in (a core that idled can run slower for a
+            # while: benchmarks/core_speeds.py --after-idle)
             slowest_core.append(_slowest_core_time())
             # gathered after the round, so that only the barrier comes between its steps
             late += [late_messages(events, timeline.events)
@@ -388,8 +389,8 @@ def core_speed_line(rows: Sequence[BenchRow]) -> str | None:
         return None
     return (f"core speed during the run: a fixed piece of work took {_low_high(times, 3)} ms "
             f"on the slowest core after each round's steps, {_percent(_spread(times))} apart, "
-            "over every row (a virtual machine's core can run far slower for a stretch, as "
-            "after it idled, with no steal to show for it; the CSV has each row's rounds)")
+            "over every row (a virtual machine's core can run far slower for a stretch with "
+            "no steal to show for it; the CSV has each row's rounds)")
 
 
 class StealMeter:
