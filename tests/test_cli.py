@@ -292,7 +292,7 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
         for kind in ("compute", "runtime"):
             [figure] = [float(v) for v in r[f"round_{kind}_ms"].split()]
             assert 0 < figure < float(r["predicted_ms"])
-        if hasattr(os, "sched_setaffinity"):  # and the machine's speed before it: one figure
+        if hasattr(os, "sched_setaffinity"):  # and the machine's speed after its steps
             [figure] = [float(v) for v in r["round_core_ms"].split()]
             assert 0.005 < figure < 50  # ms, for about 0.1 ms of work
     assert "pred spread" in out and "late steps: the timed steps in which a message" in out
