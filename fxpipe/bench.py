@@ -343,16 +343,15 @@ def _slowest_core_time() -> float:
     """The slowest of the cores' times for a fixed piece of work (core_times), under torchrun
     of every rank's cores, the ranks in turn (the others wait in a barrier); nan where no core
     could be timed."""
-    everyone: list[Any] = [None] * _world_size()
-    if len(everyone) == 1:
-        everyone = [core_times()]
+    if _world_size() == 1:
+        mine = core_times()
     else:
-        mine: dict[int, float] = {}
-        for rank in range(len(everyone)):
+        mine = {}
+        for rank in range(_world_size()):
             _barrier()
             if rank == torch.distributed.get_rank():
                 mine = core_times()
-        torch.distributed.all_gather_object(everyone, mine)
+    everyone = _from_every_rank(mine)
     return max((t for times in everyone for t in times.values()), default=float("nan"))
 
 
@@ -599,9 +598,7 @@ def _rank_peaks(pipe: torch.nn.Module, x: Any, y: Any) -> tuple[float, ...]:
     with PeakMemory("cpu") as peaks, peaks.span("step"):
         pipe.step(x, y)
     mine = float(held + peaks.result["step"])
-    everyone: list[Any] = [None] * _world_size()
-    torch.distributed.all_gather_object(everyone, mine)
-    return tuple(everyone)
+    return tuple(_from_every_rank(mine))
 
 
 def _world_size() -> int:
@@ -615,9 +612,17 @@ def _most_of_any_rank(*counts: int) -> tuple[int, ...]:
     process's own counts when it is the only one)."""
     if _world_size() == 1:
         return counts
+    return tuple(map(max, zip(*_from_every_rank(counts))))
+
+
+def _from_every_rank(mine: Any) -> list[Any]:
+    """Every rank's `mine`, in rank order, gathered in one collective (on any backend, NCCL
+    too); this process's alone when it is the only one."""
+    if _world_size() == 1:
+        return [mine]
     everyone: list[Any] = [None] * _world_size()
-    torch.distributed.all_gather_object(everyone, counts)  # on any backend, NCCL too
-    return tuple(map(max, zip(*everyone)))
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
 
 
 def _barrier() -> None:
