@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -220,7 +221,9 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
           measure: float = MEASURE_SECONDS, profile_time: float = PROFILE_SECONDS,
           cpu_affinity: str = "auto", stage_threads: int | str = "auto") -> list[BenchRow]:
     """Compile and time each configuration in this process (or on every rank under torchrun:
-    call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time.
+    call it on every rank). `build()` returns (model, x, y, loss_fn), fresh each time. Every
+    configuration is compiled before any is timed, and their rounds take turns (the first
+    round of each, then the second, ...), so that the rows sample the machine alike.
 
     A shared machine's speed drifts over seconds, and a prediction is only as good as the
     timings it was made from. So the timed steps (at least `repeats`) come in `rounds`, each
@@ -242,88 +245,130 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     `cpu_affinity`: every plan's (`Plan.cpu_affinity`); "none" compares the steps of unbound
     stage threads, or ranks, with the default's. `stage_threads`: every plan's
     (`Plan.stage_threads`); "stage" compares a thread per stage with the default's."""
-    rows = []
     plans = bench_plans(stages, micro_batches, partitioners, schedules, cpu_affinity,
                         stage_threads)
     check_stage_count_of(build, stages)
     rounds = max(1, min(rounds, repeats))
+    # every configuration is compiled first, then their rounds take turns: a stretch of the
+    # machine running slow falls on the rows alike, not on the one whose rounds ran then,
+    # and the rows are compared with each other (the best automatic partition against even)
+    total = len(plans) * (rounds + 1)
+    configurations = []
     for index, ((partitioner, schedule), plan) in enumerate(plans.items(), 1):
         if progress:
-            _progress(index, len(plans), f"{partitioner}/{schedule}")
+            _progress(index, total, f"compiling {partitioner}/{schedule}")
         model, x, y, loss_fn = build()
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        if on_cuda:
-            torch.cuda.reset_peak_memory_stats()
         plan = dataclasses.replace(plan, loss_fn=loss_fn)
         # the partitioners see the loss on the last stage, as the steps compute it
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
-        predictions, times, late = [], [], []
-        round_steps, made_of = [], []  # each round's median step, and what it predicted from
-        slowest_core = []  # the machine's own speed at the end of each round's steps
-        for steps in _split(repeats, rounds):
-            pipe.measure_link(x)  # what sending costs, for retime and the prediction
-            fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats,
-                           min_time=profile_time)
-            pipe.measure_runtime_overhead(x)  # per step, and per action (in the timeline)
-            overhead = pipe.step_overhead
-            timeline = pipe.predicted_timeline(fresh)
-            predictions.append((timeline, overhead))
-            made_of.append((sum(s.f + s.b for s in fresh.stages), _own_overhead_per_step(pipe)))
-            predicted_step = timeline.makespan + overhead  # seconds
-            settling, timing = _most_of_any_rank(_steps_filling(settle, predicted_step, warmup),
-                                                  _steps_filling(measure, predicted_step, steps))
-            for _ in range(settling):
-                pipe.step(x, y)
-            timed, kept = [], []
-            for _ in range(timing):
-                # the ranks start together; a step ends on every rank once the loss is
-                # shared, so no barrier is timed after it (a round trip no training loop pays)
-                _barrier()
-                start = time.perf_counter()
-                pipe.step(x, y)
-                timed.append(time.perf_counter() - start)
-                kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
-            # in the state the steps left the cores in (a core that idled can run slower for a
-            # while: benchmarks/core_speeds.py --after-idle)
-            slowest_core.append(_slowest_core_time())
-            # gathered after the round, so that only the barrier comes between its steps
-            late += [late_messages(events, timeline.events)
-                     for events in pipe.executor.full_traces(kept)]
-            times += timed
-            round_steps.append(statistics.median(timed))
-        totals = [timeline.makespan + overhead for timeline, overhead in predictions]
-        predicted, overhead = predictions[_lower_median_index(totals)]
-        measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
-        memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
-        if on_cuda:
-            memory = tuple(float(torch.cuda.max_memory_allocated(d)) for d in pipe.devices)
-            kind = "peak"
-        elif 1 < _world_size() == stages:  # one stage per process: a process's memory is a stage's
-            memory, kind = _rank_peaks(pipe, x, y), "peak"
-        rows.append(BenchRow(
-            partitioner=partitioner, schedule=schedule, sizes=tuple(pipe.partition.sizes),
-            micro_batches=pipe.partition.micro_batches,
-            predicted_ms=(predicted.makespan + overhead) * 1e3,
-            measured_ms=statistics.median(times) * 1e3, predicted_bubble=predicted.bubble,
-            measured_bubble=measured.bubble, memory=memory, memory_kind=kind,
-            round_predicted_ms=tuple(t * 1e3 for t in totals),
-            round_measured_ms=tuple(t * 1e3 for t in round_steps),
-            round_compute_ms=tuple(compute * 1e3 for compute, _ in made_of),
-            round_runtime_ms=tuple(runtime * 1e3 for _, runtime in made_of),
-            round_core_ms=() if any(map(math.isnan, slowest_core)) else tuple(
-                t * 1e3 for t in slowest_core),
-            late_steps=statistics.fmean(found.late > 0 for found in late),
-            late_ms=statistics.fmean(found.excess for found in late) * 1e3,
-            # this process's stages (under torchrun, this rank's)
-            on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
-            timed_steps=len(times), bound=pipe.bound_cores() is not None,
-            threads=len(pipe.executor.driver.workers) if pipe.shared_threads() else 0,
-            **_capacities(pipe)))
+        configurations.append(_Configuration(partitioner, schedule, pipe, x, y))
+    index = len(plans)
+    for number, steps in enumerate(_split(repeats, rounds), 1):
+        for configuration in configurations:
+            index += 1
+            if progress:
+                _progress(index, total, f"round {number}/{rounds} {configuration.name}")
+            configuration.run_round(steps, warmup, settle, measure, profile_repeats,
+                                    profile_time)
+    rows = [configuration.row(stages) for configuration in configurations]
     if progress:
-        _progress(len(plans) + 1, len(plans), "done")
+        _progress(total + 1, total, "done")
         if not launched():  # a bar of its own line ends with it
             print(file=sys.stderr)
     return rows
+
+
+@dataclasses.dataclass
+class _Configuration:
+    """One (partitioner, schedule) of the benchmark, compiled, and what its rounds measured."""
+
+    partitioner: str
+    schedule: str
+    pipe: Any  # the CompiledPipeline
+    x: Any
+    y: Any
+    # per round: the prediction (the simulated timeline, and the runtime's time per step
+    # outside it), what it was made from (the stages' compute, fxpipe's own overhead per
+    # step), the median step, and the slowest core's time for the fixed work after the steps
+    predictions: list[tuple[Any, float]] = dataclasses.field(default_factory=list)
+    made_of: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    round_steps: list[float] = dataclasses.field(default_factory=list)
+    slowest_core: list[float] = dataclasses.field(default_factory=list)
+    times: list[float] = dataclasses.field(default_factory=list)  # every timed step
+    late: list[Any] = dataclasses.field(default_factory=list)  # each timed step's late messages
+
+    @property
+    def name(self) -> str:
+        return f"{self.partitioner}/{self.schedule}"
+
+    def run_round(self, steps: int, warmup: int, settle: float, measure: float,
+                  profile_repeats: int, profile_time: float) -> None:
+        """Predict a step from measurements made afresh, then time steps (see bench)."""
+        pipe, x, y = self.pipe, self.x, self.y
+        pipe.measure_link(x)  # what sending costs, for retime and the prediction
+        fresh = retime(pipe, (x,), target=y, warmup=1, repeats=profile_repeats,
+                       min_time=profile_time)
+        pipe.measure_runtime_overhead(x)  # per step, and per action (in the timeline)
+        overhead = pipe.step_overhead
+        timeline = pipe.predicted_timeline(fresh)
+        self.predictions.append((timeline, overhead))
+        self.made_of.append((sum(s.f + s.b for s in fresh.stages),
+                             _own_overhead_per_step(pipe)))
+        predicted_step = timeline.makespan + overhead  # seconds
+        settling, timing = _most_of_any_rank(_steps_filling(settle, predicted_step, warmup),
+                                              _steps_filling(measure, predicted_step, steps))
+        for _ in range(settling):
+            pipe.step(x, y)
+        timed, kept = [], []
+        for _ in range(timing):
+            # the ranks start together; a step ends on every rank once the loss is shared,
+            # so no barrier is timed after it (a round trip no training loop pays)
+            _barrier()
+            start = time.perf_counter()
+            pipe.step(x, y)
+            timed.append(time.perf_counter() - start)
+            kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
+        # in the state the steps left the cores in (a core that idled can run slower for a
+        # while: benchmarks/core_speeds.py --after-idle)
+        self.slowest_core.append(_slowest_core_time())
+        # gathered after the round, so that only the barrier comes between its steps
+        self.late += [late_messages(events, timeline.events)
+                      for events in pipe.executor.full_traces(kept)]
+        self.times += timed
+        self.round_steps.append(statistics.median(timed))
+
+    def row(self, stages: int) -> BenchRow:
+        """The configuration's row, from its rounds; its memory measured in one more step."""
+        pipe = self.pipe
+        totals = [timeline.makespan + overhead for timeline, overhead in self.predictions]
+        predicted, overhead = self.predictions[_lower_median_index(totals)]
+        measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
+        memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
+        devices = list(dict.fromkeys(r.device for r in pipe.executor.runners.values()))
+        if any(d.type == "cuda" for d in devices):  # this process's stages' devices
+            memory, kind = _step_peaks(pipe, self.x, self.y, devices), "peak"
+        elif 1 < _world_size() == stages:  # one stage per process: a process's memory is a stage's
+            [mine] = _step_peaks(pipe, self.x, self.y, [torch.device("cpu")])
+            memory, kind = tuple(_from_every_rank(mine)), "peak"
+        return BenchRow(
+            partitioner=self.partitioner, schedule=self.schedule,
+            sizes=tuple(pipe.partition.sizes), micro_batches=pipe.partition.micro_batches,
+            predicted_ms=(predicted.makespan + overhead) * 1e3,
+            measured_ms=statistics.median(self.times) * 1e3, predicted_bubble=predicted.bubble,
+            measured_bubble=measured.bubble, memory=memory, memory_kind=kind,
+            round_predicted_ms=tuple(t * 1e3 for t in totals),
+            round_measured_ms=tuple(t * 1e3 for t in self.round_steps),
+            round_compute_ms=tuple(compute * 1e3 for compute, _ in self.made_of),
+            round_runtime_ms=tuple(runtime * 1e3 for _, runtime in self.made_of),
+            round_core_ms=() if any(map(math.isnan, self.slowest_core)) else tuple(
+                t * 1e3 for t in self.slowest_core),
+            late_steps=statistics.fmean(found.late > 0 for found in self.late),
+            late_ms=statistics.fmean(found.excess for found in self.late) * 1e3,
+            # this process's stages (under torchrun, this rank's)
+            on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
+            timed_steps=len(self.times), bound=pipe.bound_cores() is not None,
+            threads=len(pipe.executor.driver.workers) if pipe.shared_threads() else 0,
+            **_capacities(pipe))
 
 
 def _own_overhead_per_step(pipe) -> float:
@@ -589,16 +634,24 @@ def rows_from_json(path: str) -> list[BenchRow]:
                 for row in json.load(handle)]
 
 
-def _rank_peaks(pipe: torch.nn.Module, x: Any, y: Any) -> tuple[float, ...]:
-    """Every rank's peak memory on the CPU, in rank order: what its stage holds between steps
-    (parameters, buffers, gradients) plus the most one more step allocates above that
-    (torch.profiler's allocation log; the allocator keeps no peak on the CPU)."""
-    held = sum(t.nbytes for t in pipe.state_dict().values() if isinstance(t, torch.Tensor))
-    held += sum(p.grad.nbytes for p in pipe.parameters() if p.grad is not None)
-    with PeakMemory("cpu") as peaks, peaks.span("step"):
+def _step_peaks(pipe: torch.nn.Module, x: Any, y: Any, devices: Sequence[torch.device]
+                ) -> tuple[float, ...]:
+    """Per device of `devices`, the pipeline's peak memory there: what it holds on it between
+    steps (parameters, buffers, gradients) plus the most one more step allocates above what
+    the device held before it (the allocator's peak on a GPU; on the CPU, which keeps none,
+    torch.profiler's allocation log). Other pipelines alive beside it do not count."""
+    held = dict.fromkeys(devices, 0)
+    tensors = [t for t in pipe.state_dict().values() if isinstance(t, torch.Tensor)]
+    tensors += [p.grad for p in pipe.parameters() if p.grad is not None]
+    for tensor in tensors:
+        if tensor.device in held:
+            held[tensor.device] += tensor.nbytes
+    with contextlib.ExitStack() as measuring:
+        peaks = [measuring.enter_context(PeakMemory(d)) for d in devices]
+        for peak in peaks:  # the spans end first, then the CPU's profiler
+            measuring.enter_context(peak.span("step"))
         pipe.step(x, y)
-    mine = float(held + peaks.result["step"])
-    return tuple(_from_every_rank(mine))
+    return tuple(float(held[d] + peak.result["step"]) for d, peak in zip(devices, peaks))
 
 
 def _world_size() -> int:
@@ -655,9 +708,10 @@ _ERROR = re.compile(r"fxpipe: error: (.+?)(?=fxpipe: error: |\n|$)")
 
 
 def _progress(index: int, total: int, label: str) -> None:
-    """The bar as configuration `index` of `total` starts (`total + 1`: all are done)."""
+    """The bar as piece `index` of the run's `total` starts (a configuration's compile, or
+    one of its rounds; `total + 1`: all are done)."""
     width = 24
     done = int(width * (index - 1) / total)
     # under torchrun each update is a line of its own, for the parent to relay at once
-    print(f"\r[{'#' * done}{'.' * (width - done)}] {min(index, total)}/{total} {label:<24}",
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {min(index, total)}/{total} {label:<32}",
           end="\n" if launched() else "", file=sys.stderr, flush=True)

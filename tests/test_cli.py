@@ -250,7 +250,7 @@ def test_the_progress_bar_ends_full_and_relayed_lines_cover_longer_ones(capsys):
     from fxpipe.bench import _progress, _relay_progress
 
     _progress(3, 2, "done")
-    assert capsys.readouterr().err == f"\r[{'#' * 24}] 2/2 {'done':<24}"
+    assert capsys.readouterr().err == f"\r[{'#' * 24}] 2/2 {'done':<32}"
     _relay_progress(io.StringIO(f"\r[........] 1/2 {'csimd/gpipe':<24}\n"
                                 f"\r[####....] 2/2 {'ab':<24}\n"))
     assert f"2/2 {'ab':<24}" in capsys.readouterr().err  # covers "csimd/gpipe" before it
@@ -420,6 +420,59 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
     # the slowest core of each round, in order, whichever core it was
     assert row.round_core_ms == pytest.approx((0.12, 0.15, 0.11))
     assert row.core_spread == pytest.approx(0.15 / 0.11 - 1)
+
+
+def test_every_configuration_compiles_before_any_round_and_their_rounds_take_turns(
+        monkeypatch):
+    import fxpipe.bench
+    from fxpipe.models import bundled
+    from fxpipe.pipeline import CompiledPipeline
+
+    spec = bundled("mlp")
+    log, compile = [], fxpipe.bench.compile
+
+    def compiling(model, plan, **kwargs):
+        pipe = compile(model, plan, **kwargs)
+        log.append(("compile", plan.partitioner, plan.schedule, id(pipe)))
+        return pipe
+
+    def measure_link(self, x):  # a round begins: which configuration's
+        log.append(("round", id(self)))
+
+    monkeypatch.setattr(fxpipe.bench, "compile", compiling)
+    monkeypatch.setattr(CompiledPipeline, "measure_link", measure_link)
+
+    def build():
+        x, y = spec.batch(8, torch.Generator().manual_seed(0))
+        return spec.build(), x, y, spec.loss_fn
+
+    rows = fxpipe.bench.bench(build, 2, 2, ["even", "balanced"], ["gpipe", "1f1b"], repeats=3,
+                              rounds=3, progress=False, settle=0.0, measure=0.0,
+                              profile_time=0.0)
+    compiled, rounds = log[:4], log[4:]
+    assert [c[0] for c in compiled] == ["compile"] * 4
+    pipes = [c[3] for c in compiled]
+    assert len(set(pipes)) == 4
+    assert rounds == [("round", pipe) for _ in range(3) for pipe in pipes]  # in turn
+    assert [(r.partitioner, r.schedule) for r in rows] == [c[1:3] for c in compiled]
+    assert all(r.rounds == 3 and r.timed_steps == 3 for r in rows)
+
+
+def test_a_steps_peak_on_the_cpu_counts_what_the_pipeline_holds_and_nothing_beside_it():
+    import fxpipe
+    from fxpipe.bench import _step_peaks
+    from fxpipe.models import bundled
+
+    spec = bundled("mlp")
+    x, y = spec.batch(8, torch.Generator().manual_seed(0))
+    pipe = fxpipe.compile(spec.build(), fxpipe.Plan(stages=2, loss_fn=spec.loss_fn),
+                          example_inputs=(x,), example_target=y, cache=False)
+    pipe.step(x, y)  # the gradients exist from here on
+    held = sum(p.nbytes + p.grad.nbytes for p in pipe.parameters())
+    beside = torch.ones(16 * 2**20)  # 64 MiB alive meanwhile: another pipeline's, say
+    [peak] = _step_peaks(pipe, x, y, [torch.device("cpu")])
+    assert held < peak < held + beside.nbytes / 4
+    del beside
 
 
 def test_a_machine_whose_cores_cannot_be_timed_leaves_their_figures_out(monkeypatch):
