@@ -105,7 +105,7 @@ class BenchRow:
     round_core_ms: tuple[float, ...] = ()
     # the share of timed steps in which a message came late (fxpipe.report.late_messages)
     late_steps: float = float("nan")
-    # per timed step on average, ms: the late receives' waits beyond the predicted ones, summed
+    # per timed step on average, ms: the late messages' delays beyond the predicted ones, summed
     late_ms: float = float("nan")
     on_cpu: bool = True  # whether the stages computed on the CPU (else on GPUs)
     timed_steps: int = 0  # how many steps measured_ms is the median of (0: not known)

@@ -6,7 +6,7 @@ import bisect
 import dataclasses
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from fxpipe.inspect import format_table
@@ -17,14 +17,16 @@ if TYPE_CHECKING:
     from fxpipe.passes.analysis.capacity import ThreadCapacity
 
 __all__ = ["LATE_AFTER", "Interference", "LateMessages", "StageTime",
-           "StepTime", "format_report", "interference", "late_messages", "receive_waits",
+           "StepTime", "format_report", "interference", "late_messages", "message_delays",
+           "receive_waits",
            "shared_cores_lines", "step_time", "unlike_prediction_lines"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
 _REDUCE = {ActionKind.ALLREDUCE, ActionKind.STEP}
 _RECV = {ActionKind.RECV_F, ActionKind.RECV_B}
-LATE_AFTER = 0.5e-3  # seconds beyond the predicted wait that make a message late
+_SEND = {ActionKind.SEND_F, ActionKind.SEND_B}
+LATE_AFTER = 0.5e-3  # seconds beyond the predicted delay that make a message late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,46 +133,61 @@ def interference(events: Sequence[Event]) -> list[Interference]:
 
 @dataclasses.dataclass(frozen=True)
 class LateMessages:
-    """Receives that ended later after their message's send than the prediction says: time in
-    handing the message over that the prediction does not include (over torch.distributed the
-    transport's, in one process the waiting stage thread's wake-up)."""
+    """Messages that took longer from the start of their send to their receiver than the
+    prediction says: time in handing them over that the prediction does not include (over
+    torch.distributed the transport's: a send held up, or a receiver kept waiting after it; in
+    one process the waiting stage thread's wake-up)."""
 
-    late: int  # receives whose wait exceeded the predicted one by over the threshold
+    late: int  # messages whose delay exceeded the predicted one by over the threshold
     receives: int  # receives found, with their sends, in both timelines
-    excess: float  # seconds: the late receives' waits beyond the predicted ones, summed
+    excess: float  # seconds: the late messages' delays beyond the predicted ones, summed
     longest: float  # seconds: the largest of those
-    worst: str  # the receive that waited longest beyond its prediction, e.g. "1RF0<0"
+    worst: str  # the receive of the message most delayed beyond its prediction, e.g. "1RF0<0"
     threshold: float = LATE_AFTER
 
 
 def late_messages(measured: Sequence[Event], predicted: Sequence[Event],
                   threshold: float = LATE_AFTER) -> LateMessages:
-    """Compare each receive's wait once its message was sent (its end, less the later of its
-    own start and the end of its send on the peer stage) in a measured timeline with the same
-    in the predicted one; the receives waiting over `threshold` seconds longer are late. An
+    """Compare each message's delay (message_delays) in a measured timeline with the same in
+    the predicted one; the messages delayed over `threshold` seconds longer are late. An
     action that occurs more than once (runs appended to one trace) is paired by occurrence.
     Both timelines need one time axis for all stages: fxpipe's traces have one on one host,
     where every rank reads the same clock; across hosts, clock offsets enter the waits."""
-    measured_waits, predicted_waits = receive_waits(measured), receive_waits(predicted)
-    excess = sorted((wait - predicted_waits[key], str(key[0]))
-                    for key, wait in measured_waits.items() if key in predicted_waits)
+    measured_delays, predicted_delays = message_delays(measured), message_delays(predicted)
+    excess = sorted((delay - predicted_delays[key], str(key[0]))
+                    for key, delay in measured_delays.items() if key in predicted_delays)
     late = [(seconds, name) for seconds, name in excess if seconds > threshold]
     longest, worst = late[-1] if late else (0.0, "")
     return LateMessages(len(late), len(excess), sum(s for s, _ in late), longest, worst,
                         threshold)
 
 
+def message_delays(events: Sequence[Event]) -> dict[tuple[Action, int], float]:
+    """Per receive, keyed by its action and how many times that action ran before it: its
+    message's send's own time (a send the transport held up) plus the receive's wait after the
+    send ended (receive_waits)."""
+    sends = _by_occurrence(e for e in events if e.action.kind in _SEND)
+    return {(action, k): wait + sends[action.partner, k].end - sends[action.partner, k].start
+            for (action, k), wait in receive_waits(events).items()}
+
+
 def receive_waits(events: Sequence[Event]) -> dict[tuple[Action, int], float]:
     """Per receive, keyed by its action and how many times that action ran before it: how long
     it ran on after the same occurrence of its message's send had ended."""
-    seen: Counter[Action] = Counter()
-    by_occurrence = {}
-    for e in sorted(events, key=lambda e: e.start):
-        by_occurrence[e.action, seen[e.action]] = e
-        seen[e.action] += 1
+    by_occurrence = _by_occurrence(events)
     return {(action, k): e.end - max(e.start, by_occurrence[action.partner, k].end)
             for (action, k), e in by_occurrence.items()
             if action.kind in _RECV and (action.partner, k) in by_occurrence}
+
+
+def _by_occurrence(events: Iterable[Event]) -> dict[tuple[Action, int], Event]:
+    """Each event keyed by its action and how many times that action ran before it."""
+    seen: Counter[Action] = Counter()
+    keyed = {}
+    for e in sorted(events, key=lambda e: e.start):
+        keyed[e.action, seen[e.action]] = e
+        seen[e.action] += 1
+    return keyed
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -330,10 +347,11 @@ def _samples(sizes: Sequence[int]) -> str:
 def _late_lines(late: LateMessages | None) -> list[str]:
     if late is None or not late.late:
         return []
-    return [f"late messages: {late.late} of {late.receives} receives ended over "
-            f"{_ms(late.threshold)} ms later after their send than predicted "
+    return [f"late messages: {late.late} of {late.receives} reached their receive over "
+            f"{_ms(late.threshold)} ms later after their send began than predicted "
             f"({_ms(late.excess)} ms in all, the longest {_ms(late.longest)} ms: {late.worst}): "
-            "time in handing messages over that the prediction does not include"]
+            "time in handing messages over (a send held up, or a receiver kept waiting after "
+            "it) that the prediction does not include"]
 
 
 def _interference_lines(slowdowns: Sequence[Interference]) -> list[str]:

@@ -301,7 +301,7 @@ def test_bench_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path
     # no late step, no late time; a late step adds over the threshold (0.5 ms) to its mean
     assert all((float(r["late_ms"]) > 0.5 * float(r["late_steps"])) if float(r["late_steps"])
                else float(r["late_ms"]) == 0 for r in rows)
-    assert "late ms: those receives' waits beyond the predicted ones" in out
+    assert "late ms: those messages' delays beyond the predicted ones" in out
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
     assert {r["on_cpu"] for r in rows} == {"True"}  # the bundled MLP's stages, on the CPU
     assert {r["sizes"] for r in rows if r["partitioner"] == "even"} == {"4+5"}

@@ -128,6 +128,24 @@ def test_a_message_is_late_by_its_wait_after_the_send_beyond_the_predicted_one(
     assert late_messages(predicted, predicted).late == 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(send_end=st.floats(1e-4, 1e-2), transfer=st.floats(0.0, 1e-3),
+       held=st.floats(0.0, 2e-2), waited=st.floats(0.0, 2e-2))
+def test_a_message_is_late_by_its_send_held_up_and_the_wait_after_it_together(
+        send_end, transfer, held, waited):
+    """The send takes `held` longer than predicted (the transport held the sender), and the
+    receive, waiting from the start, ends `waited` later after the send than predicted: the
+    message reached its receiver `held + waited` later after its send began."""
+    assume(abs(held + waited - LATE_AFTER) > 1e-9)  # clear of rounding at the threshold
+    predicted = _message(send_end, (0.0, send_end + transfer))
+    compute, send, receive = _message(send_end, (0.0, send_end + held + transfer + waited))
+    measured = [compute, Event(send.stage, send.action, send.start, send.end + held), receive]
+    found = late_messages(measured, predicted)
+    assert found.receives == 1
+    assert found.late == (held + waited > LATE_AFTER)
+    assert found.excess == pytest.approx(held + waited if found.late else 0.0, abs=1e-12)
+
+
 def test_late_messages_sum_over_receives_and_name_the_longest():
     predicted = _message(1e-3, (0.0, 1.1e-3)) + _message(2e-3, (1.1e-3, 2.1e-3), mb=1)
     measured = _message(1e-3, (0.0, 4.1e-3)) + _message(2e-3, (4.1e-3, 4.15e-3), mb=1)
@@ -136,7 +154,7 @@ def test_late_messages_sum_over_receives_and_name_the_longest():
     assert (found.late, found.receives, found.worst) == (1, 2, "1RF0<0")
     assert found.excess == found.longest == pytest.approx(3e-3)
     line = format_report(step_time(measured, 2), step_time(predicted, 2), "gpipe", late=found)
-    assert "late messages: 1 of 2 receives ended over 0.50 ms later" in line
+    assert "late messages: 1 of 2 reached their receive over 0.50 ms later" in line
     assert "1RF0<0" in line
     quiet = late_messages(predicted, predicted)
     assert "late messages" not in format_report(step_time(predicted, 2),
