@@ -3,17 +3,17 @@
 Reads the CSVs of `fxpipe bench --csv` runs made with many rounds (15, the bench's default
 since b97be3a) and, for each row, computes measured/predicted again from consecutive groups of
 `--group` of its rounds (rounds 1 to 5, 6 to 10, ...: what a bench run of that many rounds
-would have measured) and from the first N rounds for each N of `--first`. A group's
-prediction is its rounds' median (the lower middle one of an even count), as the bench takes
-it; its measured step is the median of its rounds' median steps (the bench's own is the median
-of all its timed steps, which comes out close to it). "rounds paired" is the median over the
-rounds of each round's median step over that round's own prediction: a row's rounds set side
-by side with the prediction made right before them, rather than the two medians taken apart
-(what a slow stretch of the machine falling on a round moves less, where it moves the round's
-prediction and steps alike). It prints one line per row and counts
-the figures within the target (measured/predicted from 1/1.15 to 1/0.85), then the bench's
-own meas/pred over all rows and per partitioner and schedule (lowest, median, highest), and
-the median over the rows of each spread column the CSVs have.
+would have measured) and from the first N rounds for each N of `--first`. A group's prediction
+is its rounds' median (the lower middle one of an even count), as the bench takes it; its
+measured step is the median of its rounds' median steps (the bench's own is the median of all
+its timed steps, which comes out close to it). "rounds paired" is the median over the rounds of
+each round's median step over that round's own prediction: a row's rounds set side by side with
+the prediction made right before them, rather than the two medians taken apart (what a slow
+stretch of the machine falling on a round moves less, where it moves the round's prediction and
+steps alike). It prints one line per row and counts the figures within the target
+(measured/predicted from 1/1.15 to 1/0.85), then the bench's own meas/pred over all rows and
+per partitioner and schedule (lowest, median, highest), and the median over the rows of each
+spread column the CSVs have.
 
     OMP_NUM_THREADS=1 fxpipe bench mlp --stages 2 --batch 32 --micro-batches 4 \\
         --partitioners even,balanced --schedules gpipe,1f1b --csv a.csv
@@ -47,7 +47,8 @@ def row_ratios(row: Mapping[str, str], group: int, firsts: Sequence[int]
     predicted = [float(v) for v in row["round_predicted_ms"].split()]
     measured = [float(v) for v in row["round_measured_ms"].split()]
     ratios = {"the bench's own": [float(row["ratio"])],
-              "rounds paired": [statistics.median(m / p for p, m in zip(predicted, measured))],
+              "rounds paired": [statistics.median(m / p for p, m in zip(predicted, measured))
+                                if predicted else float("nan")],
               f"groups of {group}": [ratio(predicted[i:i + group], measured[i:i + group])
                                      for i in range(0, len(predicted) - group + 1, group)]}
     for n in firsts:

@@ -2,9 +2,9 @@
 
 The simulator has a message arrive a latency plus its bytes over the bandwidth after it is
 sent, as the link's ping-pong measured them (their medians). On some virtual machines a message
-now and then arrives milliseconds late, with no fxpipe in the way, and a pipeline of short
-steps sends many: one late message in a step is enough to move the step's median. This script
-uses torch.distributed alone. Rank 1 waits in a blocking receive; rank 0 first computes (or
+now and then arrives milliseconds late, and a pipeline of short steps sends many: one late
+message in a step is enough to move the step's median. This script sends with torch.distributed
+alone, no pipeline in the way. Rank 1 waits in a blocking receive; rank 0 first computes (or
 not) for `--before` microseconds, then sends one message (`--numel` floats, over a process
 group of its own, one way, as fxpipe's links are) and then either blocks in a receive of its
 own or computes for a millisecond, as a pipeline stage does after a send. The delay is the
@@ -75,16 +75,16 @@ def main() -> None:
                 stamps = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
                 dist.all_gather(stamps, stamp)
                 delays.append(float(stamps[1] - stamps[0]))
-            p90 = statistics.quantiles(delays, n=10)[-1]
+            p90 = statistics.quantiles(delays, n=10)[-1] if len(delays) > 1 else delays[0]
             late = sum(d > 1e-3 for d in delays) / len(delays)
             median = statistics.median(delays)
-            lines.append(f"{before * 1e6:8.0f} us  {after:8s} {median * 1e6:8.0f}"
+            lines.append(f"{before * 1e6:12.0f} us  {after:8s} {median * 1e6:8.0f}"
                          f" {p90 * 1e6:8.0f} {max(delays) * 1e6:8.0f} {late:8.1%}")
     shutdown()
     if rank == 0:
         print(f"one message of {args.numel} floats from rank 0 to rank 1, waiting in a receive; "
               f"{args.messages} per case; delay from the send's start to the receive's end, us")
-        print(f"{'computed before':>11s}  {'then':8s} {'median':>8s} {'p90':>8s} {'largest':>8s}"
+        print(f"{'computed before':>15s}  {'then':8s} {'median':>8s} {'p90':>8s} {'largest':>8s}"
               f" {'> 1 ms':>8s}")
         print("\n".join(lines))
 

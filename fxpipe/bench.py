@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -28,8 +28,11 @@ from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.passes.analysis.capacity import ThreadCapacity
 from fxpipe.passes.analysis.memory import PeakMemory
 from fxpipe.plan import Plan
-from fxpipe.report import late_messages, step_time
+from fxpipe.report import LateMessages, late_messages, step_time
 from fxpipe.schedules import ActionKind
+
+if TYPE_CHECKING:
+    from fxpipe.pipeline import CompiledPipeline
 
 __all__ = [
     "FILLING_STEPS_MAX",
@@ -85,7 +88,7 @@ class BenchRow:
     predicted_bubble: float
     measured_bubble: float
     memory: tuple[float, ...]  # per stage, bytes: the planner's estimate, or the measured peak
-    memory_kind: str = "estimate"  # or "peak" (measured: per device, or per rank on the CPU)
+    memory_kind: str = "estimate"  # or "peak" (measured: each stage's device's, or rank's)
     # each round's prediction (predicted_ms: their median, the lower of an even count's two
     # middle ones) and median step (measured_ms: all timed steps' median), in the order the
     # rounds ran; empty where not known
@@ -251,7 +254,8 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
     rounds = max(1, min(rounds, repeats))
     # every configuration is compiled first, then their rounds take turns: a stretch of the
     # machine running slow falls on the rows alike, not on the one whose rounds ran then,
-    # and the rows are compared with each other (the best automatic partition against even)
+    # and the rows are compared with each other (the best automatic partition against even);
+    # every configuration's pipeline stays alive meanwhile, its weights and gradients too
     total = len(plans) * (rounds + 1)
     configurations = []
     for index, ((partitioner, schedule), plan) in enumerate(plans.items(), 1):
@@ -262,12 +266,12 @@ def bench(build: Callable[[], tuple[torch.nn.Module, Any, Any, Callable]], stage
         # the partitioners see the loss on the last stage, as the steps compute it
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         configurations.append(_Configuration(partitioner, schedule, pipe, x, y))
-    index = len(plans)
+    done = len(plans)  # the compiles
     for number, steps in enumerate(_split(repeats, rounds), 1):
         for configuration in configurations:
-            index += 1
+            done += 1
             if progress:
-                _progress(index, total, f"round {number}/{rounds} {configuration.name}")
+                _progress(done, total, f"round {number}/{rounds} {configuration.name}")
             configuration.run_round(steps, warmup, settle, measure, profile_repeats,
                                     profile_time)
     rows = [configuration.row(stages) for configuration in configurations]
@@ -284,7 +288,7 @@ class _Configuration:
 
     partitioner: str
     schedule: str
-    pipe: Any  # the CompiledPipeline
+    pipe: CompiledPipeline
     x: Any
     y: Any
     # per round: the prediction (the simulated timeline, and the runtime's time per step
@@ -295,7 +299,7 @@ class _Configuration:
     round_steps: list[float] = dataclasses.field(default_factory=list)
     slowest_core: list[float] = dataclasses.field(default_factory=list)
     times: list[float] = dataclasses.field(default_factory=list)  # every timed step
-    late: list[Any] = dataclasses.field(default_factory=list)  # each timed step's late messages
+    late: list[LateMessages] = dataclasses.field(default_factory=list)  # per timed step
 
     @property
     def name(self) -> str:
@@ -338,18 +342,12 @@ class _Configuration:
         self.round_steps.append(statistics.median(timed))
 
     def row(self, stages: int) -> BenchRow:
-        """The configuration's row, from its rounds; its memory measured in one more step."""
+        """The configuration's row, from its rounds (and its memory, see _memory)."""
         pipe = self.pipe
         totals = [timeline.makespan + overhead for timeline, overhead in self.predictions]
         predicted, overhead = self.predictions[_lower_median_index(totals)]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
-        memory, kind = tuple(s.memory for s in pipe.partition.stages), "estimate"
-        devices = list(dict.fromkeys(r.device for r in pipe.executor.runners.values()))
-        if any(d.type == "cuda" for d in devices):  # this process's stages' devices
-            memory, kind = _step_peaks(pipe, self.x, self.y, devices), "peak"
-        elif 1 < _world_size() == stages:  # one stage per process: a process's memory is a stage's
-            [mine] = _step_peaks(pipe, self.x, self.y, [torch.device("cpu")])
-            memory, kind = tuple(_from_every_rank(mine)), "peak"
+        memory, kind = _memory(pipe, self.x, self.y, stages)
         return BenchRow(
             partitioner=self.partitioner, schedule=self.schedule,
             sizes=tuple(pipe.partition.sizes), micro_batches=pipe.partition.micro_batches,
@@ -634,6 +632,30 @@ def rows_from_json(path: str) -> list[BenchRow]:
                 for row in json.load(handle)]
 
 
+def _memory(pipe, x: Any, y: Any, stages: int) -> tuple[tuple[float, ...], str]:
+    """Per stage, the memory a row shows and its kind: with one stage per process (under
+    torchrun), every rank's peak in one more step, gathered (every rank takes this path); on
+    GPUs in one process, each stage's device's peak in one more step; else the planner's
+    estimate (stages in one process share the CPU's memory, which no peak tells apart)."""
+    runners = [pipe.executor.runners[s] for s in sorted(pipe.executor.runners)]
+    devices = [_indexed(r.device) for r in runners]  # this process's stages', in order
+    if 1 < _world_size() == stages:  # a process's memory is its stage's
+        [mine] = _step_peaks(pipe, x, y, devices[:1])
+        return tuple(_from_every_rank(mine)), "peak"
+    if _world_size() == 1 and any(d.type == "cuda" for d in devices):
+        peaks = dict(zip(unique := list(dict.fromkeys(devices)),
+                         _step_peaks(pipe, x, y, unique)))
+        return tuple(peaks[d] for d in devices), "peak"
+    return tuple(s.memory for s in pipe.partition.stages), "estimate"
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index ("cuda" is the current CUDA device), as tensors name theirs."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _step_peaks(pipe: torch.nn.Module, x: Any, y: Any, devices: Sequence[torch.device]
                 ) -> tuple[float, ...]:
     """Per device of `devices`, the pipeline's peak memory there: what it holds on it between
@@ -644,8 +666,8 @@ def _step_peaks(pipe: torch.nn.Module, x: Any, y: Any, devices: Sequence[torch.d
     tensors = [t for t in pipe.state_dict().values() if isinstance(t, torch.Tensor)]
     tensors += [p.grad for p in pipe.parameters() if p.grad is not None]
     for tensor in tensors:
-        if tensor.device in held:
-            held[tensor.device] += tensor.nbytes
+        if (device := _indexed(tensor.device)) in held:
+            held[device] += tensor.nbytes
     with contextlib.ExitStack() as measuring:
         peaks = [measuring.enter_context(PeakMemory(d)) for d in devices]
         for peak in peaks:  # the spans end first, then the CPU's profiler

@@ -248,13 +248,13 @@ def _bench(args: argparse.Namespace) -> None:
           "how far the rounds' median steps moved, the same plan run again (the drift, and "
           "the steps' own noise): a meas/pred off 1 by no more than that is within the "
           "measurement's own variation")
-    print(f"late steps: the timed steps in which a message reached its receiver over "
-          f"{LATE_AFTER * 1e3:g} ms later after its send began than predicted (time in "
-          "handing it over that no prediction includes: the transport's under torchrun, a "
-          "send held up or a receiver kept waiting after it); a meas/pred above 1 with many "
-          "late steps comes at least in part from there, not from the plan; late ms: those "
-          "messages' delays beyond the predicted ones, summed, per timed step on average (set "
-          "beside measured less predicted ms)")
+    print(f"late steps: the timed steps in which a message was delayed over "
+          f"{LATE_AFTER * 1e3:g} ms longer than predicted, its send and the receive's wait "
+          "after it (time in handing it over that no prediction includes: the transport's "
+          "under torchrun, a send held up or a receiver kept waiting); a meas/pred above 1 "
+          "with many late steps comes at least in part from there, not from the plan; late "
+          "ms: those messages' delays beyond the predicted ones, summed, per timed step on "
+          "average (set beside measured less predicted ms)")
     if (line := core_speed_line(rows)) is not None:
         print(line)
     if steal.share is not None:

@@ -133,10 +133,10 @@ def interference(events: Sequence[Event]) -> list[Interference]:
 
 @dataclasses.dataclass(frozen=True)
 class LateMessages:
-    """Messages that took longer from the start of their send to their receiver than the
-    prediction says: time in handing them over that the prediction does not include (over
-    torch.distributed the transport's: a send held up, or a receiver kept waiting after it; in
-    one process the waiting stage thread's wake-up)."""
+    """Messages delayed longer than the prediction says (message_delays: the send's own time
+    and the receive's wait after it): time in handing them over that the prediction does not
+    include (over torch.distributed the transport's: a send held up, or a receiver kept waiting
+    after it; in one process the waiting stage thread's wake-up)."""
 
     late: int  # messages whose delay exceeded the predicted one by over the threshold
     receives: int  # receives found, with their sends, in both timelines
@@ -152,7 +152,7 @@ def late_messages(measured: Sequence[Event], predicted: Sequence[Event],
     the predicted one; the messages delayed over `threshold` seconds longer are late. An
     action that occurs more than once (runs appended to one trace) is paired by occurrence.
     Both timelines need one time axis for all stages: fxpipe's traces have one on one host,
-    where every rank reads the same clock; across hosts, clock offsets enter the waits."""
+    where every rank reads the same clock; across hosts, clock offsets enter the delays."""
     measured_delays, predicted_delays = message_delays(measured), message_delays(predicted)
     excess = sorted((delay - predicted_delays[key], str(key[0]))
                     for key, delay in measured_delays.items() if key in predicted_delays)
@@ -347,11 +347,11 @@ def _samples(sizes: Sequence[int]) -> str:
 def _late_lines(late: LateMessages | None) -> list[str]:
     if late is None or not late.late:
         return []
-    return [f"late messages: {late.late} of {late.receives} reached their receive over "
-            f"{_ms(late.threshold)} ms later after their send began than predicted "
-            f"({_ms(late.excess)} ms in all, the longest {_ms(late.longest)} ms: {late.worst}): "
-            "time in handing messages over (a send held up, or a receiver kept waiting after "
-            "it) that the prediction does not include"]
+    return [f"late messages: {late.late} of {late.receives} were delayed over "
+            f"{_ms(late.threshold)} ms longer than predicted in their sends and the receives' "
+            f"waits after them ({_ms(late.excess)} ms in all, the longest "
+            f"{_ms(late.longest)} ms: {late.worst}): time in handing messages over that the "
+            "prediction does not include"]
 
 
 def _interference_lines(slowdowns: Sequence[Interference]) -> list[str]:

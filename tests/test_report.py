@@ -115,7 +115,8 @@ def test_a_message_is_late_by_its_wait_after_the_send_beyond_the_predicted_one(
     """The prediction: the receive starts at 0 and ends `transfer` after the send. Measured: the
     receiver starts its receive `receiver_busy` later and it ends `delay` later than it would
     have had the transfer taken its predicted time. A receiver that came late to a message that
-    had already arrived does not make it late; only the wait after the send counts."""
+    had already arrived does not make it late; the send takes its predicted time, so only the
+    wait after it counts here (a send held up: the test below)."""
     assume(abs(delay - LATE_AFTER) > 1e-9)  # clear of rounding at the threshold
     predicted = _message(send_end, (0.0, send_end + transfer))
     start = receiver_busy
@@ -154,7 +155,7 @@ def test_late_messages_sum_over_receives_and_name_the_longest():
     assert (found.late, found.receives, found.worst) == (1, 2, "1RF0<0")
     assert found.excess == found.longest == pytest.approx(3e-3)
     line = format_report(step_time(measured, 2), step_time(predicted, 2), "gpipe", late=found)
-    assert "late messages: 1 of 2 reached their receive over 0.50 ms later" in line
+    assert "late messages: 1 of 2 were delayed over 0.50 ms longer than predicted" in line
     assert "1RF0<0" in line
     quiet = late_messages(predicted, predicted)
     assert "late messages" not in format_report(step_time(predicted, 2),
