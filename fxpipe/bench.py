@@ -632,7 +632,7 @@ def rows_from_json(path: str) -> list[BenchRow]:
                 for row in json.load(handle)]
 
 
-def _memory(pipe, x: Any, y: Any, stages: int) -> tuple[tuple[float, ...], str]:
+def _memory(pipe: CompiledPipeline, x: Any, y: Any, stages: int) -> tuple[tuple[float, ...], str]:
     """Per stage, the memory a row shows and its kind: with one stage per process (under
     torchrun), every rank's peak in one more step, gathered (every rank takes this path); on
     GPUs in one process, each stage's device's peak in one more step; else the planner's
