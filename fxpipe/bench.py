@@ -293,12 +293,12 @@ class _Configuration:
     y: Any
     # per round: the prediction (the simulated timeline, and the runtime's time per step
     # outside it), what it was made from (the stages' compute, fxpipe's own overhead per
-    # step), the median step, and the slowest core's time for the fixed work after the steps
+    # step), the timed steps' seconds, and the slowest core's time for the fixed work after
+    # the steps
     predictions: list[tuple[Any, float]] = dataclasses.field(default_factory=list)
     made_of: list[tuple[float, float]] = dataclasses.field(default_factory=list)
-    round_steps: list[float] = dataclasses.field(default_factory=list)
+    round_times: list[list[float]] = dataclasses.field(default_factory=list)
     slowest_core: list[float] = dataclasses.field(default_factory=list)
-    times: list[float] = dataclasses.field(default_factory=list)  # every timed step
     late: list[LateMessages] = dataclasses.field(default_factory=list)  # per timed step
 
     @property
@@ -338,8 +338,7 @@ class _Configuration:
         # gathered after the round, so that only the barrier comes between its steps
         self.late += [late_messages(events, timeline.events)
                       for events in pipe.executor.full_traces(kept)]
-        self.times += timed
-        self.round_steps.append(statistics.median(timed))
+        self.round_times.append(timed)
 
     def row(self, stages: int) -> BenchRow:
         """The configuration's row, from its rounds (and its memory, see _memory)."""
@@ -348,14 +347,15 @@ class _Configuration:
         predicted, overhead = self.predictions[_lower_median_index(totals)]
         measured = step_time(pipe.full_trace("timing the bubble"), stages)  # every rank's
         memory, kind = _memory(pipe, self.x, self.y, stages)
+        every_step = [t for timed in self.round_times for t in timed]
         return BenchRow(
             partitioner=self.partitioner, schedule=self.schedule,
             sizes=tuple(pipe.partition.sizes), micro_batches=pipe.partition.micro_batches,
             predicted_ms=(predicted.makespan + overhead) * 1e3,
-            measured_ms=statistics.median(self.times) * 1e3, predicted_bubble=predicted.bubble,
+            measured_ms=statistics.median(every_step) * 1e3, predicted_bubble=predicted.bubble,
             measured_bubble=measured.bubble, memory=memory, memory_kind=kind,
             round_predicted_ms=tuple(t * 1e3 for t in totals),
-            round_measured_ms=tuple(t * 1e3 for t in self.round_steps),
+            round_measured_ms=tuple(statistics.median(timed) * 1e3 for timed in self.round_times),
             round_compute_ms=tuple(compute * 1e3 for compute, _ in self.made_of),
             round_runtime_ms=tuple(runtime * 1e3 for _, runtime in self.made_of),
             round_core_ms=() if any(map(math.isnan, self.slowest_core)) else tuple(
@@ -364,7 +364,7 @@ class _Configuration:
             late_ms=statistics.fmean(found.excess for found in self.late) * 1e3,
             # this process's stages (under torchrun, this rank's)
             on_cpu=all(r.device.type == "cpu" for r in pipe.executor.runners.values()),
-            timed_steps=len(self.times), bound=pipe.bound_cores() is not None,
+            timed_steps=len(every_step), bound=pipe.bound_cores() is not None,
             threads=len(pipe.executor.driver.workers) if pipe.shared_threads() else 0,
             **_capacities(pipe))
 

@@ -376,8 +376,8 @@ def test_a_load_of_one_kind_runs_only_that_kind(monkeypatch, load):
 
     monkeypatch.setattr(profile_module, "_connected_forward", counted_forward)
     monkeypatch.setattr(torch.autograd, "backward", counted_backward)
-    # timed for 0.05 s a size at least: far longer than the interpreter's switch interval, so
-    # that the load gets to run at each size (20 runs of these units can take under 1 ms)
+    # timed for 0.05 s a size at least, far longer than the interpreter's switch interval, so
+    # that the load gets to run at each size (20 runs of units this small can end sooner)
     prof = profile_units(graph, table, [x], [2, 4], warmup=1, repeats=20, concurrency=2,
                          load=load, min_time=0.05)
     assert np.all(prof.forward > 0) and np.all(prof.backward >= 0)
