@@ -74,6 +74,7 @@ def report(label: str, cpu: int, medians: list[float], window: float) -> None:
 def after_idle(cpu: int, idle: float, fast: float, window: float) -> tuple[float, int, int]:
     """Bound to `cpu`: asleep for `idle` seconds, then the work timed for 0.3 s in windows.
     How long the windows ran slow from the start (seconds), how many were slow, of how many."""
+    # bound before the sleep (windows_on binds again): the work then runs on a core that idled
     os.sched_setaffinity(0, {cpu})
     time.sleep(idle)
     medians = windows_on(cpu, 0.3, window)
