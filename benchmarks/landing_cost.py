@@ -18,6 +18,7 @@ of the backward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -45,7 +46,8 @@ def free_gloo_threads(cpus: set[int]) -> int:
     """Let gloo's I/O threads of this process run on `cpus`; how many there were."""
     freed = 0
     for thread in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{thread}/comm") as name:
+        # a thread that ended meanwhile has no file to read
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
             if name.read().strip() == "gloo_tcp_loop":
                 os.sched_setaffinity(int(thread), cpus)
                 freed += 1
@@ -81,7 +83,7 @@ def main() -> None:
     parser.add_argument("--free-gloo", action="store_true",
                         help="let gloo's I/O threads run on either core")
     args = parser.parse_args()
-    if not hasattr(os, "sched_setaffinity") or os.cpu_count() is None or os.cpu_count() < 2:
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("this script binds each rank to a core of its own: Linux, 2 cores")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
