@@ -4,11 +4,11 @@ A pipeline stage under torchrun posts its next receive before it computes, so th
 lands during the compute, and gloo's I/O thread takes it in meanwhile. Rank 1 here runs a small
 model's forward (with its loss) and backward again and again, as a last stage does, and times
 each. Rank 0 meanwhile sleeps ("alone"), computes ("other computes"), sends rank 1 one message
-during each of its forwards and backwards ("messages land"), or computes between those sends
-("both"). Every thread of each rank is bound to a core of its own, as fxpipe binds ranks
-(`fxpipe.affinity.pin_process`); with `--free-gloo`, gloo's I/O threads (named
-`gloo_tcp_loop`) may run on any of the two cores. Prints per case the medians of the forward and
-of the backward.
+per forward and backward, whose receive rank 1 posts right before the forward ("messages land"),
+or computes between those sends ("both"). Every thread of each rank is bound to a core of its
+own, as fxpipe binds ranks (`fxpipe.affinity.pin_process`); with `--free-gloo`, gloo's I/O
+threads (named `gloo_tcp_loop`) may run on any of the two cores. Prints per case the medians of
+the forward and of the backward.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/landing_cost.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/landing_cost.py \\
@@ -108,7 +108,7 @@ def main() -> None:
                 alone[0] = time.perf_counter() - start
             lines.append(f"{case:15s} {statistics.median(forwards) * 1e6:9.1f}"
                          f" {statistics.median(backwards) * 1e6:9.1f}")
-        elif landing:  # one message per forward and backward of rank 1's, as they come
+        elif landing:  # one message per forward and backward of rank 1's, as it posts them
             for _ in range(args.iterations):
                 if case == "both":
                     busy(args.gap * 1e-6)
