@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
-           "pin_process", "pin_rank", "ranks_on_host", "stage_cores", "usable_cores",
-           "usable_cpus"]
+           "pin_process", "pin_rank", "ranks_on_host", "release_io_threads", "stage_cores",
+           "usable_cores", "usable_cpus"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
+_unbound: tuple[int, ...] | None = None  # the CPUs it had before: its I/O threads' (below)
+IO_THREADS = ("gloo_tcp_loop",)  # gloo's TCP event loops, one per process group
 Host = tuple[str, bool, tuple[int, ...], bool]  # a rank's (host, on the CPU, CPUs, bound)
 
 
@@ -77,7 +79,7 @@ def pin_rank(device: str, affinity: str, everyone: Sequence[Host]) -> tuple[int,
     Unbound, the OS moves the ranks' threads between cores and now and then runs two ranks on
     one, which slows their steps and makes their times jump from one stretch of steps to the
     next (benchmarks/rank_affinity.py)."""
-    global _bound
+    global _bound, _unbound
     if affinity == "none" or not hasattr(os, "sched_getaffinity"):
         return None
     if not str(device).startswith("cpu"):
@@ -86,11 +88,35 @@ def pin_rank(device: str, affinity: str, everyone: Sequence[Host]) -> tuple[int,
     # ranks bound by an earlier compile agree on "bound", whatever their shares
     share = _bound if everyone[rank][3] else choose_share(
         rank, [(host, "bound" if bound else cpus) for host, _, cpus, bound in everyone])
+    before = usable_cpus()
     if share is None or not pin_process(share):
         return None
-    _bound = share
+    _bound, _unbound = share, _unbound or before
+    release_io_threads()
     torch.set_num_threads(min(torch.get_num_threads(), len(share)))
     return share
+
+
+def release_io_threads() -> int:
+    """Let the I/O threads (IO_THREADS) of a process pin_rank bound run on every CPU it had
+    before, as they did; how many there are (0 where it bound nothing). Call it after making a
+    process group, whose threads start with the binding of the thread that makes it.
+
+    Bound to the rank's one core, the thread that takes a message in competes with the stage's
+    compute for it, and the compute it lands in ran longer than with that thread free to use
+    the other core (benchmarks/landing_cost.py, ACCURACY.md)."""
+    if _bound is None or _unbound is None or not os.path.isdir("/proc/self/task"):
+        return 0
+    released = 0
+    for thread in os.listdir("/proc/self/task"):
+        # a thread that ended meanwhile has no name to read, nor affinity to set
+        with contextlib.suppress(OSError):
+            with open(f"/proc/self/task/{thread}/comm") as name:
+                if name.read().strip() not in IO_THREADS:
+                    continue
+            os.sched_setaffinity(int(thread), _unbound)
+            released += 1
+    return released
 
 
 def format_cpus(cpus: Sequence[int]) -> str:

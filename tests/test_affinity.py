@@ -9,13 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fxpipe import affinity
 from fxpipe.affinity import (
+    IO_THREADS,
     choose_share,
     core_share,
     format_cpus,
     pin_process,
     pin_rank,
     ranks_on_host,
+    release_io_threads,
     stage_cores,
     usable_cores,
 )
@@ -104,6 +107,45 @@ def test_binding_reaches_threads_already_running_and_the_ones_started_later():
         before.join()
         pin_process(allowed)
     assert os.sched_getaffinity(0) == allowed
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not os.path.isdir("/proc/self/task"),
+                    reason="needs per-thread affinity, thread names in /proc and two CPUs")
+def test_only_io_threads_are_released_to_the_cpus_the_rank_had(monkeypatch):
+    allowed = os.sched_getaffinity(0)
+    one = {min(allowed)}
+    ids, stop = [], threading.Event()
+
+    def named(name: str) -> None:  # a thread with the OS name a library's thread would have
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+            comm.write(name)
+        ids.append(threading.get_native_id())
+        stop.wait()
+
+    threads = [threading.Thread(target=named, args=(n,)) for n in (IO_THREADS[0], "worker")]
+    for thread in threads:
+        thread.start()
+    try:
+        while len(ids) < len(threads):
+            pass
+        assert pin_process(one)
+        assert release_io_threads() == 0  # not bound by pin_rank: nothing to release
+        monkeypatch.setattr(affinity, "_bound", tuple(one))
+        monkeypatch.setattr(affinity, "_unbound", tuple(sorted(allowed)))
+        assert release_io_threads() >= 1
+        io, worker = (os.sched_getaffinity(i) for i in sorted(ids, key=_name_order))
+        assert io == allowed and worker == one and os.sched_getaffinity(0) == one
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        pin_process(allowed)
+
+
+def _name_order(thread: int) -> int:
+    with open(f"/proc/self/task/{thread}/comm") as comm:
+        return 0 if comm.read().strip() in IO_THREADS else 1
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.affinity import hosts, pin_rank, ranks_on_host
+from fxpipe.affinity import hosts, pin_rank, ranks_on_host, release_io_threads
 from fxpipe.allocator import keep_for
 from fxpipe.compile.front import (
     check_batched_inputs,
@@ -193,6 +193,14 @@ def _agree(layout, plan: Plan, units: Sequence[Unit]) -> None:
         )
 
 
+def _new_group(ranks: Sequence[int]) -> Any:
+    """A process group of `ranks` (every rank of the job must make it), its I/O threads free
+    of the rank's binding as the others' are (release_io_threads)."""
+    handle = torch.distributed.new_group(ranks)
+    release_io_threads()
+    return handle
+
+
 def _pipeline_group(layout):
     """This rank's pipeline as a process group (the whole job when there is one pipeline)."""
     if layout.groups == 1:
@@ -200,7 +208,7 @@ def _pipeline_group(layout):
     mine = None
     for group in range(layout.groups):  # every rank creates every group, in the same order
         ranks = [layout.rank_of(s, group) for s in range(layout.stages)]
-        handle = torch.distributed.new_group(ranks)
+        handle = _new_group(ranks)
         if layout.rank in ranks:
             mine = handle
     return mine
@@ -221,7 +229,7 @@ class _LinkGroups:
         if (src, dst) not in self.made:
             for group in range(self.layout.groups):  # all ranks make all groups' handles
                 ranks = [self.layout.rank_of(src, group), self.layout.rank_of(dst, group)]
-                handle = torch.distributed.new_group(ranks)
+                handle = _new_group(ranks)
                 if group == self.layout.group:
                     self.made[src, dst] = handle
         return self.made[src, dst]
@@ -242,7 +250,7 @@ def _data_parallel_group(layout, stage) -> Any:
     mine = None
     for s in range(layout.stages):  # every rank creates every group, in the same order
         ranks = layout.data_parallel_ranks(s)
-        handle = torch.distributed.new_group(ranks)
+        handle = _new_group(ranks)
         if s == layout.stage:
             mine = handle
     source = layout.data_parallel_ranks(layout.stage)[0]
@@ -259,7 +267,7 @@ def _tied_groups(pipe: CompiledPipeline, layout) -> list[tuple[torch.nn.Paramete
     for _, param, stages in pipe.shared_parameter_objects():
         for group in range(layout.groups):
             ranks = [layout.rank_of(s, group) for s in stages]
-            handle = torch.distributed.new_group(ranks)
+            handle = _new_group(ranks)
             if layout.rank in ranks:
                 with torch.no_grad():
                     torch.distributed.broadcast(param.data, ranks[0], handle)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.affinity import IO_THREADS
 from fxpipe.models import GPT
 
 STEPS = 2
@@ -231,13 +233,23 @@ def train(name, stages, schedule, micro_batches, out):
     every_rank_links: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_links, _links(pipe))
     every_rank_cpus: list = [None] * dist.get_world_size()  # where each rank's threads may run
-    threads = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
-    dist.all_gather_object(every_rank_cpus, (sorted(threads),
+    dist.all_gather_object(every_rank_cpus, (_thread_cpus(),
                                              [d for d in pipe.devices if "(rank" in d]))
     if dist.get_rank() == 0:
         torch.save({"state": state, "losses": losses, "tied": every_rank_tied,
                     "own_keys": sorted(pipe.state_dict()), "bytes": every_rank_bytes,
                     "links": every_rank_links, "cpus": every_rank_cpus}, out)
+
+
+def _thread_cpus():
+    """The CPU sets this rank's threads may run on: those of gloo's I/O threads, and those of
+    the others."""
+    io, others = set(), set()
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
+            kind = io if name.read().strip() in IO_THREADS else others
+            kind.add(tuple(sorted(os.sched_getaffinity(int(thread)))))
+    return sorted(io), sorted(others)
 
 
 def _links(pipe):

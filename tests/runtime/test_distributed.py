@@ -64,11 +64,13 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
 
 def _check_binding(ranks_threads) -> None:
     """Plan(cpu_affinity="auto"): with a CPU each, every thread of each rank runs on the rank's
-    own equal share of this machine's CPUs, shown with its device; with fewer CPUs than ranks,
-    on all of them."""
+    own equal share of this machine's CPUs, shown with its device, but gloo's I/O threads
+    (one per process group), which run on all of them; with fewer CPUs than ranks, every
+    thread on all of them."""
     allowed = tuple(sorted(os.sched_getaffinity(0)))
-    assert all(len(threads) == 1 for threads, _ in ranks_threads)  # all of a rank's alike
-    shares = [threads[0] for threads, _ in ranks_threads]
+    assert all(io == [allowed] for (io, _), _ in ranks_threads), ranks_threads
+    assert all(len(others) == 1 for (_, others), _ in ranks_threads)  # all of a rank's alike
+    shares = [others[0] for (_, others), _ in ranks_threads]
     if len(ranks_threads) > len(allowed):
         assert all(share == allowed for share in shares)
         return
