@@ -8,7 +8,9 @@ per forward and backward, whose receive rank 1 posts right before the forward ("
 or computes between those sends ("both"). Every thread of each rank is bound to a core of its
 own, as fxpipe binds ranks (`fxpipe.affinity.pin_process`); with `--free-gloo`, gloo's I/O
 threads (named `gloo_tcp_loop`) may run on any of the two cores. Prints per case the medians of
-the forward and of the backward.
+the forward and of the backward, the share of rank 1's waits for a message after them that
+blocked, and the medians over the forwards and backwards right after a wait that did not: a
+compute right after a blocking wait runs slower whether or not a message lands in it.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/landing_cost.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/landing_cost.py \\
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -32,6 +35,7 @@ from fxpipe.cli import at_least_one
 from fxpipe.distributed import shutdown
 
 CASES = ("alone", "other computes", "messages land", "both")
+WAITED = 20e-6  # a wait for a message that arrived during the compute returns sooner
 
 
 def busy(seconds: float) -> None:
@@ -54,24 +58,34 @@ def free_gloo_threads(cpus: set[int]) -> int:
     return freed
 
 
-def last_stage(iterations: int, message: torch.Tensor | None, group) -> tuple[list, list]:
+def last_stage(iterations: int, message: torch.Tensor | None, group
+               ) -> tuple[list, list, list]:
     """Rank 1: forward with loss, then backward, `iterations` times, each iteration's receive
-    posted before its forward (None: no message); the seconds of each forward and backward."""
+    posted before its forward (None: no message); the seconds of each forward and backward,
+    and of each wait for the message after them."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     x, y = torch.randn(8, 64, requires_grad=True), torch.randint(0, 10, (8,))
-    forwards, backwards = [], []
+    forwards, backwards, waits = [], [], []
     for _ in range(iterations):
         work = dist.irecv(message, 0, group) if message is not None else None
         start = time.perf_counter()
         loss = nn.functional.cross_entropy(model(x), y)
         middle = time.perf_counter()
         loss.backward()
+        end = time.perf_counter()
         forwards.append(middle - start)
-        backwards.append(time.perf_counter() - middle)
+        backwards.append(end - middle)
         if work is not None:
             work.wait()
-    return forwards, backwards
+        waits.append(time.perf_counter() - end)
+    return forwards, backwards, waits
+
+
+def after_no_wait(times: list[float], waits: list[float]) -> list[float]:
+    """`times` of the iterations whose last one's wait did not block (under WAITED): a
+    compute right after a wait runs slower for other reasons (ACCURACY.md, "resume")."""
+    return [t for t, before in zip(times[1:], waits) if before < WAITED]
 
 
 def main() -> None:
@@ -102,12 +116,16 @@ def main() -> None:
         landing = case in ("messages land", "both")
         if rank == 1:
             start = time.perf_counter()
-            forwards, backwards = last_stage(args.iterations, message if landing else None,
-                                             to_last)
+            forwards, backwards, waits = last_stage(args.iterations,
+                                                    message if landing else None, to_last)
             if case == "alone":
                 alone[0] = time.perf_counter() - start
+            steady = [after_no_wait(t, waits) for t in (forwards, backwards)]
+            blocked = sum(w >= WAITED for w in waits) / len(waits)
             lines.append(f"{case:15s} {statistics.median(forwards) * 1e6:9.1f}"
-                         f" {statistics.median(backwards) * 1e6:9.1f}")
+                         f" {statistics.median(backwards) * 1e6:9.1f} {blocked:7.0%}"
+                         + "".join(f" {statistics.median(t) * 1e6 if t else math.nan:9.1f}"
+                                   for t in steady))
         elif landing:  # one message per forward and backward of rank 1's, as it posts them
             for _ in range(args.iterations):
                 if case == "both":
@@ -124,7 +142,8 @@ def main() -> None:
         print(f"rank 1's forward (with its loss) and backward, medians of {args.iterations} in "
               f"us; every rank bound to a core of its own"
               + (f", gloo's {freed} I/O threads free to use either" if args.free_gloo else ""))
-        print(f"{'rank 0':15s} {'forward':>9s} {'backward':>9s}")
+        print(f"{'rank 0':15s} {'forward':>9s} {'backward':>9s} {'waited':>7s}"
+              f" {'forward':>9s} {'backward':>9s}  (the last two: after no wait)")
         print("\n".join(lines))
 
 
