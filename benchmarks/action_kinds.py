@@ -13,14 +13,22 @@ runtime's own time), then one per stage with each kind's "predicted / measured" 
         benchmarks/action_kinds.py --model mlp --schedule 1f1b
     OMP_NUM_THREADS=1 python benchmarks/action_kinds.py --model resnet --stages 4 \\
         --micro-batches 8
+
+Under torchrun, `--late-receives` posts each receive only when its RECV action comes, instead of
+before the compute ahead of it, so no message lands during a compute of its receiver (gloo
+holds a message whose receive is not posted; the steps run far slower, but the computes can be
+set beside the default's).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Any
 
 from two_stages import add_model_arguments, at_least_one, time_per_kind, two_stages
+
+from fxpipe.distributed import launched
 
 
 def main() -> None:
@@ -29,9 +37,15 @@ def main() -> None:
     parser.add_argument("--stages", type=at_least_one, default=2)
     parser.add_argument("--partitioner", default="even")
     parser.add_argument("--rounds", type=at_least_one, default=3)
+    parser.add_argument("--late-receives", action="store_true",
+                        help="under torchrun, post each receive at its RECV action")
     args = parser.parse_args()
+    if args.late_receives and not launched():
+        parser.error("--late-receives changes the ranks' transport: run it under torchrun")
     setup = two_stages(args, partitioner=args.partitioner, schedule=args.schedule)
     pipe, x = setup.pipe, setup.x
+    if args.late_receives:
+        post_receives_late(pipe.executor.transport)
     lines = []
     for _ in range(args.rounds):
         overhead = pipe.measure_step_overhead(x)
@@ -52,6 +66,19 @@ def main() -> None:
           f"kind of action predicted/measured ms per step (medians of {args.steps} steps)")
     print(f"link: {pipe.link}")
     print("\n".join(lines))
+
+
+def post_receives_late(transport) -> None:
+    """Have `transport` (a DistTransport) post each receive when it is waited for: the driver's
+    early posting does nothing."""
+    posting = type(transport).prefetch
+
+    def receive(src: int, dst: int, direction: str, mb: Any) -> dict[str, Any]:
+        posting(transport, src, dst, direction, mb)
+        return type(transport).recv(transport, src, dst, direction, mb)
+
+    transport.prefetch = lambda *_: None
+    transport.recv = receive
 
 
 if __name__ == "__main__":
