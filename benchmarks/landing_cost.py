@@ -6,8 +6,9 @@ model's forward (with its loss) and backward again and again, as a last stage do
 each. Rank 0 meanwhile sleeps ("alone"), computes ("other computes"), sends rank 1 one message
 per forward and backward, whose receive rank 1 posts right before the forward ("messages land"),
 or computes between those sends ("both"). Every thread of each rank is bound to a core of its
-own, as fxpipe binds ranks (`fxpipe.affinity.pin_process`); with `--free-gloo`, gloo's I/O
-threads (named `gloo_tcp_loop`) may run on any of the two cores. Prints per case the medians of
+own, as fxpipe bound ranks before 940db6f (`fxpipe.affinity.pin_process`); with `--free-gloo`,
+gloo's I/O threads (named `gloo_tcp_loop`) may run on any of the two cores, as fxpipe leaves
+them since. Prints per case the medians of
 the forward and of the backward, the share of rank 1's waits for a message after them that
 blocked, and the medians over the forwards and backwards right after a wait that did not: a
 compute right after a blocking wait runs slower whether or not a message lands in it.

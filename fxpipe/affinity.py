@@ -70,11 +70,11 @@ def pin_process(cpus: Sequence[int]) -> bool:
 
 
 def pin_rank(device: str, affinity: str, everyone: Sequence[Host]) -> tuple[int, ...] | None:
-    """With `affinity` "auto" and this rank on the CPU: bind every thread of this process to
-    its share of the host's CPUs (choose_share) and cap torch's intra-op threads at the share's
-    size; return the share, or None when nothing was bound. "none" binds nothing (a binding the
-    process has stays). A rank bound already keeps its share. `everyone`: every rank's
-    `hosts()`, gathered before.
+    """With `affinity` "auto" and this rank on the CPU: bind every thread of this process but
+    its I/O threads (release_io_threads) to its share of the host's CPUs (choose_share) and cap
+    torch's intra-op threads at the share's size; return the share, or None when nothing was
+    bound. "none" binds nothing (a binding the process has stays). A rank bound already keeps
+    its share. `everyone`: every rank's `hosts()`, gathered before.
 
     Unbound, the OS moves the ranks' threads between cores and now and then runs two ranks on
     one, which slows their steps and makes their times jump from one stretch of steps to the
@@ -103,8 +103,9 @@ def release_io_threads() -> int:
     process group, whose threads start with the binding of the thread that makes it.
 
     Bound to the rank's one core, the thread that takes a message in competes with the stage's
-    compute for it, and the compute it lands in ran longer than with that thread free to use
-    the other core (benchmarks/landing_cost.py, ACCURACY.md)."""
+    compute for it: the compute it lands in ran longer than with that thread free to use the
+    other core (benchmarks/landing_cost.py), and the MLP's steps took longer
+    (benchmarks/io_threads.py, ACCURACY.md)."""
     if _bound is None or _unbound is None or not os.path.isdir("/proc/self/task"):
         return 0
     released = 0

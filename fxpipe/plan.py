@@ -75,9 +75,9 @@ class Plan:
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
     # under torch.distributed on the CPU: "auto" binds each rank of a host, and the processes
     # and threads it starts later, to CPUs of its own when there are enough and no launcher
-    # placed the ranks already (fxpipe.affinity); in one process, it binds stage threads that
-    # outnumber the cores round them where as many threads got through at least one thread's
-    # work at once (compile.local.bind_stage_threads); "none" binds nothing
+    # placed the ranks already, but gloo's I/O threads (fxpipe.affinity); in one process, it
+    # binds stage threads that outnumber the cores round them where as many threads got through
+    # at least one thread's work at once (compile.local.bind_stage_threads); "none" binds nothing
     cpu_affinity: str = "auto"
     # in one process, the threads that run the stages: "auto", one per stage, but one for all
     # where stage threads on the CPU outnumber the cores and as many threads as the stages got
