@@ -23,19 +23,8 @@ import statistics
 
 from two_stages import add_model_arguments, at_least_one, two_stages
 
-from fxpipe.affinity import IO_THREADS
+from fxpipe.affinity import io_threads
 from fxpipe.distributed import launched
-
-
-def io_threads() -> list[int]:
-    """The ids of this process's I/O threads (IO_THREADS)."""
-    found = []
-    for thread in os.listdir("/proc/self/task"):
-        # a thread that ended meanwhile has no name to read
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
-            if name.read().strip() in IO_THREADS:
-                found.append(int(thread))
-    return found
 
 
 def bind_io_threads(cpus: set[int]) -> None:

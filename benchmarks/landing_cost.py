@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.affinity import pin_process
+from fxpipe.affinity import io_threads, pin_process
 from fxpipe.cli import at_least_one
 from fxpipe.distributed import shutdown
 
@@ -49,14 +49,11 @@ def busy(seconds: float) -> None:
 
 def free_gloo_threads(cpus: set[int]) -> int:
     """Let gloo's I/O threads of this process run on `cpus`; how many there were."""
-    freed = 0
-    for thread in os.listdir("/proc/self/task"):
-        # a thread that ended meanwhile has no file to read
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
-            if name.read().strip() == "gloo_tcp_loop":
-                os.sched_setaffinity(int(thread), cpus)
-                freed += 1
-    return freed
+    threads = io_threads()
+    for thread in threads:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            os.sched_setaffinity(thread, cpus)
+    return len(threads)
 
 
 def last_stage(iterations: int, message: torch.Tensor | None, group

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
-           "pin_process", "pin_rank", "ranks_on_host", "release_io_threads", "stage_cores",
-           "usable_cores", "usable_cpus"]
+           "io_threads", "pin_process", "pin_rank", "ranks_on_host", "release_io_threads",
+           "stage_cores", "usable_cores", "usable_cpus"]
 
 AFFINITIES = ("auto", "none")
 _bound: tuple[int, ...] | None = None  # this process's share, once pin_rank bound it
@@ -106,18 +106,27 @@ def release_io_threads() -> int:
     compute for it: the compute it lands in ran longer than with that thread free to use the
     other core (benchmarks/landing_cost.py), and the MLP's steps took longer
     (benchmarks/io_threads.py, ACCURACY.md)."""
-    if _bound is None or _unbound is None or not os.path.isdir("/proc/self/task"):
+    if _bound is None or _unbound is None:
         return 0
-    released = 0
+    threads = io_threads()
+    for thread in threads:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            os.sched_setaffinity(thread, _unbound)
+    return len(threads)
+
+
+def io_threads() -> list[int]:
+    """The ids of this process's I/O threads (IO_THREADS); none where /proc does not list
+    threads (not Linux)."""
+    if not os.path.isdir("/proc/self/task"):
+        return []
+    found = []
     for thread in os.listdir("/proc/self/task"):
-        # a thread that ended meanwhile has no name to read, nor affinity to set
-        with contextlib.suppress(OSError):
-            with open(f"/proc/self/task/{thread}/comm") as name:
-                if name.read().strip() not in IO_THREADS:
-                    continue
-            os.sched_setaffinity(int(thread), _unbound)
-            released += 1
-    return released
+        # a thread that ended meanwhile has no name to read
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
+            if name.read().strip() in IO_THREADS:
+                found.append(int(thread))
+    return found
 
 
 def format_cpus(cpus: Sequence[int]) -> str:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.affinity import IO_THREADS
+from fxpipe.affinity import io_threads
 from fxpipe.models import GPT
 
 STEPS = 2
@@ -245,10 +245,10 @@ def _thread_cpus():
     """The CPU sets this rank's threads may run on: those of gloo's I/O threads, and those of
     the others."""
     io, others = set(), set()
-    for thread in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{thread}/comm") as name:
-            kind = io if name.read().strip() in IO_THREADS else others
-            kind.add(tuple(sorted(os.sched_getaffinity(int(thread)))))
+    mine = set(io_threads())
+    for thread in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(OSError):  # ended meanwhile
+            (io if thread in mine else others).add(tuple(sorted(os.sched_getaffinity(thread))))
     return sorted(io), sorted(others)
 
 
