@@ -159,9 +159,11 @@ class TwoStages:
 
 def two_stages(args: argparse.Namespace, **plan: Any) -> TwoStages:
     """Compile `args.model` into 2 stages, or `args.stages` where the script has that argument
-    (one intra-op thread per stage; under torchrun, one stage per rank), with a mini-batch of
-    `args.batch`, `args.micro_batches` (4 without the argument) and the model's loss; `plan`:
-    more Plan fields."""
+    (one intra-op thread per stage; under torchrun, one stage per rank; in one process, a
+    thread per stage, which these scripts study, even where compile's default would run them
+    on one), with a mini-batch of `args.batch`, `args.micro_batches` (4 without the argument)
+    and the model's loss; `plan`: more Plan fields."""
+    plan.setdefault("stage_threads", "stage")
     distributed = launched()  # compile joins the process group torchrun describes
     torch.set_num_threads(1)
     model = bundled(args.model)

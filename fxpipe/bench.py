@@ -112,8 +112,9 @@ class BenchRow:
     late_ms: float = float("nan")
     on_cpu: bool = True  # whether the stages computed on the CPU (else on GPUs)
     timed_steps: int = 0  # how many steps measured_ms is the median of (0: not known)
-    # stage threads beyond the cores (pipe.thread_capacity): how much of the units' work as
-    # many threads as the cores, and as the stages, got through at once against one (else nan)
+    # two or more stage threads (pipe.thread_capacity): how much of the units' work as many
+    # threads as the cores (at most the stages), and as the stages, got through at once
+    # against one (else nan)
     capacity_cores: float = float("nan")
     capacity_stages: float = float("nan")
     bound: bool = False  # whether compile bound the stage threads to cores (pipe.bound_cores)

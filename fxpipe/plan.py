@@ -80,9 +80,9 @@ class Plan:
     # at least one thread's work at once (compile.local.bind_stage_threads); "none" binds nothing
     cpu_affinity: str = "auto"
     # in one process, the threads that run the stages: "auto", one per stage, but one for all
-    # where stage threads on the CPU outnumber the cores and as many threads as the stages got
-    # through less than one thread's work at once (Python's interpreter lock sets their pace:
-    # pipe.thread_capacity); "stage", one per stage; n, that many, the stages dealt round them
+    # where as many threads as the stages on the CPU got through less than one thread's work
+    # at once (Python's interpreter lock sets their pace: pipe.thread_capacity, measured where
+    # two or more are); "stage", one per stage; n, that many, the stages dealt round them
     # (stage s on thread s mod n), each running its stages' actions one at a time
     stage_threads: int | str = "auto"
     # with a stage on the CPU: "keep" has the C allocator (glibc) keep memory the process frees

@@ -267,9 +267,12 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
     `shares_mostly_cores`), that the interpreter lock sets their pace, whose moves the
     prediction does not follow. `threads`: where fewer threads than the stages run them
     (Plan(stage_threads)), how many: each runs its stages' actions one at a time, and so does
-    the prediction; on one thread, the prediction follows the lock's pace."""
+    the prediction; on one thread, the prediction follows the lock's pace. Where the stage
+    threads do not outnumber the cores, only the last: the interpreter lock."""
     if stages <= cores:
-        return []
+        if ranks or stages < 2 or capacity is None or capacity.shares_mostly_cores:
+            return []
+        return [_interpreter_lock_line(capacity, threads)]
     who = "ranks" if ranks else "stages"
     shared = not ranks and threads is not None and threads < stages
     many = f"{threads} threads" if shared and threads > 1 else "one thread"
@@ -306,18 +309,23 @@ def shared_cores_lines(stages: int, cores: int, ranks: bool = False,
                      "likely to step faster")
         lines.append(line)
         if not capacity.shares_mostly_cores:
-            lock = (f"interpreter lock: {capacity.stages} threads got through "
-                    f"{capacity.at_stages:.3f}x, under one thread's work at once, so Python's "
-                    "interpreter lock more than the cores sets their pace; ")
-            if shared and threads == 1:
-                lock += ("the stages run on one thread here (Plan(stage_threads)), whose pace "
-                         "the units' timings alone hold")
-            else:
-                lock += ("the units' timings hold the lock's cost beside busy threads, but not "
-                         "how it moves with what the other stages run and where the OS puts "
-                         "the threads, so steps may stray further from the prediction here")
-            lines.append(lock)
+            lines.append(_interpreter_lock_line(capacity, threads if shared else None))
     return lines
+
+
+def _interpreter_lock_line(capacity: ThreadCapacity, threads: int | None) -> str:
+    """What to tell a user whose stage threads got through less than one thread's work at once:
+    the interpreter lock sets their pace, and on one thread (`threads`) the prediction follows
+    it, on more it does not."""
+    lock = (f"interpreter lock: {capacity.stages} threads got through {capacity.at_stages:.3f}x, "
+            "under one thread's work at once, so Python's interpreter lock more than the cores "
+            "sets their pace; ")
+    if threads == 1:
+        return lock + ("the stages run on one thread here (Plan(stage_threads)), whose pace "
+                       "the units' timings alone hold")
+    return lock + ("the units' timings hold the lock's cost beside busy threads, but not how it "
+                   "moves with what the other stages run and where the OS puts the threads, so "
+                   "steps may stray further from the prediction here")
 
 
 def unlike_prediction_lines(predicted: Sequence[int] | None, ran: Sequence[int],

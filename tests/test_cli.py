@@ -394,8 +394,9 @@ def test_bench_reports_how_far_the_rounds_predictions_and_steps_spread(monkeypat
         x, y = spec.batch(8, torch.Generator().manual_seed(0))
         return spec.build(), x, y, spec.loss_fn
 
+    # a thread each: on one, each round measures the thread's own costs after retime
     [row] = fxpipe.bench.bench(build, 2, 2, ["even"], ["gpipe"], repeats=9, rounds=3,
-                               progress=False, measure=0.0)
+                               progress=False, measure=0.0, stage_threads="stage")
     assert len(scored) == 3
     assert timed_for == [fxpipe.bench.PROFILE_SECONDS] * 3  # longer than compile's timing
     assert row.round_predicted_ms == pytest.approx([t * 1e3 for t in scored])  # in order

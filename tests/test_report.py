@@ -347,8 +347,9 @@ def test_report_says_when_its_stage_threads_share_cores(trained, monkeypatch, co
     assert ("shared cores" in text) == shared
     assert ("thread capacity: 3 threads, each running all the model's units, got through "
             "0.75x the work of one thread at once, 2 threads 1.50x" in text) == shared
+    # within the cores too, where the stages compute on the CPU
     assert ("interpreter lock: 3 threads got through 0.750x, under one thread's work" in text) \
-        == shared
+        == (device == "cpu")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -661,7 +662,8 @@ def test_the_switch_overhead_is_a_compute_slower_after_the_other_kind(monkeypatc
 
 
 def test_the_predicted_timeline_adds_the_switches_of_each_stage():
-    plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9), schedule="1f1b")
+    plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9), schedule="1f1b",
+                       stage_threads="stage")  # a thread each: each stage's own last compute
     pipe = fxpipe.compile(fxpipe.models.MLP(), plan, example_inputs=(torch.randn(6, 32),),
                           cache=False)
     vars(pipe).update(forward_switch=(0.0, 0.0), backward_switch=(0.0, 0.0))
@@ -678,7 +680,8 @@ def test_the_predicted_timeline_adds_the_switches_of_each_stage():
 
 
 def test_the_predicted_timeline_adds_the_action_overhead_to_every_forward_and_backward():
-    plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9))  # no per-message terms
+    plan = fxpipe.Plan(stages=2, micro_batches=3, link=(1e-4, 1e9),  # no per-message terms
+                       stage_threads="stage")  # a thread each, with no time of its own
     pipe = fxpipe.compile(fxpipe.models.MLP(), plan, example_inputs=(torch.randn(6, 32),),
                           cache=False)
     vars(pipe).update(forward_overhead=(0.001, 0.003), backward_overhead=(0.002, 0.004),
@@ -714,7 +717,8 @@ def test_a_stage_posts_its_receives_as_the_runtime_does(schedule, posting):
     With a second of posting against milliseconds of compute, a receive whose message is
     already there takes exactly its posting."""
     x = torch.randn(8, 32)
-    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy)
+    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy,
+                       stage_threads="stage")  # a thread each, which posts its own receives
     pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
     vars(pipe)["link"] = dataclasses.replace(pipe.link, post_recv=1.0, post_recv_between=3.0)
     receives = [e for e in pipe.predicted_timeline().events if e.action.kind.is_recv]
@@ -728,7 +732,8 @@ def _doubled_by(schedule: str, plain: dict, slowed: dict
     """A 2-stage MLP pipeline of `schedule` and its predicted computes that the link's terms
     `slowed` (over `plain`) make twice as long; every other compute stays as it was."""
     x = torch.randn(8, 32)
-    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy)
+    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule=schedule, loss_fn=F.cross_entropy,
+                       stage_threads="stage")  # a thread each, which the link's terms are of
     pipe = fxpipe.compile(MLP(), plan, example_inputs=(x,))
     durations = []
     for terms in (plain, slowed):
@@ -839,3 +844,23 @@ def test_stages_on_fewer_threads_are_told_as_they_run(stages, cores, threads, at
     # a thread per stage, or none said: as before
     assert (shared_cores_lines(stages, cores, capacity=capacity, threads=stages)
             == shared_cores_lines(stages, cores, capacity=capacity))
+
+
+@given(stages=st.integers(1, 16), cores=st.integers(1, 16), threads=st.integers(1, 16),
+       at_stages=st.floats(0.01, 16.0), ranks=st.booleans())
+def test_stage_threads_within_the_cores_are_told_only_of_the_interpreter_lock(
+        stages, cores, threads, at_stages, ranks):
+    """Two or more stage threads that each have a core get one line, and only where as many
+    got through less than one thread's work at once: the lock, which the prediction follows
+    on one thread; ranks, each an interpreter of its own, get none."""
+    from fxpipe.passes.analysis.capacity import BIND_FROM, ThreadCapacity
+
+    assume(stages <= cores)
+    capacity = ThreadCapacity(cores, stages, at_stages, at_stages)
+    lines = shared_cores_lines(stages, cores, ranks=ranks, capacity=capacity, threads=threads)
+    assert bool(lines) == (stages >= 2 and at_stages < BIND_FROM and not ranks)
+    for line in lines:
+        assert line.startswith(f"interpreter lock: {stages} threads got through "
+                               f"{at_stages:.3f}x, under one thread's work at once")
+        assert line.endswith("whose pace the units' timings alone hold") == (threads == 1)
+        assert "shared cores" not in line

@@ -284,23 +284,26 @@ def measure_thread_capacity(gm: torch.fx.GraphModule, units: Sequence[Unit],
                             flat: Sequence[Any], partition: Partition, devices: Sequence[str],
                             threads: int, whole: Sequence[int] = ()
                             ) -> ThreadCapacity | None:
-    """Where more stage threads compute on this process's CPU than it may use cores, every
-    stage on the CPU: how much of the units' work as many threads as the stages, and as the
-    cores, get through at once against one thread (`thread_capacity`, at the partition's
-    micro-batch size), for the report to tell the user; else None. It takes 0.73 to 0.81 s for
-    the bundled MLP, GPT and VGG with 4 stage threads on 2 cores (`benchmarks/compile_time.py`),
-    and about 16 times a run of all the units alone where a run takes over 0.05 s. A model
-    built on the meta device is measured once its stages are real (compile makes them real
-    first); one still on it is not measured."""
+    """Where two or more stage threads compute on this process's CPU, every stage on it: how
+    much of the units' work as many threads as the stages, and as the cores (as the stages,
+    where they are fewer), get through at once against one thread (`thread_capacity`, at the
+    partition's micro-batch size); else None. It takes 0.73 to 0.81 s for the bundled MLP, GPT
+    and VGG with 4 stage threads on 2 cores (`benchmarks/compile_time.py`), and about 16 times
+    a run of all the units alone where a run takes over 0.05 s. A model built on the meta
+    device is measured once its stages are real (compile makes them real first); one still on
+    it is not measured. Within the cores too, as many threads can get through less than one
+    thread's work: 2 of the bundled MLP's got through 0.62 to 0.65x on 2 cores (ACCURACY.md),
+    and its stages then step faster on one thread (`share_stage_threads`)."""
     stages, cores = busy_stages(devices), usable_cores()
     on_cpu = all(torch.device(d).type == "cpu" for d in devices)
-    if stages <= cores or not on_cpu or has_meta_tensors(gm):
+    if stages < 2 or not on_cpu or has_meta_tensors(gm):
         return None
     unit_graph, unit_table = split_into_units(gm, units, devices[0])
     size = -(-input_dims(flat, whole).batch // partition.micro_batches)
-    capacity = thread_capacity(unit_graph, unit_table, flat, size, (cores, stages),
+    most = min(cores, stages)  # more threads than the stages never run them
+    capacity = thread_capacity(unit_graph, unit_table, flat, size, (most, stages),
                                threads=threads, whole=whole)
-    return ThreadCapacity(cores, stages, capacity[cores], capacity[stages])
+    return ThreadCapacity(cores, stages, capacity[most], capacity[stages])
 
 
 def profile_sizes(batch: int, plan: Plan) -> list[int]:

@@ -62,10 +62,12 @@ def compile(
     last stage computes in a step (without it the loss is left out); every unit is then timed
     afresh, as the disk cache holds no loss. `cache` keeps unit timings on disk (True:
     ~/.cache/fxpipe/profiles; a path; False: off).
-    Where more stage threads compute on this process's CPU than it may use cores (every stage
-    on the CPU, and the costs measured), it also measures how much of the units' work that
-    many threads, and as many as the cores, get through at once against one, in under a
-    second for a small model (`pipe.thread_capacity`, which `pipe.report()` prints).
+    Where two or more stage threads compute on this process's CPU (every stage on the CPU, and
+    the costs measured), it also measures how much of the units' work that many threads, and as
+    many as the cores, get through at once against one, in under a second for a small model
+    (`pipe.thread_capacity`): with Plan(stage_threads="auto"), the stages run on one thread
+    where that many got through less than one thread's work (`share_stage_threads`), and
+    `pipe.report()` prints it.
 
     A model built on the meta device (`with torch.device("meta"): model = Net()`) has each
     stage made real only on its own device (under torchrun: only this rank's stage), its
@@ -146,7 +148,8 @@ def compile(
     )
     pipe.executor.whole = whole
     if plan.costs != "none":
-        # stage threads beyond the cores: how much work they get through, for the report
+        # how much work the stage threads get through at once: one thread for all where less
+        # than one thread's, and for the report
         pipe.thread_capacity = measure_thread_capacity(traced.gm, units, flat, partition,
                                                        devices, threads, whole)
         bind_stage_threads(pipe)
@@ -182,12 +185,13 @@ def deal_stages(stages: Iterable[int], threads: int) -> list[tuple[int, ...]]:
 
 def share_stage_threads(pipe: CompiledPipeline, args: Any, kwargs: Any, target: Any) -> None:
     """Run the stages on fewer threads than stages where the plan says so, or, with
-    Plan(stage_threads="auto"), on one thread where stage threads on the CPU outnumber the
-    cores and as many threads as the stages got through less than one thread's work at once
-    (`thread_capacity`, measured only then): Python's interpreter lock then sets their pace,
-    and the bundled MLP's 4 stages on 2 cores stepped faster on one thread than on a thread
-    each, every row of `fxpipe bench` within 15% of its prediction (ACCURACY.md). The units
-    are then timed again beside as many busy threads, as the steps will run them (`retime`)."""
+    Plan(stage_threads="auto"), on one thread where as many threads as the stages on the CPU
+    got through less than one thread's work at once (`thread_capacity`, measured where two or
+    more are): Python's interpreter lock then sets their pace, and one thread, which leaves
+    the cores no more idle than the lock does, steps faster. The bundled MLP's 4 stages on 2
+    cores did, every row of `fxpipe bench` within 15% of its prediction, and so did its 2
+    stages (ACCURACY.md). The units are then timed again beside as many busy threads, as the
+    steps will run them (`retime`)."""
     plan, executor = pipe.plan, pipe.executor
     stages = sorted(executor.runners)
     if isinstance(plan.stage_threads, int):
@@ -216,7 +220,7 @@ def bind_stage_threads(pipe: CompiledPipeline) -> None:
     Where more threads got much less done (the interpreter lock: the bundled MLP), the cores
     are no model of what limits them, and they stay unbound."""
     capacity, driver = pipe.thread_capacity, pipe.executor.driver
-    if (pipe.plan.cpu_affinity != "auto" or capacity is None
+    if (pipe.plan.cpu_affinity != "auto" or capacity is None or not capacity.past_the_cores
             or not capacity.shares_mostly_cores or (driver.threads or 1) > 1):
         return
     cpus = usable_cpus()

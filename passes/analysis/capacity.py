@@ -31,13 +31,19 @@ BIND_FROM = 1.0
 
 
 class ThreadCapacity(NamedTuple):
-    """How much of the units' work as many threads as the cores, and as the stage threads, got
-    through at once, each against one thread alone (`thread_capacity`)."""
+    """How much of the units' work as many threads as the cores (as the stage threads, where
+    they are fewer), and as the stage threads, got through at once, each against one thread
+    alone (`thread_capacity`)."""
 
     cores: int
     stages: int
     at_cores: float
     at_stages: float
+
+    @property
+    def past_the_cores(self) -> bool:
+        """Whether the stage threads outnumber the cores."""
+        return self.stages > self.cores
 
     @property
     def more_threads_lose(self) -> bool:
