@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import fxpipe
-from fxpipe.cli import at_least_one  # the benchmarks' argparse type, as the CLI's
+from fxpipe.cli import at_least_one, stage_threads  # the benchmarks' argparse types, as the CLI's
 from fxpipe.distributed import launched
 from fxpipe.models import BundledModel, bundled
 from fxpipe.passes.analysis.profile import MIN_TIMED
@@ -27,10 +27,13 @@ from fxpipe.simulate import Event, Timeline
 def add_model_arguments(parser: argparse.ArgumentParser, model: str,
                         micro_batches: bool = True, schedule: bool = False,
                         steps: int | None = None) -> None:
-    """--model (default `model`), --batch and, unless told not to, --micro-batches; when
-    asked, --schedule (default gpipe) and --steps (default `steps`)."""
+    """--model (default `model`), --batch, --stage-threads and, unless told not to,
+    --micro-batches; when asked, --schedule (default gpipe) and --steps (default `steps`)."""
     parser.add_argument("--model", default=model)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--stage-threads", type=stage_threads, default="stage",
+                        help="Plan.stage_threads in one process: stage (a thread each, which "
+                             "these scripts study), auto (compile's default) or a number")
     if micro_batches:
         parser.add_argument("--micro-batches", type=int, default=4)
     if schedule:
@@ -105,7 +108,11 @@ class TwoStages:
     @property
     def where(self) -> str:
         stages = self.pipe.plan.stages
-        return f"{stages} ranks under torchrun" if self.distributed else f"{stages} stage threads"
+        if self.distributed:
+            return f"{stages} ranks under torchrun"
+        threads = len(self.pipe.executor.driver.workers)
+        return (f"{stages} stage threads" if threads >= stages else
+                f"{stages} stages on {threads} thread{'s' if threads > 1 else ''}")
 
     def warm_up(self, steps: int) -> None:
         """Run `steps` training steps untimed, so the ones timed after find everything warm."""
@@ -159,11 +166,12 @@ class TwoStages:
 
 def two_stages(args: argparse.Namespace, **plan: Any) -> TwoStages:
     """Compile `args.model` into 2 stages, or `args.stages` where the script has that argument
-    (one intra-op thread per stage; under torchrun, one stage per rank; in one process, a
-    thread per stage, which these scripts study, even where compile's default would run them
-    on one), with a mini-batch of `args.batch`, `args.micro_batches` (4 without the argument)
-    and the model's loss; `plan`: more Plan fields."""
-    plan.setdefault("stage_threads", "stage")
+    (one intra-op thread per stage; under torchrun, one stage per rank; in one process,
+    `args.stage_threads`, by default a thread per stage, which these scripts study, even where
+    compile's default would run them on one), with a mini-batch of `args.batch`,
+    `args.micro_batches` (4 without the argument) and the model's loss; `plan`: more Plan
+    fields."""
+    plan.setdefault("stage_threads", getattr(args, "stage_threads", "stage"))
     distributed = launched()  # compile joins the process group torchrun describes
     torch.set_num_threads(1)
     model = bundled(args.model)

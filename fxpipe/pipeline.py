@@ -177,7 +177,8 @@ class CompiledPipeline(torch.nn.Module):
         every forward and backward also taking the runtime's own time per forward and per
         backward (`forward_overhead`, `backward_overhead`), and the time a switch from the
         other kind costs it where it follows one on its thread (`forward_switch`,
-        `backward_switch`)."""
+        `backward_switch`); on a thread that runs several stages, its own costs
+        (`thread_costs`)."""
         stages = (partition or self.partition).stages
         schedule = self.executor.latest_schedule
         post_f, post_b = self._posting(self.link.post, self.link.posting_back)
@@ -195,6 +196,7 @@ class CompiledPipeline(torch.nn.Module):
         send_b = {(e.src, e.dst): stages[e.src].cb for e in self.comm.edges}
         self._on_shared_threads(forward, backward, links=(send_f, send_b),
                                 posts=(post_f, post_b), receives=(recv_post_f, recv_post_b))
+        forward, backward = self._first_computes(schedule, forward, backward)
         cores, sharing = self.cpu_sharing()
         bound = {s: core for s, core in (self.bound_cores() or {}).items() if s in sharing}
         if bound:  # the cores they are bound to (bound_cores numbers them from 0)
@@ -233,6 +235,27 @@ class CompiledPipeline(torch.nn.Module):
                 recv_post_f[src, dst] = costs[dst].recv_f + costs[dst].between
             if src in thread_of and thread_of[src] == thread_of.get(dst):
                 send_f[src, dst] = send_b[src, dst] = 0.0
+
+    def _first_computes(self, schedule: Schedule, forward: list[float], backward: list[float]
+                        ) -> tuple[Any, Any]:
+        """The compute times to simulate, per stage or, where a stage on a thread that runs
+        several took longer for its first forward or backward of a step than for its others
+        (`thread_costs`), per stage and micro-batch: the first of each kind in the stage's list
+        takes that much longer."""
+        costs = {s: c for s, c in self.thread_costs.items()
+                 if s in {s for group in self.shared_threads() for s in group}
+                 and (c.first_f or c.first_b)}
+        if not costs:
+            return forward, backward
+        total = schedule.micro_batches * schedule.minibatches
+        per_mb = {ActionKind.F: [[f] * total for f in forward],
+                  ActionKind.B: [[b] * total for b in backward]}
+        for s, c in costs.items():
+            for kind, extra in ((ActionKind.F, c.first_f), (ActionKind.B, c.first_b)):
+                first = next((a for a in schedule.actions[s] if a.kind is kind), None)
+                if first is not None:
+                    per_mb[kind][s][first.mb] += extra
+        return per_mb[ActionKind.F], per_mb[ActionKind.B]
 
     def shared_threads(self) -> list[tuple[int, ...]]:
         """The stages of each thread that runs several (Plan(stage_threads)), in the order it
@@ -551,6 +574,8 @@ class CompiledPipeline(torch.nn.Module):
                       f"{'each' if count > 1 else 'it'} runs its stages' actions one at a time, "
                       "the first in its order (the stage nearest the loss first) of those that "
                       "need not wait")
+            if self.thread_costs:
+                table += "\n" + self._thread_costs_line()
         if self.bound_cores() is not None:
             places = ", ".join(f"stage {s} on CPU {format_cpus(cpus)}"
                                for s, cpus in sorted(self.executor.driver.cores_of.items()))
@@ -558,6 +583,19 @@ class CompiledPipeline(torch.nn.Module):
                       f"outnumber the cores): {places}; the prediction shares each core among "
                       "the stages on it")
         return table
+
+    def _thread_costs_line(self) -> str:
+        """The thread costs the prediction takes for stages on a shared thread, in us."""
+        def us(s: int, field: str) -> str:
+            return f"{getattr(self.thread_costs[s], field) * 1e6:.0f}"
+
+        stages = sorted(self.thread_costs)
+        per_stage = "; ".join(
+            f"stage {s}: {us(s, 'between')} between actions, send {us(s, 'send_f')}/"
+            f"{us(s, 'send_b')}, receive {us(s, 'recv_f')}/{us(s, 'recv_b')}, first forward "
+            f"+{us(s, 'first_f')}, first backward +{us(s, 'first_b')}" for s in stages)
+        return ("thread costs (us, measured on steps; sends and receives of activations/"
+                f"gradients; a step's first compute of each kind over the others): {per_stage}")
 
     def _switch_line(self) -> str:
         def per_stage(seconds: tuple[float, ...]) -> str:

@@ -182,6 +182,10 @@ class ThreadCosts(NamedTuple):
     send_b: float  # per SEND of gradients
     recv_f: float  # per RECV of activations
     recv_b: float  # per RECV of gradients
+    # how much longer the stage's first forward of a step, and its first backward, take than
+    # its others (the thread was idle between steps)
+    first_f: float = 0.0
+    first_b: float = 0.0
 
 
 class PipelineExecutor:
@@ -392,10 +396,12 @@ class PipelineExecutor:
     def shared_thread_costs(self, flat_inputs: Sequence[Any] | None, repeats: int = 15
                             ) -> dict[int, ThreadCosts]:
         """Per stage on a thread that runs several (Driver.share): the thread's own seconds
-        between two actions (choosing the next, recording it), and the stage's seconds per
-        SEND and per RECV of each direction, in one process where a message needs no wake-up
-        of its receiver's thread. Medians over `repeats` steps of `flat_inputs` (their loss a
-        stand-in, as in step_overhead); a thread's time between actions is the span of its
+        between two actions (choosing the next, recording it), the stage's seconds per SEND
+        and per RECV of each direction, in one process where a message needs no wake-up of its
+        receiver's thread, and how much longer its first forward and its first backward of a
+        step take than its others (at least 0; the units are timed back to back, and the
+        thread idles between steps). Medians over `repeats` steps of `flat_inputs` (their loss
+        a stand-in, as in step_overhead); a thread's time between actions is the span of its
         actions less their durations and its waits for a message, per action. {} where every
         stage has a thread of its own. Leaves no gradient, buffer or trace behind."""
         shared = [group for group in self.driver.workers if len(group) > 1]
@@ -404,6 +410,7 @@ class PipelineExecutor:
         schedule = self._stand_in_schedule()
         gaps: dict[tuple[int, ...], list[float]] = {group: [] for group in shared}
         took: dict[tuple[int, ActionKind], list[float]] = {}
+        firsts: dict[tuple[int, ActionKind], list[float]] = {}
         with self._timing_the_stages():
             for i in range(repeats + 1):
                 run = self._stand_in_step(self._call(flat_inputs), schedule)
@@ -418,13 +425,17 @@ class PipelineExecutor:
                 for e in run.events:
                     if e.action.kind.is_send or e.action.kind.is_recv:
                         took.setdefault((e.stage, e.action.kind), []).append(e.duration)
+                for key, excess in _first_compute_excess(run.events).items():
+                    firsts.setdefault(key, []).append(excess)
         costs = {}
         for group in shared:
             gap = max(statistics.median(gaps[group]), 0.0)
             for s in group:
                 costs[s] = ThreadCosts(gap, *(
                     statistics.median(took.get((s, kind), [0.0]))
-                    for kind in (K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B)))
+                    for kind in (K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B)), *(
+                    max(statistics.median(firsts.get((s, kind), [0.0])), 0.0)
+                    for kind in (K.F, K.B)))
         return costs
 
     def _stand_in_step(self, call: Call, schedule: Schedule) -> Run:
@@ -716,6 +727,17 @@ class PipelineExecutor:
                   for mb in range(len(sizes))]
         merged = merge(per_mb, sizes)
         return self.unflatten(pytree.tree_unflatten(merged, self.output_spec))
+
+
+def _first_compute_excess(events: Sequence[Event]) -> dict[tuple[int, ActionKind], float]:
+    """Per stage and kind of compute (F, B) that a step ran more than once: how much longer
+    its first ran than the median of the others."""
+    durations: dict[tuple[int, ActionKind], list[float]] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        if e.action.kind in (K.F, K.B):
+            durations.setdefault((e.stage, e.action.kind), []).append(e.duration)
+    return {key: first - statistics.median(rest)
+            for key, (first, *rest) in durations.items() if rest}
 
 
 @contextlib.contextmanager

@@ -560,7 +560,8 @@ def test_stages_on_one_thread_must_share_a_device():
 def test_a_shared_threads_sends_and_receives_take_what_they_took_on_it(monkeypatch):
     """Each SEND and RECV of a stage on a shared thread takes, in the prediction, its own
     figure for its direction and the thread's time between actions, and so does every
-    compute beside the units' time and the runtime's per action."""
+    compute beside the units' time and the runtime's per action; the stage's first forward
+    and first backward in its list also take its figures for them."""
     from fxpipe.passes.analysis.capacity import ThreadCapacity
     from fxpipe.runtime.executor import ThreadCosts
     from fxpipe.schedules import ActionKind as K
@@ -574,18 +575,59 @@ def test_a_shared_threads_sends_and_receives_take_what_they_took_on_it(monkeypat
                                              schedule="1f1b", cpu_affinity="none"),
                           example_inputs=(torch.randn(8, 8),), cache=False)
     assert pipe.shared_threads() == [(2, 1, 0)]
-    costs = {s: ThreadCosts(*(k * (s + 1) * 1e-3 for k in (1, 10, 20, 30, 40))) for s in range(3)}
+    costs = {s: ThreadCosts(*(k * (s + 1) * 1e-3 for k in (1, 10, 20, 30, 40, 50, 60)))
+             for s in range(3)}
     vars(pipe).update(thread_costs=costs, forward_switch=(0.0,) * 3,  # no switches: each
                       backward_switch=(0.0,) * 3)  # compute at its own figures
     figure = {K.SEND_F: "send_f", K.SEND_B: "send_b", K.RECV_F: "recv_f", K.RECV_B: "recv_b"}
+    first = {K.F: "first_f", K.B: "first_b"}
     stages = pipe.partition.stages
     compute = {K.F: lambda s: stages[s].f + pipe.forward_overhead[s],
                K.B: lambda s: stages[s].b + pipe.backward_overhead[s]}
-    for e in pipe.predicted_timeline().events:
+    timeline = pipe.predicted_timeline()
+    firsts = {next(a for a in actions if a.kind is kind)
+              for actions in timeline.schedule.actions for kind in first}
+    for e in timeline.events:
         c = costs[e.stage]
         own = (getattr(c, figure[e.action.kind]) if e.action.kind in figure
                else compute[e.action.kind](e.stage))
+        own += getattr(c, first[e.action.kind]) if e.action in firsts else 0.0
         assert e.duration == pytest.approx(own + c.between, rel=1e-6), e.action
+
+
+def test_a_shared_threads_first_computes_of_a_step_are_measured_apart(monkeypatch):
+    """A stage on a shared thread whose first forward of each step runs 20 ms longer than
+    its others: its first_f figure is that much, its first_b and the other stages' as they
+    were."""
+    from fxpipe.passes.analysis.capacity import ThreadCapacity
+
+    local = importlib.import_module("fxpipe.compile.local")
+    monkeypatch.setattr(local, "measure_thread_capacity",
+                        lambda *args, **kwargs: ThreadCapacity(2, 2, 0.7, 0.7))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x, p, slowed = torch.randn(8, 8), 4, 1
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=p, partitioner="even",
+                                             schedule="1f1b"),
+                          example_inputs=(x,), cache=False)
+    assert pipe.shared_threads() == [(1, 0)]
+    plain = pipe.measure_thread_costs(x)
+    calls = []
+
+    def slow_first_of_each_step(module, args):
+        calls.append(None)
+        if len(calls) % p == 1:  # each step runs the stage's p forwards
+            time.sleep(0.02)
+
+    hook = pipe.executor.runners[slowed].stage.module.register_forward_pre_hook(
+        slow_first_of_each_step)
+    try:
+        slower = pipe.measure_thread_costs(x)
+    finally:
+        hook.remove()
+    assert len(calls) % p == 0 and calls
+    assert slower[slowed].first_f - plain[slowed].first_f == pytest.approx(0.02, abs=5e-3)
+    assert slower[slowed].first_b == pytest.approx(plain[slowed].first_b, abs=5e-3)
+    assert slower[1 - slowed].first_f == pytest.approx(plain[1 - slowed].first_f, abs=5e-3)
 
 
 def test_a_number_of_stage_threads_is_refused_under_torchrun():
