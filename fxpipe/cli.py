@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import math
 import os
 import statistics
@@ -54,7 +55,7 @@ _REPORTED_STEPS = RECENT_STEPS  # the report sets the last beside them all
 
 def _demo(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
-    spec = bundled(args.model)
+    spec = _bundled(args.model)
     model = spec.build()
     data = torch.Generator().manual_seed(args.seed)
     x, y = spec.batch(args.batch, data)
@@ -383,12 +384,23 @@ def _load_model(spec: str, batch: int, shapes: Sequence[str] | None, dtype: str,
     return model, inputs
 
 
+def _bundled(name: str):
+    """The bundled model `name`, whose optional package, where it needs one, is installed."""
+    spec = bundled(name)
+    if spec.needs and importlib.util.find_spec(spec.needs) is None:
+        raise FxpipeError(f"the bundled model {name!r} is built with {spec.needs}, which is not "
+                          "installed here: pip install 'fxpipe[hf]', or choose another model "
+                          f"({', '.join(n for n, m in MODELS.items() if not m.needs)}).")
+    return spec
+
+
 def _factory(spec: str):
     """The MODULE:FACTORY callable, or None for a bundled model's name; unknown names fail."""
     if ":" not in spec:
         if spec not in MODELS:
             raise FxpipeError(f"{spec!r} is neither a bundled model ({', '.join(MODELS)}) nor "
                               "MODULE:FACTORY (e.g. mypkg.models:make_model).")
+        _bundled(spec)
         return None
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:

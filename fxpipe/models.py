@@ -155,6 +155,7 @@ class BundledModel:
     build: Callable[[], nn.Module]
     batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    needs: str | None = None  # the optional package that build() imports, if any
 
 
 def _images(size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +206,8 @@ MODELS = {
     "vgg": BundledModel("vgg", VGG, _images, F.cross_entropy),
     "gpt": BundledModel("gpt", GPT, _tokens, _cross_entropy_tokens),
     "mlp": BundledModel("mlp", MLP, _vectors, F.cross_entropy),
-    "hf-gpt2": BundledModel("hf-gpt2", _hf_gpt2, _tokens, _hf_tokens_loss),
-    "hf-bert": BundledModel("hf-bert", _hf_bert, _tokens, _hf_tokens_loss),
+    "hf-gpt2": BundledModel("hf-gpt2", _hf_gpt2, _tokens, _hf_tokens_loss, "transformers"),
+    "hf-bert": BundledModel("hf-bert", _hf_bert, _tokens, _hf_tokens_loss, "transformers"),
 }
 
 

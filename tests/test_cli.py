@@ -54,6 +54,25 @@ def test_demo_reports_user_errors_without_a_traceback():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(("command", "name"), [(["bench", "hf-gpt2", "--stages", "2"], "hf-gpt2"),
+                                             (["demo", "--model", "hf-bert"], "hf-bert")])
+def test_a_hf_model_without_transformers_says_how_to_install_it(capsys, monkeypatch, command,
+                                                               name):
+    """Before any work starts, whether or not transformers is installed here."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda module, *args: None if module == "transformers"
+                        else find_spec(module, *args))
+    assert main(command) == 2
+    captured = capsys.readouterr()
+    assert (f"fxpipe: error: the bundled model {name!r} is built with transformers, which is not "
+            "installed here: pip install 'fxpipe[hf]', or choose another model (resnet, vgg, "
+            "gpt, mlp).") in captured.err
+    assert not _PROGRESS_BAR.search(captured.err + captured.out)
+
+
 @pytest.mark.parametrize(("options", "error"), [
     (["--stages", "50"], "Plan(stages=50) asks for more stages than MLP has units"),
     (["--stages", "50", "--nproc", "50"], "Plan(stages=50) asks for more stages than MLP has"),

@@ -292,7 +292,7 @@ def measure_thread_capacity(gm: torch.fx.GraphModule, units: Sequence[Unit],
     a run of all the units alone where a run takes over 0.05 s. A model built on the meta
     device is measured once its stages are real (compile makes them real first); one still on
     it is not measured. Within the cores too, as many threads can get through less than one
-    thread's work: 2 of the bundled MLP's got through 0.62 to 0.65x on 2 cores (ACCURACY.md),
+    thread's work: 2 of the bundled MLP's got through 0.62 to 0.86x on 2 cores (ACCURACY.md),
     and its stages then step faster on one thread (`share_stage_threads`)."""
     stages, cores = busy_stages(devices), usable_cores()
     on_cpu = all(torch.device(d).type == "cpu" for d in devices)
