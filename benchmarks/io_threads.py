@@ -17,20 +17,13 @@ one after another do not (benchmarks/ACCURACY.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 
 from two_stages import add_model_arguments, at_least_one, two_stages
 
-from fxpipe.affinity import io_threads
+from fxpipe.affinity import bind_io_threads, io_threads
 from fxpipe.distributed import launched
-
-
-def bind_io_threads(cpus: set[int]) -> None:
-    for thread in io_threads():
-        with contextlib.suppress(OSError):  # ended meanwhile
-            os.sched_setaffinity(thread, cpus)
 
 
 def main() -> None:

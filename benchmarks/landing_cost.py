@@ -21,7 +21,6 @@ compute right after a blocking wait runs slower whether or not a message lands i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import statistics
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.affinity import io_threads, pin_process
+from fxpipe.affinity import bind_io_threads, pin_process
 from fxpipe.cli import at_least_one
 from fxpipe.distributed import shutdown
 
@@ -45,15 +44,6 @@ def busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         (a @ w).relu().sum()
-
-
-def free_gloo_threads(cpus: set[int]) -> int:
-    """Let gloo's I/O threads of this process run on `cpus`; how many there were."""
-    threads = io_threads()
-    for thread in threads:
-        with contextlib.suppress(OSError):  # ended meanwhile
-            os.sched_setaffinity(thread, cpus)
-    return len(threads)
 
 
 def last_stage(iterations: int, message: torch.Tensor | None, group
@@ -105,7 +95,7 @@ def main() -> None:
     to_last = dist.new_group([0, 1])
     cpus = sorted(os.sched_getaffinity(0))[:2]
     pin_process([cpus[rank]])
-    freed = free_gloo_threads(set(cpus)) if args.free_gloo else 0
+    freed = bind_io_threads(set(cpus)) if args.free_gloo else 0
     message = torch.zeros(args.numel)
     alone = torch.zeros(1, dtype=torch.float64)  # seconds rank 1's "alone" case took
     lines = []

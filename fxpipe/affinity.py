@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AFFINITIES", "Host", "choose_share", "core_share", "format_cpus", "hosts",
-           "io_threads", "pin_process", "pin_rank", "ranks_on_host", "release_io_threads",
+__all__ = ["AFFINITIES", "Host", "bind_io_threads", "choose_share", "core_share", "format_cpus",
+           "hosts", "io_threads", "pin_process", "pin_rank", "ranks_on_host", "release_io_threads",
            "stage_cores", "usable_cores", "usable_cpus"]
 
 AFFINITIES = ("auto", "none")
@@ -108,10 +108,15 @@ def release_io_threads() -> int:
     (benchmarks/io_threads.py, ACCURACY.md)."""
     if _bound is None or _unbound is None:
         return 0
+    return bind_io_threads(_unbound)
+
+
+def bind_io_threads(cpus: Iterable[int]) -> int:
+    """Bind this process's I/O threads (io_threads) to `cpus`; how many there were."""
     threads = io_threads()
     for thread in threads:
         with contextlib.suppress(OSError):  # ended meanwhile
-            os.sched_setaffinity(thread, _unbound)
+            os.sched_setaffinity(thread, cpus)
     return len(threads)
 
 

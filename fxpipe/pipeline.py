@@ -242,9 +242,9 @@ class CompiledPipeline(torch.nn.Module):
         several took longer for its first forward or backward of a step than for its others
         (`thread_costs`), per stage and micro-batch: the first of each kind in the stage's list
         takes that much longer."""
+        shared = {s for group in self.shared_threads() for s in group}
         costs = {s: c for s, c in self.thread_costs.items()
-                 if s in {s for group in self.shared_threads() for s in group}
-                 and (c.first_f or c.first_b)}
+                 if s in shared and (c.first_f or c.first_b)}
         if not costs:
             return forward, backward
         total = schedule.micro_batches * schedule.minibatches
