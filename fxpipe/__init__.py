@@ -1,7 +1,8 @@
 """fxpipe: automatic pipeline parallelism for PyTorch models, as inspectable torch.fx passes."""
 
 from fxpipe import models
-from fxpipe.compile import Replan, compile, replan, retime, units_of
+from fxpipe.calibrate import Calibration, calibrate
+from fxpipe.compiler import Replan, compile, replan, units_of
 from fxpipe.cost import CostTable, Partition
 from fxpipe.distributed import gather_state_dict, shutdown
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
@@ -9,6 +10,7 @@ from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
 
 __all__ = [
+    "Calibration",
     "CompiledPipeline",
     "CostTable",
     "FxpipeError",
@@ -17,11 +19,11 @@ __all__ = [
     "Plan",
     "PlanError",
     "Replan",
+    "calibrate",
     "compile",
     "gather_state_dict",
     "models",
     "replan",
-    "retime",
     "shutdown",
     "units_of",
 ]

@@ -1,26 +1,38 @@
-"""Which input dimensions are the batch (and sequence), and example inputs resized along them.
+"""Batch dimensions: which inputs carry the batch (and a token sequence), micro-batches cut
+from a mini-batch and merged back, and example inputs resized along those dimensions.
 
-The batch is dimension 0 of every tensor input whose dimension 0 equals the first tensor input's.
-A sequence dimension exists when an input is a rank-2 integer tensor (token ids): dimension 1.
-Inputs may nest tensors in tuples, lists and dicts (an fx graph takes forward()'s arguments as
-they are): the dimensions are found among the tensors inside, in pytree order.
+The batch is dimension 0 of the first tensor input with a dimension (nested tensors in tuples,
+lists and dicts count, in pytree order); every tensor whose dimension 0 equals it is batched.
+A sequence dimension exists when a batched input is a rank-2 integer tensor (token ids).
+Inputs at positions in `whole` are never batched: every micro-batch gets them whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["InputDims", "input_dims", "resize"]
+from fxpipe.errors import FxpipeError
+
+__all__ = ["InputDims", "input_dims", "merge", "resize", "rows", "split", "split_sizes"]
+
+
+def rows(tree: Any) -> int:
+    """Dimension 0 of the first tensor in `tree` that has one, else 0."""
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    return 0
 
 
 @dataclasses.dataclass(frozen=True)
 class InputDims:
-    """The example's batch size and sequence length, and which inputs carry them."""
+    """The batch size and sequence length of some inputs, and which leaves carry them."""
 
     batch: int
     batched: tuple[int, ...]  # pytree-leaf indices of inputs whose dim 0 is the batch
@@ -38,11 +50,12 @@ def input_dims(flat_inputs: Sequence[Any], whole: Collection[int] = ()) -> Input
                 whole_leaves.add(len(leaves))
             leaves.append(leaf)
     tensors = [(i, x) for i, x in enumerate(leaves)
-               if isinstance(x, torch.Tensor) and i not in whole_leaves]
-    if not tensors or tensors[0][1].dim() == 0:
-        raise ValueError("the example inputs hold no tensor with a batch dimension")
+               if isinstance(x, torch.Tensor) and x.dim() > 0 and i not in whole_leaves]
+    if not tensors:
+        raise FxpipeError("the inputs hold no tensor with a batch dimension to split into "
+                          "micro-batches; pass tensors whose dimension 0 is the batch.")
     batch = tensors[0][1].shape[0]
-    batched = tuple(i for i, x in tensors if x.dim() > 0 and x.shape[0] == batch)
+    batched = tuple(i for i, x in tensors if x.shape[0] == batch)
     tokens = [(i, x) for i, x in tensors if x.dim() == 2 and not x.is_floating_point()
               and not x.is_complex() and i in batched]
     if not tokens:
@@ -57,12 +70,68 @@ def resize(flat_inputs: Sequence[Any], dims: InputDims, batch: int | None = None
     """The example inputs with `batch` rows (repeated cyclically if more) and `seq` tokens."""
     resized, spec = pytree.tree_flatten(list(flat_inputs))
     if batch is not None and batch != dims.batch:
-        rows = torch.arange(batch) % dims.batch
+        indices = torch.arange(batch) % dims.batch
         for i in dims.batched:
-            resized[i] = resized[i].index_select(0, rows.to(resized[i].device))
+            resized[i] = resized[i].index_select(0, indices.to(resized[i].device))
     if seq is not None and dims.seq is not None and seq != dims.seq:
         if seq > dims.seq:
             raise ValueError(f"cannot lengthen sequences of {dims.seq} tokens to {seq}")
         for i in dims.sequenced:
             resized[i] = resized[i][:, :seq]
     return pytree.tree_unflatten(resized, spec)
+
+
+def split_sizes(batch: int, chunks: int) -> list[int]:
+    """Sizes of `chunks` micro-batches of a batch of `batch` samples: the first ones one larger
+    when it does not divide (torch.tensor_split's rule). Uneven splits are allowed."""
+    if chunks > batch:
+        raise FxpipeError(f"cannot split a batch of {batch} samples into {chunks} micro-batches; "
+                          f"use micro_batches <= {batch} or a larger batch.")
+    base, extra = divmod(batch, chunks)
+    return [base + (i < extra) for i in range(chunks)]
+
+
+def split(flat_inputs: Sequence[Any], chunks: int, whole: Collection[int] = ()
+          ) -> list[list[Any]]:
+    """One list of inputs per micro-batch: every tensor whose dimension 0 is the batch is split
+    along it (inside tuples, lists and dicts too); anything else, and the inputs at positions in
+    `whole`, is passed to every micro-batch."""
+    batch = input_dims(flat_inputs, whole).batch
+    ends = list(itertools.accumulate(split_sizes(batch, chunks)))[:-1]
+
+    def pieces(leaf: Any) -> list[Any]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch:
+            return list(torch.tensor_split(leaf, ends))
+        return [leaf] * chunks
+
+    whole_leaves = {id(leaf) for i in whole if i < len(flat_inputs)
+                    for leaf in pytree.tree_leaves(flat_inputs[i])}
+    leaves, spec = pytree.tree_flatten(list(flat_inputs))
+    split_leaves = [[leaf] * chunks if id(leaf) in whole_leaves else pieces(leaf)
+                    for leaf in leaves]
+    return [pytree.tree_unflatten([parts[i] for parts in split_leaves], spec)
+            for i in range(chunks)]
+
+
+def merge(per_micro_batch: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """The mini-batch's output from the micro-batches' outputs (same structure), concatenating
+    every tensor along dimension 0. An output that is not per-sample cannot be merged."""
+    if len(per_micro_batch) == 1:
+        return per_micro_batch[0]
+    flat = [pytree.tree_flatten(out) for out in per_micro_batch]
+    spec = flat[0][1]
+    merged = []
+    for position, leaves in enumerate(zip(*(leaves for leaves, _ in flat))):
+        first = leaves[0]
+        if not isinstance(first, torch.Tensor):
+            merged.append(first)
+            continue
+        if any(t.dim() == 0 or t.shape[0] != n for t, n in zip(leaves, sizes)):
+            raise FxpipeError(
+                f"model output #{position} (shape {list(first.shape)} for a micro-batch of "
+                f"{sizes[0]}) is not per-sample, so micro-batches cannot be concatenated; "
+                "return per-sample values and reduce after the pipeline, or use "
+                "micro_batches=1."
+            )
+        merged.append(torch.cat(leaves))
+    return pytree.tree_unflatten(merged, spec)

@@ -5,63 +5,53 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import math
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from fxpipe.affinity import AFFINITIES, usable_cores
 from fxpipe.bench import (
-    FILLING_STEPS_MAX,
-    MEASURE_SECONDS,
-    ROUNDS,
-    BenchRow,
-    StealMeter,
+    against_even,
     bench,
     bench_plans,
     bench_under_torchrun,
     check_stage_count_of,
-    core_speed_line,
     format_rows,
-    median_thread_capacity,
-    pyplot,
     rows_to_json,
-    what_moved_lines,
     write_csv,
     write_png,
 )
-from fxpipe.compile import available_partitioners, compare_partitioners, compile, retime
+from fxpipe.calibrate import calibrate
+from fxpipe.compiler import available_partitioners, compare_partitioners, compile
 from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.models import MODELS, bundled
-from fxpipe.plan import PARTITIONERS, STAGE_THREADS, Plan
-from fxpipe.report import LATE_AFTER, shared_cores_lines
-from fxpipe.runtime.executor import RECENT_STEPS
+from fxpipe.plan import PARTITIONERS, Plan
 
-__all__ = ["at_least_one", "main", "seconds"]
+__all__ = ["at_least_one", "main"]
 
 DESCRIPTION = ("`demo` trains a bundled model through a compiled pipeline on the CPU; `plan` "
                "prints the stage table of any importable model; `bench` compares partitioners "
                "and schedules on one, predicted against measured.")
 
 
-_SETTLING_STEPS = 10  # steps between the demo's re-timing and the ones it reports
-_REPORTED_STEPS = RECENT_STEPS  # the report sets the last beside them all
+_TIMED_STEPS = 10  # steps the demo times after calibrating
 
 
 def _demo(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
+    _threads_per_stage(args.threads, args.stages)
     spec = _bundled(args.model)
     model = spec.build()
     data = torch.Generator().manual_seed(args.seed)
     x, y = spec.batch(args.batch, data)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
                 micro_batches=args.micro_batches, schedule=args.schedule, loss_fn=spec.loss_fn)
-    pipe = compile(model, plan, example_inputs=(x,))
+    pipe = compile(model, plan, example_inputs=(x,), example_target=y)
     print(pipe)
     print()
     pipe.print_graph()
@@ -78,17 +68,33 @@ def _demo(args: argparse.Namespace) -> None:
         loss = pipe.step(x, y)
         optimizer.step()
         print(f"  step {step}: loss {loss.item():.4f}")
-    # the machine's speed drifts: predict from units (and the loss) timed right beside the steps
-    fresh = retime(pipe, (x,), target=y)
-    # after the timing, the cores take a while to settle
-    for _ in range(_SETTLING_STEPS + _REPORTED_STEPS):
-        pipe.step(x, y)
-    optimizer.zero_grad()
     print()
-    print(f"units and loss timed again, then {_SETTLING_STEPS} steps to settle and "
-          f"{_REPORTED_STEPS} more, without updating the weights; the last measured against "
-          f"predicted, beside the range and median of all {_REPORTED_STEPS}:")
-    pipe.report(partition=fresh)
+    print("the last step, measured against predicted from the units' times:")
+    pipe.report()
+    calibration = calibrate(pipe, x, target=y)
+    times = []
+    for _ in range(_TIMED_STEPS):  # the weights stay as they are: no optimizer step
+        start = time.perf_counter()
+        pipe.step(x, y)
+        times.append(time.perf_counter() - start)
+    optimizer.zero_grad()
+    predicted = pipe.predicted_timeline(calibration).makespan + calibration.step
+    print()
+    print(f"{calibration}")
+    print(f"{_TIMED_STEPS} more steps: median {statistics.median(times) * 1e3:.2f} ms (from "
+          f"{min(times) * 1e3:.2f} to {max(times) * 1e3:.2f}), calibrated prediction "
+          f"{predicted * 1e3:.2f} ms; the last of them, measured against it:")
+    pipe.report(calibration=calibration)
+
+
+def _threads_per_stage(threads: str, stages: int) -> None:
+    """--threads: intra-op threads for each stage thread (torch.set_num_threads, which the
+    stage threads take on); 'auto' shares this process's threads among the stages, 'torch'
+    leaves torch's setting as it is."""
+    if threads == "torch":
+        return
+    count = max(1, torch.get_num_threads() // stages) if threads == "auto" else int(threads)
+    torch.set_num_threads(count)
 
 
 def dist_rank() -> int:
@@ -120,62 +126,12 @@ def _plan(args: argparse.Namespace) -> None:
         print(f"\nplan written to {args.json}")
 
 
-def _against_even(rows: Sequence[BenchRow]) -> list[str]:
-    """Per schedule: the fastest automatic partition's measured step (a median of its timed
-    steps) against `even`'s. Rows of one partition (units per stage and micro-batch count)
-    made by several partitioners count as one, at the median of their measured steps; one
-    that is even's own is no comparison, as any difference between such rows is the
-    machine's drift alone."""
-    lines = []
-    for schedule in dict.fromkeys(r.schedule for r in rows):
-        evens = [r for r in rows if r.schedule == schedule and r.partitioner == "even"]
-        automatic = [r for r in rows if r.schedule == schedule and r.partitioner != "even"]
-        if not (evens and automatic):
-            continue
-        even = evens[0]
-        by_partition: dict[tuple, list[BenchRow]] = {}
-        for r in automatic:
-            by_partition.setdefault((r.sizes, r.micro_batches), []).append(r)
-        same = by_partition.pop((even.sizes, even.micro_batches), [])
-        note = (f" ({', '.join(r.partitioner for r in same)}: even's own partition, not "
-                "compared)" if same else "")
-        if not by_partition:
-            lines.append(f"{schedule}: every automatic partition is even's own "
-                         f"({format_sizes(even.sizes)}, p={even.micro_batches}): "
-                         "nothing to compare")
-            continue
-        measured = {key: statistics.median(r.measured_ms for r in group)
-                    for key, group in by_partition.items()}
-        (sizes, p), fastest = min(measured.items(), key=lambda item: item[1])
-        names = "/".join(r.partitioner for r in by_partition[sizes, p])
-        count = (f"; its units per stage are even's, so the difference is the micro-batch "
-                 f"count's (p={p} against {even.micro_batches})" if sizes == even.sizes else "")
-        lines.append(f"{schedule}: best automatic partition {names} "
-                     f"({format_sizes(sizes)}, p={p}), {fastest:.1f} ms, is "
-                     f"{even.measured_ms / fastest:.2f}x the speed of even "
-                     f"({even.measured_ms:.1f} ms; "
-                     f"{_medians([even, *by_partition[sizes, p]])}){count}{note}")
-    return lines
-
-
 def _comma_separated(option: str, text: str) -> list[str]:
     names = text.split(",")
     if not all(names):
         raise FxpipeError(f"{option} {text!r} has an empty name: separate the names with "
                           "single commas, e.g. even,balanced.")
     return names
-
-
-def _medians(rows: Sequence[BenchRow]) -> str:
-    """How many timed steps the rows' measured steps are medians of."""
-    counts = {r.timed_steps for r in rows}
-    if 0 in counts:  # rows made elsewhere, which do not say
-        return "medians of the timed steps"
-    if counts == {1}:
-        return "one step each"
-    if len(counts) == 1:
-        return f"medians of {counts.pop()} steps"
-    return f"medians of {min(counts)} to {max(counts)} steps"
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -198,69 +154,24 @@ def _bench(args: argparse.Namespace) -> None:
         if path:
             check_output_path(option, path)
     _factory(args.model)  # an unknown model fails here, before any progress is shown
-    if args.nproc is not None and isinstance(args.stage_threads, int):
-        raise FxpipeError(f"--stage-threads {args.stage_threads} sets the threads of one "
-                          "process's stages, and under torchrun (--nproc) each rank runs its "
-                          "stage on a thread of its own: drop --stage-threads or --nproc.")
-    bench_plans(args.stages, micro_batches, partitioners, schedules,  # and so does a plan
-                args.cpu_affinity, args.stage_threads)
+    bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
     build = _bench_build(args)
     if args.nproc:  # and a model with too few units, before the job starts (bench checks too)
         check_stage_count_of(build, args.stages)
-    title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
-             f"{args.micro_batches}")
-    with StealMeter() as steal:
-        rows = _bench_rows(args, build, micro_batches, partitioners, schedules)
+    rows = _bench_rows(args, build, micro_batches, partitioners, schedules)
     if rows is None:  # a rank under torchrun: rank 0 of the job reports
         return
-    title += _rounds_of(rows)
-    if args.nproc:
-        title += f", {args.nproc} processes under torchrun"
+    title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
+             f"{args.micro_batches}, {rows[0].rounds} rounds of {args.steps} steps"
+             + (f", {args.nproc} processes under torchrun" if args.nproc else ""))
     print(title)
     print(format_rows(rows))
-    for line in _against_even(rows) + what_moved_lines(rows):
+    for line in against_even(rows):
         print(line)
-    if all(row.on_cpu for row in rows):  # the stages (or ranks) of this host
-        cores = usable_cores()
-        bound = sum(row.bound for row in rows)
-        shared = [row for row in rows if row.threads]
-        # the threads that ran the stages, where every row ran them on as many, fewer than one each
-        ran_on = {row.threads for row in rows}
-        threads = (ran_on.pop() or None) if len(ran_on) == 1 else None
-        for line in shared_cores_lines(args.stages, cores, ranks=bool(args.nproc),
-                                       capacity=median_thread_capacity(rows, cores, args.stages),
-                                       bound=bound == len(rows),
-                                       threads=threads):
-            print(line)
-        if 0 < len(shared) < len(rows):  # compile decides per row, from the capacity it measured
-            named = ", ".join(f"{row.partitioner}/{row.schedule} on {row.threads} thread"
-                              f"{'s' if row.threads > 1 else ''}" for row in shared)
-            print(f"stage threads: compile ran the stages on fewer threads than stages in "
-                  f"{len(shared)} of the {len(rows)} rows ({named}), where the interpreter "
-                  "lock set their pace, and on a thread each in the others")
-        if 0 < bound < len(rows):  # compile decides per row, from the capacity it measured
-            named = ", ".join(f"{row.partitioner}/{row.schedule}" for row in rows if row.bound)
-            print(f"bound stage threads: compile bound them to cores in {bound} of the "
-                  f"{len(rows)} rows ({named}), where what they shared was mostly the cores, "
-                  "and left them unbound, the cores split evenly, in the others")
-    print("pred spread: how far a row's predictions moved between its rounds, each made from "
-          "units timed afresh (the machine's speed drifting); a meas/pred off 1 by no more "
-          "than that may be drift alone ('-': one round, nothing to compare); meas spread: "
-          "how far the rounds' median steps moved, the same plan run again (the drift, and "
-          "the steps' own noise): a meas/pred off 1 by no more than that is within the "
-          "measurement's own variation")
-    print(f"late steps: the timed steps in which a message was delayed over "
-          f"{LATE_AFTER * 1e3:g} ms longer than predicted, its send and the receive's wait "
-          "after it (time in handing it over that no prediction includes: the transport's "
-          "under torchrun, a send held up or a receiver kept waiting); a meas/pred above 1 "
-          "with many late steps comes at least in part from there, not from the plan; late "
-          "ms: those messages' delays beyond the predicted ones, summed, per timed step on "
-          "average (set beside measured less predicted ms)")
-    if (line := core_speed_line(rows)) is not None:
-        print(line)
-    if steal.share is not None:
-        print(f"CPU steal during the run: {steal.share:.1%} of this machine's CPU time went to "
-              "other guests of its host (timings drift with it; rerun when it is near 0%)")
+    print("predicted: the simulated step with the calibration's per-action times "
+          "(fxpipe.calibrate); measured: the median of the timed steps, the rounds' range "
+          "being the lowest and highest round median (the machine's drift and the steps' "
+          "own noise)")
     if args.csv:
         write_csv(args.csv, rows)
         print(f"rows written to {args.csv}")
@@ -282,16 +193,6 @@ def _bench_build(args: argparse.Namespace) -> Callable[[], tuple]:
     return build
 
 
-def _rounds_of(rows: Sequence[BenchRow]) -> str:
-    """How many rounds the rows were measured in, for the table's title (at most --repeats, so
-    it can be fewer than --rounds asked for); "" where not known."""
-    counts = sorted({row.rounds for row in rows if row.rounds})
-    if not counts:
-        return ""
-    span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
-    return f", {span} round{'s' if counts[-1] > 1 else ''}"
-
-
 def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
                 micro_batches: int | str, partitioners: Sequence[str],
                 schedules: Sequence[str]) -> list | None:
@@ -301,12 +202,10 @@ def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
         forwarded = _without_option(args.argv[1:], "--nproc")  # the words after "bench"
         forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
         return bench_under_torchrun(args.nproc, forwarded)
-    if launched():
-        torch.set_num_threads(1)
-    rows = bench(build, args.stages, micro_batches, partitioners, schedules, args.repeats,
-                 progress=not launched() or dist_rank() == 0, rounds=args.rounds,
-                 measure=args.measure, cpu_affinity=args.cpu_affinity,
-                 stage_threads=args.stage_threads)
+    if not launched():
+        _threads_per_stage(args.threads, args.stages)
+    rows = bench(build, args.stages, micro_batches, partitioners, schedules, args.rounds,
+                 args.steps, progress=not launched() or dist_rank() == 0)
     if not launched():
         return rows
     if args.rows_json and dist_rank() == 0:
@@ -479,29 +378,6 @@ def at_least_one(text: str) -> int:
     return value
 
 
-def stage_threads(text: str) -> int | str:
-    """An argparse type: Plan.stage_threads, "auto", "stage" or a whole number of at least 1."""
-    if text in STAGE_THREADS:
-        return text
-    try:
-        return at_least_one(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"give {', '.join(STAGE_THREADS)} or a whole number of at least 1, not {text!r}"
-        ) from None
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"give a number of seconds, 0 or more, not {text!r}")
-    return value
-
-
 def check_output_path(option: str, path: str) -> None:
     """Raise FxpipeError unless a file can be written at `path` (given with `option`), so a
     mistake shows before the work, not after it."""
@@ -517,8 +393,10 @@ def check_output_path(option: str, path: str) -> None:
 def png_path(path: str) -> str:
     """The file --png writes: `path`, with .png added when it has no extension. Raises
     FxpipeError without matplotlib or for an extension it cannot write."""
-    pyplot()  # matplotlib is there
-    from matplotlib.backend_bases import FigureCanvasBase
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as e:
+        raise FxpipeError("--png needs matplotlib: pip install 'fxpipe[plot]'") from e
 
     stem, extension = os.path.splitext(path)
     extension = extension.lstrip(".").lower()
@@ -529,6 +407,17 @@ def png_path(path: str) -> str:
         raise FxpipeError(f"--png {path}: matplotlib cannot write .{extension} files; end the "
                           f"name with one of {', '.join('.' + f for f in sorted(formats))}.")
     return path
+
+
+def _threads(text: str) -> str:
+    """An argparse type: auto, torch, or a whole number of at least 1."""
+    if text in ("auto", "torch"):
+        return text
+    try:
+        return str(at_least_one(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"give auto, torch or a whole number of at least 1, "
+                                         f"not {text!r}") from None
 
 
 def _micro_batches(text: str) -> int | str:
@@ -571,6 +460,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=at_least_one, default=5, help="training steps")
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
+    demo.add_argument("--threads", type=_threads, default="auto",
+                      help="intra-op threads per stage thread (torch.set_num_threads): auto "
+                           "shares this process's threads among the stages, torch leaves "
+                           "torch's setting as it is")
     demo.set_defaults(run=_demo)
 
     plan = commands.add_parser("plan", help="print the stage table of a model's pipeline",
@@ -604,31 +497,18 @@ def _parser() -> argparse.ArgumentParser:
                            help="the partitioners to compare, comma-separated")
     bench_cmd.add_argument("--schedules", default="gpipe,1f1b",
                            help="the schedules to compare, comma-separated")
-    bench_cmd.add_argument("--repeats", type=at_least_one, default=ROUNDS,
-                           help="timed steps per configuration, at least (more where "
-                                "--measure asks for them)")
-    bench_cmd.add_argument("--rounds", type=at_least_one, default=ROUNDS,
-                           help="the timed steps come in this many rounds, each right after "
-                                "the units are timed again for the prediction (at most "
-                                "--repeats: a round times one step at least)")
-    bench_cmd.add_argument("--measure", type=seconds, default=MEASURE_SECONDS,
-                           help="each round times as many steps as the prediction says fill "
-                                f"this many seconds (at most {FILLING_STEPS_MAX}) where that is "
-                                "more than its share of --repeats, so that short steps are "
-                                "measured over more of them; 0: the share alone")
+    bench_cmd.add_argument("--rounds", type=at_least_one, default=5,
+                           help="rounds of timed steps per configuration, the configurations "
+                                "taking turns")
+    bench_cmd.add_argument("--steps", type=at_least_one, default=5,
+                           help="timed steps per round")
     bench_cmd.add_argument("--nproc", type=at_least_one,
                            help="run every configuration under torchrun with this many "
                                 "processes (one stage each)")
-    bench_cmd.add_argument("--cpu-affinity", choices=AFFINITIES, default="auto",
-                           help="every plan's Plan.cpu_affinity: auto binds stage threads that "
-                                "outnumber the cores round the cores where what they share is "
-                                "mostly the cores (under --nproc, each rank to CPUs of its "
-                                "own); none binds nothing, to compare against")
-    bench_cmd.add_argument("--stage-threads", type=stage_threads, default="auto",
-                           help="every plan's Plan.stage_threads, in one process: auto runs "
-                                "the stages on one thread where the interpreter lock sets "
-                                "their pace, else a thread each; stage, a thread each, to "
-                                "compare against; a number, that many threads")
+    bench_cmd.add_argument("--threads", type=_threads, default="auto",
+                           help="intra-op threads per stage thread (torch.set_num_threads): auto "
+                                "shares this process's threads among the stages, torch leaves "
+                                "torch's setting as it is")
     bench_cmd.add_argument("--input-shape", action="append",
                            help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
                                 "3x32x32 (once per input)")

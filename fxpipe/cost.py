@@ -18,57 +18,13 @@ __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_t
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A point-to-point link between two stages' devices: time = latency + bytes / bandwidth."""
+    """A point-to-point link between two stages' devices: a message of n bytes takes
+    latency + n / bandwidth on the wire, and its sender `per_message` seconds to hand over."""
 
     latency: float  # seconds per message
     bandwidth: float  # bytes per second (math.inf: no copy at all)
+    per_message: float = 0.0  # the sender's own seconds per message (e.g. its isend calls)
     source: str = "configured"  # where the figures come from: configured, default, measured
-    post: float = 0.0  # the sender's own seconds to hand over one tensor (e.g. isend's call)
-    # the same right after a backward, as a stage sends gradients: the longer the compute
-    # before a send, the slower it goes (DistTransport.measure_posting; None: post)
-    post_back: float | None = None
-    post_recv: float | None = None  # the receiver's, to post one tensor's receive (None: post)
-    # the same between two computes, where a stage posts its next receive under 1F1B (a
-    # forwards-first stage posts them all back to back at the start; None: post_recv)
-    post_recv_between: float | None = None
-    # how much longer a stage's next compute runs after it blocked waiting for a message (a
-    # process woken from a wait runs slower for a while: benchmarks/resume_penalty.py); one
-    # figure, or one per stage (measured on each stage's own compute, which it depends on)
-    resume: float | tuple[float, ...] = 0.0
-    # how much longer the sender's next compute runs after it sent a message, per tensor: the
-    # transport's work on the message goes on beside it (DistTransport.measure_posting)
-    after_send: float = 0.0
-    # the same where the message wakes a receiver blocked waiting for it that posts its next
-    # receive between computes, at once, whose notice lands beside it (None: after_send)
-    after_wake: float | None = None
-    # how much longer the receiver's compute runs while a message lands, per tensor: the
-    # transport's work to take it in shares its CPU (DistTransport.measure_posting)
-    after_receive: float = 0.0
-    # how much longer the compute a stage posts a receive right before runs, per tensor, where
-    # it posts them between computes (the runtime posts the next receive before a compute):
-    # the transport's work on the receive goes on beside it
-    after_post: float = 0.0
-
-    @property
-    def posting_back(self) -> float:
-        """The sender's seconds to hand over one tensor of gradients."""
-        return self.post if self.post_back is None else self.post_back
-
-    @property
-    def waking(self) -> float:
-        """How much longer the sender's next compute runs per tensor of a message that wakes
-        a receiver which posts its next receive at once."""
-        return self.after_send if self.after_wake is None else self.after_wake
-
-    @property
-    def receiving(self) -> float:
-        """The receiver's seconds to post the receive of one tensor."""
-        return self.post if self.post_recv is None else self.post_recv
-
-    @property
-    def receiving_between(self) -> float:
-        """The receiver's seconds to post the receive of one tensor between two computes."""
-        return self.receiving if self.post_recv_between is None else self.post_recv_between
 
     def time(self, nbytes: np.ndarray | float) -> np.ndarray:
         """Seconds to send `nbytes` (0 bytes cost nothing: no message is sent)."""
@@ -77,40 +33,14 @@ class Link:
         return np.where(nbytes > 0, self.latency + transfer, 0.0)
 
     def __str__(self) -> str:
-        if math.isinf(self.bandwidth) and not (self.latency or self.post or self.posting_back
-                                                or self.receiving
-                                                or self.receiving_between
-                                                or any(np.atleast_1d(self.resume))
-                                                or self.after_send or self.after_receive
-                                                or self.waking or self.after_post):
-            return f"free (same device, no copy; {self.source})"
-        posting = (f", {self.post * 1e6:.0f} us to post each tensor"
-                   if self.post or self.posting_back else "")
-        if self.posting_back != self.post:
-            posting += f" ({self.posting_back * 1e6:.0f} us after a backward)"
-        if self.receiving != self.post:
-            posting += f", {self.receiving * 1e6:.0f} us to post its receive"
-        if self.receiving_between != self.receiving:
-            posting += f" ({self.receiving_between * 1e6:.0f} us between computes)"
-        if any(np.atleast_1d(self.resume)):
-            slower = "/".join(f"{r * 1e6:.0f}" for r in np.atleast_1d(self.resume))
-            posting += f", compute {slower} us slower after a wait"
-            if np.ndim(self.resume):
-                posting += " (per stage)"
-        if self.after_send or self.waking:
-            posting += f", the sender's {self.after_send * 1e6:.0f} us slower per tensor sent"
-        if self.waking != self.after_send:
-            posting += f" ({self.waking * 1e6:.0f} us where it wakes the receiver)"
-        if self.after_receive:
-            posting += (f", the receiver's {self.after_receive * 1e6:.0f} us slower per tensor "
-                        "taken in")
-        if self.after_post:
-            posting += (f", its compute {self.after_post * 1e6:.0f} us slower per tensor whose "
-                        "receive it posted between computes")
+        sending = (f", {self.per_message * 1e6:.0f} us to send each message"
+                   if self.per_message else "")
+        if math.isinf(self.bandwidth) and not self.latency:
+            return f"free (same memory, no copy{sending}; {self.source})"
         if math.isinf(self.bandwidth):
-            return f"{self.latency * 1e6:.0f} us per message, no copy{posting} ({self.source})"
+            return f"{self.latency * 1e6:.0f} us per message, no copy{sending} ({self.source})"
         return (f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.1f} GB/s"
-                f"{posting} ({self.source})")
+                f"{sending} ({self.source})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,9 +53,7 @@ class CostTable:
     with one row is the same for every p (the synthetic tables planners are tested on).
 
     cf[i] / cb[i] are the times to send the values crossing the cut after unit i forward /
-    their gradients backward (0 for the last unit). `backward_call[m]` is what one stage's
-    backward costs beyond its units' `b` at size `sizes[m]` (the fixed cost of a backward call,
-    which a stage pays once whatever its units); 0 unless measured.
+    their gradients backward (0 for the last unit).
     """
 
     f: np.ndarray
@@ -139,7 +67,7 @@ class CostTable:
     param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
     peak_bytes: np.ndarray | None = None  # (M, K) most a unit's forward or backward allocates
-    backward_call: np.ndarray | None = None  # (M,) seconds per stage backward, beyond b
+    source: str = ""  # where the times come from (measured, read from a cache file, ...)
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -166,12 +94,6 @@ class CostTable:
         object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
         peak = saved if self.peak_bytes is None else np.nan_to_num(self.peak_bytes)  # unmeasured
         object.__setattr__(self, "peak_bytes", np.atleast_2d(np.asarray(peak, float)))
-        call = np.zeros(shape[0]) if self.backward_call is None else \
-            np.atleast_1d(np.asarray(self.backward_call, float))
-        if call.shape != (shape[0],) or np.any(call < 0) or not np.all(np.isfinite(call)):
-            raise ValueError(f"CostTable.backward_call must hold {shape[0]} finite non-negative "
-                             f"times, one per micro-batch size")
-        object.__setattr__(self, "backward_call", call)
 
     @classmethod
     def from_arrays(
@@ -223,12 +145,6 @@ class CostTable:
         result = tuple(weights @ table for table in (self.f, self.b, self.cf, self.cb))
         result = tuple(np.maximum(r, 0.0) for r in result)
         return tuple(r[0] for r in result) if scalar else result
-
-    def call_at(self, p: int | Sequence[int] | np.ndarray) -> np.ndarray | float:
-        """The per-stage backward call cost at micro-batch count(s) p (as `at`)."""
-        counts = np.atleast_1d(np.asarray(p, dtype=np.float64))
-        calls = np.maximum(self._interpolation(counts) @ self.backward_call, 0.0)
-        return float(calls[0]) if np.ndim(p) == 0 else calls
 
     def _interpolation(self, counts: np.ndarray) -> np.ndarray:
         """(P, M) weights so that weights @ rows interpolates at micro-batch size B/p."""
@@ -298,7 +214,6 @@ class Partition:
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
-        call = cost.call_at(p)
         saved, transient = cost.saved_bytes(p), cost.transient_bytes(p)
         starts = (0, *bounds[:-1])
         stages = []
@@ -309,7 +224,7 @@ class Partition:
             stages.append(StageCost(
                 (start, end),
                 float(f[start:end].sum()),
-                float(b[start:end].sum()) + call,
+                float(b[start:end].sum()),
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
@@ -371,7 +286,6 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
     return dataclasses.replace(
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
-        backward_call=np.maximum(links @ cost.backward_call, 0.0),
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
         peak_bytes=np.maximum(links @ cost.peak_bytes, 0.0))
 
@@ -399,7 +313,7 @@ def step_times(cost: CostTable, bounds: Sequence[int], counts: Sequence[int]) ->
     ends = np.asarray(bounds)
     starts = np.concatenate([[0], ends[:-1]])
     stage_f = np.add.reduceat(f, starts, axis=1)
-    stage_b = np.add.reduceat(b, starts, axis=1) + cost.call_at(counts)[:, None]
+    stage_b = np.add.reduceat(b, starts, axis=1)
     link_f = cf[:, ends[:-1] - 1]
     link_b = cb[:, ends[:-1] - 1]
     rho_f = np.maximum(stage_f.max(axis=1), link_f.max(axis=1, initial=0.0))

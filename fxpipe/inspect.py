@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from torch import fx
 
 from fxpipe.cost import Link, Partition
-from fxpipe.ir import CommTable, recv, send
+from fxpipe.ir import CommTable, Event, recv, send
 from fxpipe.meta import SHAPE, STAGE
-from fxpipe.simulate import Event
 from fxpipe.units import Unit
 
 __all__ = [

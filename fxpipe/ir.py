@@ -1,4 +1,5 @@
-"""The pipeline IR: stage, hook, send and recv nodes of a PipelineGraph, and its send/recv table.
+"""The pipeline IR: stage, hook, send and recv nodes of a PipelineGraph, its send/recv table,
+and the timeline Event both the runtime and the simulator record.
 
 A PipelineGraph is an fx.GraphModule whose top-level graph reads like the pipeline:
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -26,10 +27,12 @@ from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from fxpipe.meta import ValueInfo
+from fxpipe.schedules import Action
 
 __all__ = [
     "CommTable",
     "Edge",
+    "Event",
     "Stage",
     "StageArgs",
     "StageHook",
@@ -37,6 +40,7 @@ __all__ = [
     "ValueRef",
     "recv",
     "send",
+    "tied_parameters",
 ]
 
 
@@ -89,6 +93,21 @@ class CommTable:
         """Per crossing value: whether a gradient travels back for it in training."""
         return {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)
                 for e in self.edges}
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """When `action` ran on `stage`, in seconds from the start of its run (for a simulated link
+    transfer: when its message was on the wire)."""
+
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,3 +213,17 @@ class _HookFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         ctx.hook.fire()
         return (None, *grads)
+
+
+def tied_parameters(stages: Sequence[Stage], names: Mapping[int, str]
+                    ) -> list[tuple[str, torch.nn.Parameter, list[int]]]:
+    """(name, Parameter, the stages using it) for each weight more than one stage uses (a tied
+    weight), sorted by name; `names` maps a Parameter's id to its name in the model."""
+    canonical = names
+    found: dict[int, tuple[str, torch.nn.Parameter, list[int]]] = {}
+    for stage in stages:
+        for name, p in stage.module.named_parameters():
+            entry = found.setdefault(id(p), (canonical.get(id(p), name), p, []))
+            entry[2].append(stage.index)
+    return sorted((entry for entry in found.values() if len(entry[2]) > 1),
+                  key=lambda entry: entry[0])

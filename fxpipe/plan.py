@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from fxpipe.affinity import AFFINITIES
-from fxpipe.allocator import CPU_MEMORY
 from fxpipe.errors import PlanError
 
 __all__ = [
@@ -32,7 +30,6 @@ DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
 _FORMAT, _VERSION = "fxpipe.plan", 1
 COSTS = ("measure", "fit", "none")
-STAGE_THREADS = ("auto", "stage")
 TIMED_PARTITIONERS = ("balanced", "ampa", "imd", "csimd", "exact")  # need measured costs
 
 
@@ -73,22 +70,7 @@ class Plan:
     link: tuple[float, float] | str | None = None
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
-    # under torch.distributed on the CPU: "auto" binds each rank of a host, and the processes
-    # and threads it starts later, to CPUs of its own when there are enough and no launcher
-    # placed the ranks already, but gloo's I/O threads (fxpipe.affinity); in one process, it
-    # binds stage threads that outnumber the cores round them where as many threads got through
-    # at least one thread's work at once (compile.local.bind_stage_threads); "none" binds nothing
-    cpu_affinity: str = "auto"
-    # in one process, the threads that run the stages: "auto", one per stage, but one for all
-    # where as many threads as the stages on the CPU got through less than one thread's work
-    # at once (Python's interpreter lock sets their pace: pipe.thread_capacity, measured where
-    # two or more are); "stage", one per stage; n, that many, the stages dealt round them
-    # (stage s on thread s mod n), each running its stages' actions one at a time
-    stage_threads: int | str = "auto"
-    # with a stage on the CPU: "keep" has the C allocator (glibc) keep memory the process frees
-    # for its next allocations instead of handing it back to the system at once, so a step's
-    # tensors find their pages mapped (fxpipe.allocator); "system" leaves the allocator as it is
-    cpu_memory: str = "keep"
+    dump: bool = False  # print each compiler pass's result as it completes
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -137,22 +119,8 @@ class Plan:
         if isinstance(self.whole_inputs, str):
             object.__setattr__(self, "whole_inputs", (self.whole_inputs,))
         object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
-        _choice("cpu_affinity", self.cpu_affinity, AFFINITIES)
-        _choice("cpu_memory", self.cpu_memory, CPU_MEMORY)
-        self._check_stage_threads()
-
-    def _check_stage_threads(self) -> None:
-        if isinstance(self.stage_threads, str):
-            if self.stage_threads not in STAGE_THREADS:
-                raise PlanError(f"Plan(stage_threads={self.stage_threads!r}) is not known; give "
-                                "'auto', 'stage' or a number of threads.")
-            return
-        _positive_int("stage_threads", self.stage_threads)
-        if self.stage_threads > self.stages:
-            raise PlanError(
-                f"Plan(stage_threads={self.stage_threads}) asks for more threads than the "
-                f"{self.stages} stages; give at most {self.stages}, or 'stage' for one each."
-            )
+        if not isinstance(self.dump, bool):
+            raise PlanError(f"Plan(dump={self.dump!r}) must be True or False.")
 
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""

@@ -6,8 +6,8 @@ import os
 from collections.abc import Sequence
 
 from fxpipe.errors import FxpipeError
+from fxpipe.ir import Event
 from fxpipe.schedules import ActionKind
-from fxpipe.simulate import Event
 
 __all__ = ["save_timeline"]
 
@@ -24,17 +24,15 @@ def save_timeline(path: str | os.PathLike, timelines: dict[str, Sequence[Event]]
     """Draw each timeline (e.g. measured, predicted) as one panel, one row per stage, on a
     shared time axis in milliseconds; colours tell forward, backward, communication and
     all-reduce apart, and micro-batch numbers are written where they fit."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure of its own, not pyplot's: the process's backend and figures stay as they are
+        from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as e:
         raise FxpipeError("timeline pictures need matplotlib: pip install 'fxpipe[plot]'") from e
     span = max((e.end - min(x.start for x in t) for t in timelines.values() if t for e in t),
                default=1e-3) * 1e3
-    figure, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False,
-                                figsize=(12, 0.55 * stages * len(timelines) + 1.6))
+    figure = Figure(figsize=(12, 0.55 * stages * len(timelines) + 1.6))
+    axes = figure.subplots(len(timelines), 1, sharex=True, squeeze=False)
     for axis, (name, events) in zip(axes[:, 0], timelines.items()):
         origin = min((e.start for e in events), default=0.0)
         for e in events:
@@ -61,4 +59,3 @@ def save_timeline(path: str | os.PathLike, timelines: dict[str, Sequence[Event]]
         figure.suptitle(title, x=0.01, ha="left", fontsize=11)
     figure.tight_layout(rect=(0, 0, 1, 0.94))
     figure.savefig(path, dpi=110)
-    plt.close(figure)

@@ -30,6 +30,7 @@ __all__ = [
     "check_communication",
     "forwards_first",
     "gpipe",
+    "lower",
     "one_f_one_b",
     "peak_activations",
 ]
@@ -343,6 +344,16 @@ def build(name: str, stages: int, micro_batches: int, **kw: int) -> Schedule:
         known = ", ".join(repr(k) for k in SCHEDULES)
         raise ValueError(f"unknown schedule {name!r}; choose one of {known}")
     return SCHEDULES[name](stages, micro_batches, **kw)
+
+
+def lower(name: str, stages: int, micro_batches: int, edges: Iterable[tuple[int, int]],
+          minibatches: int = 2) -> Schedule:
+    """The schedule called `name` with its sends and receives for the stage `edges`, checked
+    to run without hanging (an asynchronous one streams `minibatches` mini-batches)."""
+    extra = {"minibatches": minibatches} if name == "async-1f1b" else {}
+    schedule = add_communication(build(name, stages, micro_batches, **extra), edges)
+    check_communication(schedule)
+    return schedule
 
 
 def peak_activations(schedule: Schedule) -> tuple[int, ...]:

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fxpipe.batching import merge, rows
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import ValueRef
 from fxpipe.runtime.driver import Run
-from fxpipe.runtime.microbatch import merge, rows
 
 __all__ = ["Call", "Pipelined", "inputs_wanting_grad", "model_output_of", "output_values"]
 

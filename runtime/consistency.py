@@ -47,28 +47,28 @@ class WeightPolicy:
         self.last_grads: dict[str, torch.Tensor] = {}  # gradients of the latest step
         self.peak_copies = 0  # most weight copies held at once
 
-    def forward_weights(self, mb: Any) -> dict[str, torch.Tensor] | None:
-        """The weights the forward of `mb` runs with (None: the parameters themselves)."""
-        self.forward_versions[mb] = self.version
+    def forward_weights(self, key: Any) -> dict[str, torch.Tensor] | None:
+        """The weights the forward of `key` runs with (None: the parameters themselves)."""
+        self.forward_versions[key] = self.version
         return None
 
     @contextlib.contextmanager
-    def forward_context(self, mb: Any, hooked: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    def forward_context(self, key: Any, hooked: Mapping[str, torch.Tensor]) -> Iterator[None]:
         """Around the forward: decide what its backward will read for each weight. `hooked`
         maps names to the tensors the stage actually runs with."""
         with _reading_current(hooked, self.weights):
             yield
 
-    def after_backward(self, mb: Any) -> None:
-        self.history.append((mb, self.forward_versions[mb], self._backward_version(mb)))
-        self.forward_versions.pop(mb)
+    def after_backward(self, key: Any) -> None:
+        self.history.append((key, self.forward_versions[key], self._backward_version(key)))
+        self.forward_versions.pop(key)
 
-    def _backward_version(self, mb: Any) -> int:
+    def _backward_version(self, key: Any) -> int:
         return self.version
 
-    def forget(self, mb: Any) -> None:
+    def forget(self, key: Any) -> None:
         """A micro-batch whose backward will never run (a failed or abandoned run)."""
-        self.forward_versions.pop(mb, None)
+        self.forward_versions.pop(key, None)
 
     def step(self) -> None:
         """The stage's optimizer step (the schedule's STEP action)."""
@@ -97,42 +97,42 @@ class StashPolicy(WeightPolicy):
         self._copies: dict[int, dict[str, torch.Tensor]] = {}
         self._users: dict[int, set[Any]] = {}
 
-    def forward_weights(self, mb: Any) -> dict[str, torch.Tensor]:
+    def forward_weights(self, key: Any) -> dict[str, torch.Tensor]:
         version = self._version_for_forward()
-        self.forward_versions[mb] = version
+        self.forward_versions[key] = version
         if version not in self._copies:
             self._copies[version] = self._snapshot()
         self.peak_copies = max(self.peak_copies, len(self._copies))
-        self._users.setdefault(version, set()).add(mb)
+        self._users.setdefault(version, set()).add(key)
         return self._copies[version]
 
-    def forward_context(self, mb, hooked):
+    def forward_context(self, key, hooked):
         return contextlib.nullcontext()  # the backward reads the copy the forward used
 
     def _version_for_forward(self) -> int:
         return self.version
 
-    def _backward_version(self, mb: Any) -> int:
-        return self.forward_versions[mb]
+    def _backward_version(self, key: Any) -> int:
+        return self.forward_versions[key]
 
-    def after_backward(self, mb: Any) -> None:
-        version = self.forward_versions[mb]
-        super().after_backward(mb)
+    def after_backward(self, key: Any) -> None:
+        version = self.forward_versions[key]
+        super().after_backward(key)
         for name, tensor in self._copies[version].items():  # this micro-batch's gradients
             if tensor.grad is not None:
                 param = self.weights[name]
                 param.grad = tensor.grad if param.grad is None else param.grad + tensor.grad
                 tensor.grad = None
         users = self._users[version]
-        users.discard(mb)
+        users.discard(key)
         if not users:  # the last micro-batch of this version is done: free the copy
             del self._copies[version], self._users[version]
 
-    def forget(self, mb: Any) -> None:
-        version = self.forward_versions.pop(mb, None)
+    def forget(self, key: Any) -> None:
+        version = self.forward_versions.pop(key, None)
         users = self._users.get(version)
         if users is not None:
-            users.discard(mb)
+            users.discard(key)
             if not users:
                 del self._copies[version], self._users[version]
 
@@ -172,8 +172,8 @@ class PredictPolicy(WeightPolicy):
         self.predictor = predictor
         self.steps_ahead = stages - stage - 1
 
-    def forward_weights(self, mb: Any) -> dict[str, torch.Tensor] | None:
-        self.forward_versions[mb] = self.version
+    def forward_weights(self, key: Any) -> dict[str, torch.Tensor] | None:
+        self.forward_versions[key] = self.version
         if self.steps_ahead == 0 or self.optimizer is None or self.version == 0:
             return None  # the last stage, or nothing to predict from yet
         self.peak_copies = 1  # Ŵ exists while the forward runs; the backward reads W

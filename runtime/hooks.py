@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from fxpipe.ir import Event
 from fxpipe.schedules import Action, ActionKind
-from fxpipe.simulate import Event
 
 __all__ = ["GradientSync"]
 

@@ -10,6 +10,7 @@ import torch
 
 from fxpipe.ir import Stage, StageArgs, StageHook, StageIO
 from fxpipe.runtime.consistency import WeightPolicy
+from fxpipe.runtime.transport import MicroBatchKey
 
 __all__ = ["StageRunner"]
 
@@ -42,15 +43,15 @@ class StageRunner:
         """Micro-batches whose forward ran and whose backward has not."""
         return len(self._in_flight)
 
-    def forward(self, mb: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    def forward(self, key: MicroBatchKey, values: Mapping[str, Any]) -> dict[str, Any]:
         """Run the stage on `values` (its inputs by name). Returns its outputs by name, and its
         inputs as the stage saw them (cut from the sender's graph), so a later use of an input,
         such as a loss on a model output that passed through, backpropagates into this stage."""
         training = torch.is_grad_enabled()
         inputs = [self._leaf(values[name], name, training) for name in self.io.inputs]
         policy = self.policy if training else None
-        weights = policy.forward_weights(mb) if policy else None
-        context = (policy.forward_context(mb, weights or policy.weights) if policy
+        weights = policy.forward_weights(key) if policy else None
+        context = (policy.forward_context(key, weights or policy.weights) if policy
                    else contextlib.nullcontext())
         with context:
             if weights:  # a weight version chosen by the consistency policy
@@ -58,22 +59,22 @@ class StageRunner:
             else:
                 outputs = self.stage.module(*inputs)
         if training:
-            self._in_flight[mb] = (inputs, outputs, [])
+            self._in_flight[key] = (inputs, outputs, [])
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         return {**dict(zip(self.io.inputs, inputs)), **dict(zip(self.io.outputs, outputs))}
 
-    def add_root(self, mb: Any, tensor: torch.Tensor) -> None:
+    def add_root(self, key: MicroBatchKey, tensor: torch.Tensor) -> None:
         """Make `tensor` (the micro-batch's loss, on the last stage) a root of its backward."""
-        self._in_flight[mb][2].append(tensor)
+        self._in_flight[key][2].append(tensor)
 
-    def backward(self, mb: Any, grads: Mapping[str, torch.Tensor | None],
+    def backward(self, key: MicroBatchKey, grads: Mapping[str, torch.Tensor | None],
                  last: bool = False) -> dict[str, Any]:
         """Backpropagate the gradients of the stage's outputs (and of any roots added);
         accumulate parameter gradients; return the gradients of the stage's inputs by name.
         A gradient given for an input name (an input that is also a model output) is added.
         `last`: this is the stage's last backward of the mini-batch (its hook callbacks read
         `hook.finishing`, e.g. to start the gradient all-reduce)."""
-        inputs, outputs, roots = self._in_flight.pop(mb)
+        inputs, outputs, roots = self._in_flight.pop(key)
         tensors = list(roots)
         grad_tensors: list[torch.Tensor | None] = [None] * len(roots)
         for name, output in zip(self.io.outputs, outputs):
@@ -82,9 +83,9 @@ class StageRunner:
                 tensors.append(output)
                 grad_tensors.append(grad)
         if tensors:
-            self.backpropagate(tensors, grad_tensors)
+            torch.autograd.backward(tensors, grad_tensors)
         if self.policy is not None:
-            self.policy.after_backward(mb)
+            self.policy.after_backward(key)
         self.hook.finishing = last
         self.hook.fire()
         result = {name: grad for name, grad in grads.items()  # values it only forwarded
@@ -99,24 +100,18 @@ class StageRunner:
             result[name] = grad
         return result
 
-    def backpropagate(self, tensors: list[torch.Tensor],
-                      grad_tensors: list[torch.Tensor | None]) -> None:
-        """The autograd call of `backward`, apart so the runtime's own time around it can be
-        told from it (PipelineExecutor.action_overhead)."""
-        torch.autograd.backward(tensors, grad_tensors)
-
     def step(self) -> None:
         """The stage's optimizer step, inside an asynchronous schedule."""
         if self.policy is None:
             raise RuntimeError("stage has no optimizer to step")
         self.policy.step()
 
-    def discard(self, key: Any) -> None:
-        """Drop the in-flight micro-batches of run `key` (failed, or never to be backwarded)."""
-        for mb in [mb for mb in self._in_flight if mb[0] == key]:
-            del self._in_flight[mb]
+    def discard(self, run: Any) -> None:
+        """Drop the in-flight micro-batches of `run` (failed, or never to be backwarded)."""
+        for key in [key for key in self._in_flight if key.run == run]:
+            del self._in_flight[key]
             if self.policy is not None:
-                self.policy.forget(mb)
+                self.policy.forget(key)
 
     def _leaf(self, value: Any, name: str, training: bool) -> Any:
         if not isinstance(value, torch.Tensor):

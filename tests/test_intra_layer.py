@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -72,15 +73,14 @@ def test_threshold_needs_measured_costs():
         fxpipe.Plan(stages=2, costs="none", intra_layer=2)
 
 
-def test_retime_times_the_loss_on_a_split_output_layer():
-    """A split layer's output is gathered under a new name; retime builds the model's output
-    from the graph it times, whose names are the traced model's."""
+def test_a_split_output_layer_calibrates_and_reports():
+    """A split layer's output is gathered under a new name; the steps' loss and the report
+    take the model's output from the rewritten graph's names."""
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     plan = fxpipe.Plan(stages=2, micro_batches=2, loss_fn=F.cross_entropy, partitioner=[11, 11],
                        intra_layer={"layers": ["classifier.6"], "shards": 2})
     pipe = fxpipe.compile(VGG(), plan, example_inputs=(x,), cache=False)
     assert [layer.name for split in pipe.intra_layer for layer in split.result.layers] == [
         "classifier.6"]
-    blind, seeing = fxpipe.retime(pipe, x), fxpipe.retime(pipe, x, target=y)
-    assert seeing.bounds == blind.bounds and seeing.stages[-1].f > 0
-
+    calibration = fxpipe.calibrate(pipe, x, target=y, steps=2, warmup=0)
+    assert "calibrated" in pipe.report(file=io.StringIO(), calibration=calibration)

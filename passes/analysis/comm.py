@@ -17,7 +17,6 @@ from torch import fx
 
 from fxpipe.cost import Link
 from fxpipe.meta import COMM, SHAPE, UNIT
-from fxpipe.probes import ComputeBurst, swap_figures
 
 __all__ = ["ValueTransfer", "annotate_comm", "default_link", "fit_link", "measure_local_link",
            "measure_rank_link"]
@@ -64,7 +63,7 @@ def default_link(src: str, dst: str, distributed: bool = False) -> Link:
     scope = "distributed" if distributed else "local"
     kind = "same" if not distributed and a == b else "-".join(sorted((a.type, b.type)))
     latency, bandwidth = _DEFAULTS.get((scope, kind), _DEFAULTS[(scope, "cpu-cpu")])
-    return Link(latency, bandwidth, "default")
+    return Link(latency, bandwidth, source="default")
 
 
 _PROBE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
@@ -76,14 +75,14 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], source: str) -> L
     seconds = np.asarray(seconds, float)
     slope, intercept = np.polyfit(np.asarray(sizes, float), seconds, 1, w=1.0 / seconds)
     bandwidth = 1.0 / slope if slope > 0 else math.inf
-    return Link(max(float(intercept), 0.0), float(bandwidth), source)
+    return Link(max(float(intercept), 0.0), float(bandwidth), source=source)
 
 
 def measure_local_link(src: str, dst: str, repeats: int = 10) -> Link:
     """Time copies from device `src` to `dst` in this process (median per size)."""
     a, b = torch.device(src), torch.device(dst)
     if a == b or {a.type, b.type} == {"cpu"}:
-        return Link(0.0, math.inf, "measured: same memory, no copy")
+        return Link(0.0, math.inf, source="measured: same memory, no copy")
     seconds = []
     for size in _PROBE_BYTES:
         tensor = torch.empty(size // 4, dtype=torch.float32, device=a)
@@ -99,16 +98,13 @@ def measure_local_link(src: str, dst: str, repeats: int = 10) -> Link:
 
 
 def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str = "cpu",
-                      repeats: int = 10, reply_group: Any = None, resume: bool = True
-                      ) -> Link | None:
+                      repeats: int = 10, reply_group: Any = None) -> Link | None:
     """Ping-pong between ranks `peer_a` and `peer_b` over torch.distributed (every rank of the
     group calls this; only the two peers exchange). Returns the fitted link on the two peers,
-    None elsewhere. One-way time = half the round trip, median of `repeats` per size; `post`:
-    the median time peer_a's isend call takes to hand over a small tensor; `resume`: how much
-    slower a rank computes right after it blocked in a receive (`_resume_penalty`, on a small
-    probe; on the CPU only, and unless `resume` is False: a compiled pipeline measures it on
-    each stage's own compute instead). Messages from peer_a travel in `group`, replies in
-    `reply_group` (default: `group`), as the pipeline's one-way groups carry them."""
+    None elsewhere. One-way time = half the round trip, median of `repeats` per size;
+    `per_message`: the median time peer_a's isend call takes to hand over a small tensor.
+    Messages from peer_a travel in `group`, replies in `reply_group` (default: `group`), as
+    the pipeline's one-way groups carry them."""
     rank = dist.get_rank()
     if rank not in (peer_a, peer_b):
         return None
@@ -143,37 +139,8 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
         dist.send(shared, other, group)
     else:
         dist.recv(shared, other, group)
-    on_cpu = torch.device(device).type == "cpu"
-    slower = _resume_penalty(rank == peer_a, other, group, reply) if on_cpu and resume else 0.0
     link = fit_link(_PROBE_BYTES, seconds, f"measured ping-pong rank {peer_a} <-> {peer_b}")
-    return dataclasses.replace(link, post=float(shared), resume=slower)
-
-
-def _resume_penalty(first: bool, other: int, group: Any, reply: Any, rounds: int = 3,
-                    repeats: int = 15) -> float:
-    """How much longer a small piece of compute on the CPU runs right after its rank blocked
-    waiting for the peer's message than back to back, both peers' medians averaged (never
-    below 0). Back to back, both peers compute at once, as every rank times the units at
-    compile; resumed, they take turns, each waking from a receive the other's message ends.
-    Rounds alternate the two. Both peers return the same figure. (On a GPU the host does not
-    block in a receive, and the kernels, not the host, time the compute: not measured.)"""
-    token = torch.zeros(1)
-    compute = ComputeBurst(size=64, depth=8, backward=True)  # forward and backward, like a stage
-    back_to_back, resumed = [], []
-    for _ in range(rounds):
-        back_to_back += [compute() for _ in range(repeats)]
-        for _ in range(repeats):
-            if first:
-                dist.send(token, other, group)
-                dist.recv(token, other, reply)
-                resumed.append(compute())
-            else:
-                dist.recv(token, other, group)
-                resumed.append(compute())
-                dist.send(token, other, reply)
-    mine = statistics.median(resumed) - statistics.median(back_to_back)
-    (theirs,) = swap_figures([mine], other, first, group, reply)
-    return max((mine + theirs) / 2, 0.0)
+    return dataclasses.replace(link, per_message=float(shared))
 
 
 def _synchronize(*devices: torch.device) -> None:

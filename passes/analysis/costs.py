@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from fxpipe.cost import CostTable, Link
 from fxpipe.passes.analysis.profile import UnitProfile
 
 __all__ = ["cost_table"]
 
 
-def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str]) -> CostTable:
-    """Per-unit f, b and a stage's backward call cost from the profile; cf, cb from the bytes
-    crossing each cut over `link`. The loss, where timed, counts in the last unit: the last
-    stage runs it, whatever the partition."""
+def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str],
+               loss: tuple[np.ndarray, np.ndarray] | None = None) -> CostTable:
+    """Per-unit f and b from the profile; cf, cb from the bytes crossing each cut over `link`.
+    `loss`: its forward and backward seconds at the profile's sizes, which count in the last
+    unit: the last stage runs it, whatever the partition."""
     f, b = profile.forward.copy(), profile.backward.copy()
-    f[:, -1] += profile.loss_forward
-    b[:, -1] += profile.loss_backward
+    if loss is not None:
+        f[:, -1] += loss[0]
+        b[:, -1] += loss[1]
+    source = (f"read from the cache {profile.cached}" if profile.cached is not None
+              else f"measured on {profile.device}")
     return CostTable(
         f=f,
         b=b,
@@ -28,6 +34,5 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         names=tuple(names),
         param_bytes=profile.param_bytes,
         activation_bytes=profile.activation_bytes,
-        peak_bytes=profile.peak_bytes,
-        backward_call=profile.backward_call,
+        source=source + (", with the loss timed on the last unit" if loss is not None else ""),
     )

@@ -9,7 +9,7 @@ from torch import fx
 
 from fxpipe.materialize import has_meta_tensors, meta_twin, on_meta
 from fxpipe.meta import SHAPE, ValueInfo
-from fxpipe.probes import preserved_state
+from fxpipe.preserve import preserved_state
 
 __all__ = ["annotate_shapes", "record_values"]
 

@@ -18,10 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from fxpipe.affinity import io_threads
+from fxpipe.ir import tied_parameters
 from fxpipe.models import GPT
 
 STEPS = 2
+# the CPUs this process could run on when it started: compile and steps must not narrow them
+STARTED_ON = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 
 
 class SkipNet(nn.Module):
@@ -145,85 +147,17 @@ def train(name, stages, schedule, micro_batches, out):
         assert set(timed) == {-(-batch // micro_batches)}, f"compile timed the loss on {timed}"
         pipe.load_state_dict(initial.state_dict())
         losses = train_pipelined(pipe, data)
-        retimed = fxpipe.retime(pipe, data[0][0])  # other stages' units timed on real copies
-        assert pipe.link.source.startswith("measured ping-pong") and pipe.link.post > 0
-        assert pipe.link.post_back is not None and pipe.link.post_back > 0
-        assert pipe.link.post_recv is not None and pipe.link.post_recv > 0
-        assert pipe.link.post_recv_between is not None and pipe.link.post_recv_between > 0
-        # one figure per stage, each measured on the stage's own compute; beyond 50 ms the
-        # measurement went wrong
-        assert len(pipe.link.resume) == stages
-        assert all(0 <= figure < 0.05 for figure in pipe.link.resume)
-        assert 0 <= pipe.link.after_send < 0.05
-        assert 0 <= pipe.link.after_receive < 0.05
-        assert pipe.link.after_wake is not None and 0 <= pipe.link.after_wake < 0.05
-        assert 0 <= pipe.link.after_post < 0.05
-        grads = [p.grad.clone() for p in pipe.parameters()]  # the last step's
-        buffers = [b.clone() for b in pipe.buffers()]
-        compiled, again = pipe.link, pipe.measure_link(data[0][0])  # measured anew, kept
-        # its runs of the stages' forward and backward leave no trace
-        assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
-        assert all(torch.equal(b, c) for b, c in zip(pipe.buffers(), buffers))
-        assert pipe.link is again and again is not compiled
-        assert again.source == compiled.source and again.post > 0
-        links: list = [None] * dist.get_world_size()  # the same figures on every rank
-        dist.all_gather_object(links, again)
-        assert links == [again] * len(links)
-        assert pipe.step_overhead > 0
-        overheads: list = [None] * dist.get_world_size()  # the first stage's, on every rank
-        dist.all_gather_object(overheads, pipe.step_overhead)
-        assert overheads == [pipe.step_overhead] * len(overheads)
-        actions = pipe.measure_action_overhead(data[0][0])  # one per stage, on every rank
-        assert all(len(kind) == stages and all(0 <= figure < 0.05 for figure in kind)
-                   for kind in actions)
-        dist.all_gather_object(overheads, actions)
-        assert overheads == [actions] * len(overheads)
-        assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
-        coordinator = pipe.executor.coordinator
-        coordinator.expect(1)  # a rehearsal touches no gradient
-        coordinator.loss(torch.zeros(()) if pipe.executor.last else None)
-        coordinator.rehearse()
-        assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
-        assert retimed.bounds == pipe.partition.bounds and retimed.predicted_time > 0
-        # every rank reports (rank 0 prints), and says whether the ranks on its host (all
-        # of them here) outnumber the CPUs they may use
-        ranks, cores = pipe.host_cores  # counted before pinning, which may narrow affinity
-        assert ranks == dist.get_world_size()
-        assert len(os.sched_getaffinity(0)) <= cores <= os.cpu_count()
-        kept = pipe.executor.recent_steps()
-        traces = pipe.executor.full_traces(kept)  # each run on every rank, on its own axis
-        assert len(traces) == len(kept) > 1 and traces[-1] == pipe.full_trace()
-        assert all({e.stage for e in trace} == set(range(stages)) for trace in traces)
-        assert all(min(e.start for e in trace) == 0 for trace in traces)
-        exchanges = []
-        gather = dist.all_gather_object
-        dist.all_gather_object = lambda *a, **k: (exchanges.append(a), gather(*a, **k))[1]
-        try:
-            report = pipe.report(file=io.StringIO())
-        finally:
-            dist.all_gather_object = gather
-        assert len(exchanges) == 1  # the recent steps' traces, all in one
-        try:  # as many runs on no two ranks: every rank says so
-            pipe.executor.full_traces(kept[:1 + dist.get_rank()])
-        except fxpipe.FxpipeError as error:
-            assert "different numbers of runs (rank 0: 1, rank 1: 2" in str(error), error
-        else:
-            raise AssertionError("ranks gathering different numbers of runs went unnoticed")
-        assert report.startswith("step (")
-        # the training steps, of one size each, beside the last (the measures since, none)
-        assert f"\nthe last {min(len(data), 10)} steps like it: " in report
-        assert ("shared cores" in report) == (pipe.host_cores[0] > pipe.host_cores[1])
+        _check_measures(pipe, data, stages)
     else:
         model, data, loss_fn = build(name)
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
                            loss_fn=loss_fn, costs="none")
         pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
-        # nothing is predicted, so compile measures nothing on the stages
-        assert pipe.link.resume == 0.0 and pipe.step_overhead == 0.0
-        assert pipe.forward_overhead == pipe.backward_overhead == (0.0,) * stages
+        assert pipe.link.source.startswith("measured ping-pong")  # whatever the costs
         losses = train_pipelined(pipe, data)
     held = {id(p) for p in pipe.parameters()}  # each tied weight by its one name, if held
-    tied = {name: p.detach().clone() for name, p, _ in pipe.shared_parameter_objects()
+    names = {id(p): n for n, p in torch.nn.Module.named_parameters(pipe)}
+    tied = {name: p.detach().clone() for name, p, _ in tied_parameters(pipe.stages, names)
             if id(p) in held}
     state = fxpipe.gather_state_dict(pipe)
     every_rank_tied: list = [None] * dist.get_world_size()
@@ -233,8 +167,7 @@ def train(name, stages, schedule, micro_batches, out):
     every_rank_links: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_links, _links(pipe))
     every_rank_cpus: list = [None] * dist.get_world_size()  # where each rank's threads may run
-    dist.all_gather_object(every_rank_cpus, (_thread_cpus(),
-                                             [d for d in pipe.devices if "(rank" in d]))
+    dist.all_gather_object(every_rank_cpus, (_thread_cpus(), sorted(STARTED_ON)))
     if dist.get_rank() == 0:
         torch.save({"state": state, "losses": losses, "tied": every_rank_tied,
                     "own_keys": sorted(pipe.state_dict()), "bytes": every_rank_bytes,
@@ -242,14 +175,51 @@ def train(name, stages, schedule, micro_batches, out):
 
 
 def _thread_cpus():
-    """The CPU sets this rank's threads may run on: those of gloo's I/O threads, and those of
-    the others."""
-    io, others = set(), set()
-    mine = set(io_threads())
+    """The CPU sets this rank's threads (gloo's, the stage's) may run on."""
+    cpus = set()
     for thread in map(int, os.listdir("/proc/self/task")):
         with contextlib.suppress(OSError):  # ended meanwhile
-            (io if thread in mine else others).add(tuple(sorted(os.sched_getaffinity(thread))))
-    return sorted(io), sorted(others)
+            cpus.add(tuple(sorted(os.sched_getaffinity(thread))))
+    return sorted(cpus)
+
+
+def _check_measures(pipe, data, stages):
+    """The link's ping-pong, a calibration (every rank at once) and the report under
+    torchrun: the same figures on every rank, gathered in one exchange, leaving no trace."""
+    assert pipe.link.source.startswith("measured ping-pong") and pipe.link.per_message > 0
+    links: list = [None] * dist.get_world_size()  # the same figures on every rank
+    dist.all_gather_object(links, pipe.link)
+    assert links == [pipe.link] * len(links)
+    grads = [p.grad.clone() for p in pipe.parameters()]  # the last step's
+    buffers = [b.clone() for b in pipe.buffers()]
+    x, y = data[0]
+    calibration = fxpipe.calibrate(pipe, x, target=y, steps=3, warmup=1)
+    assert all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), grads))
+    assert all(torch.equal(b, c) for b, c in zip(pipe.buffers(), buffers))
+    figures: list = [None] * dist.get_world_size()  # every stage's, from the gathered events
+    dist.all_gather_object(figures, (calibration.forward, calibration.backward,
+                                     calibration.send))
+    assert figures == [figures[0]] * len(figures)
+    assert len(calibration.forward) == stages and calibration.steps == 3
+    traces = pipe.executor.full_traces([(pipe.last_trace(), pipe.executor.trace_origin)] * 2)
+    assert all({e.stage for e in trace} == set(range(stages)) for trace in traces)
+    assert all(min(e.start for e in trace) == 0 for trace in traces)
+    exchanges = []
+    gather = dist.all_gather_object
+    dist.all_gather_object = lambda *a, **k: (exchanges.append(a), gather(*a, **k))[1]
+    try:
+        report = pipe.report(file=io.StringIO(), calibration=calibration)
+    finally:
+        dist.all_gather_object = gather
+    assert len(exchanges) == 1 and report.startswith("step (")  # the last step's traces
+    assert "calibrated" in report
+    kept = [(pipe.last_trace(), pipe.executor.trace_origin)] * (1 + dist.get_rank())
+    try:  # as many runs on no two ranks: every rank says so
+        pipe.executor.full_traces(kept)
+    except fxpipe.FxpipeError as error:
+        assert "different numbers of runs (rank 0: 1, rank 1: 2" in str(error), error
+    else:
+        raise AssertionError("ranks gathering different numbers of runs went unnoticed")
 
 
 def _links(pipe):

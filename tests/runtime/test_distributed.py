@@ -12,8 +12,6 @@ import dist_worker
 import pytest
 import torch
 
-from fxpipe.affinity import format_cpus
-
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 WORKER = pathlib.Path(dist_worker.__file__)
@@ -63,22 +61,10 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
 
 
 def _check_binding(ranks_threads) -> None:
-    """Plan(cpu_affinity="auto"): with a CPU each, every thread of each rank runs on the rank's
-    own equal share of this machine's CPUs, shown with its device, but gloo's I/O threads
-    (one per process group), which run on all of them; with fewer CPUs than ranks, every
-    thread on all of them."""
-    allowed = tuple(sorted(os.sched_getaffinity(0)))
-    assert all(io == [allowed] for (io, _), _ in ranks_threads), ranks_threads
-    assert all(len(others) == 1 for (_, others), _ in ranks_threads)  # all of a rank's alike
-    shares = [others[0] for (_, others), _ in ranks_threads]
-    if len(ranks_threads) > len(allowed):
-        assert all(share == allowed for share in shares)
-        return
-    taken = [cpu for share in shares for cpu in share]
-    assert len(taken) == len(set(taken)) and set(taken) <= set(allowed)
-    assert {len(share) for share in shares} == {len(allowed) // len(shares)}
-    for share, (_, (device,)) in zip(shares, ranks_threads):
-        assert device.endswith(f", CPUs {format_cpus(share)})"), device
+    """No rank, and no thread of one, was bound to CPUs: each thread may run on every CPU its
+    process could when it started."""
+    for threads, started_on in ranks_threads:
+        assert threads == [tuple(started_on)], (threads, started_on)
 
 
 @pytest.mark.parametrize("ranks, scenarios", [
@@ -157,21 +143,14 @@ def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, model,
             assert reduced == {0, 1}, name
 
 
-def test_bench_under_torchrun_measures_each_ranks_peak_memory():
+def test_bench_under_torchrun_calibrates_and_times_every_configuration():
     from fxpipe.bench import bench_under_torchrun
-    from fxpipe.models import MLP
 
     rows = bench_under_torchrun(2, ["mlp", "--stages", "2", "--batch", "8", "--micro-batches",
                                     "2", "--partitioners", "even", "--schedules", "gpipe,1f1b",
-                                    "--repeats", "1"])
+                                    "--rounds", "1", "--steps", "2"])
     assert [(r.partitioner, r.schedule) for r in rows] == [("even", "gpipe"), ("even", "1f1b")]
-    whole_model = sum(p.nbytes for p in MLP().parameters())
     for row in rows:
-        assert row.memory_kind == "peak" and len(row.memory) == 2
-        assert all(m > 0 for m in row.memory)
-        # each rank holds its stage's weights and their gradients, never the whole model twice
-        assert sum(row.memory) > 2 * whole_model
-        assert all(m < 2 * whole_model + 10e6 for m in row.memory)
+        assert len(row.memory) == 2 and all(m > 0 for m in row.memory)
         assert row.measured_ms > 0 and row.predicted_ms > 0
-        if hasattr(os, "sched_setaffinity"):  # every rank's cores timed, handed back
-            assert len(row.round_core_ms) == row.rounds == 1
+        assert (row.rounds, row.timed_steps) == (1, 2)

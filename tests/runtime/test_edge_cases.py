@@ -219,29 +219,3 @@ def test_load_state_dict_with_assign_trains_the_new_parameters():
     pipe.step(x, torch.randn(4, 2))
     assert all(p.grad is not None for p in pipe.parameters())
     assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
-
-
-def test_stages_shared_among_threads_must_each_be_in_one_group():
-    from fxpipe.runtime.driver import Driver
-
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, micro_batches=2, costs="none"),
-                          example_inputs=(torch.randn(4, 4),))
-    driver = pipe.executor.driver
-    for groups in ([(0, 1)], [(0, 1), (1, 2)], [(0, 1, 2), ()], []):
-        with pytest.raises(ValueError, match=r"give every stage held here \(\[0, 1, 2\]\) in "
-                                             r"exactly one non-empty group"):
-            driver.share(groups)
-
-    class Posted:  # a transport that cannot tell whether a message arrived
-        pass
-
-    elsewhere = Driver(pipe.executor.runners, pipe.comm, Posted())
-    with pytest.raises(ValueError, match="Posted cannot tell a thread running several stages"):
-        elsewhere.share([(2, 0), (1,)])
-    elsewhere.share([(0,), (1,), (2,)])  # a thread each needs no such telling
-    assert elsewhere.workers == ((0,), (1,), (2,))
-    # autocast reaches every stage of a thread that runs several, as it reaches a stage thread's
-    driver.share([(2, 1, 0)])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert pipe(torch.randn(4, 4)).dtype == torch.bfloat16

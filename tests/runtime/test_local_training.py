@@ -50,24 +50,17 @@ def _reference_steps(model, batches, optimizer_kind):
 @settings(max_examples=20)
 @given(stages=st.integers(1, 4), micro_batches=st.integers(1, 4), batch=st.integers(4, 7),
        schedule=st.sampled_from(["gpipe", "1f1b"]), optimizer=st.sampled_from(["sgd", "adam"]),
-       path=st.sampled_from(["step", "drop-in"]),
-       threads=st.sampled_from(["stage", 1, 2, 3]))
+       path=st.sampled_from(["step", "drop-in"]))
 def test_training_matches_the_plain_model(stages, micro_batches, batch, schedule, optimizer,
-                                          path, threads):
-    """Also with the stages on fewer threads (Plan(stage_threads)), each running its stages'
-    actions one at a time."""
+                                          path):
     model = Net().double()
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(batch, 5, generator=gen, dtype=torch.float64),
                 torch.randint(0, 3, (batch,), generator=gen)) for _ in range(3)]
-    threads = threads if threads == "stage" else min(threads, stages)
     plan = fxpipe.Plan(stages=stages, micro_batches=micro_batches, schedule=schedule,
-                       devices=["cpu"] * stages, loss_fn=F.cross_entropy, costs="none",
-                       stage_threads=threads)
+                       devices=["cpu"] * stages, loss_fn=F.cross_entropy, costs="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(batches[0][0],))
-    if threads != "stage":
-        assert len(pipe.executor.driver.workers) == threads
     opt = _optimizer(optimizer, pipe.parameters())
     for x, y in batches:
         opt.zero_grad()
@@ -255,8 +248,7 @@ def test_output_that_is_not_per_sample_cannot_be_micro_batched():
         pipe(torch.randn(4, 4))
 
 
-@pytest.mark.parametrize("threads", ["stage", 1, 2])
-def test_a_failing_stage_stops_the_pipeline_with_its_error(threads):
+def test_a_failing_stage_stops_the_pipeline_with_its_error():
     class Fails(nn.Module):
         def forward(self, x):
             if x.shape[0] == 1:  # the last, smaller micro-batch
@@ -265,7 +257,7 @@ def test_a_failing_stage_stops_the_pipeline_with_its_error(threads):
 
     model = nn.Sequential(nn.Linear(4, 4), Fails(), nn.Linear(4, 4))
     plan = fxpipe.Plan(stages=3, micro_batches=3, tracer="fx", leaf_modules=[Fails],
-                       loss_fn=F.mse_loss, costs="none", stage_threads=threads)
+                       loss_fn=F.mse_loss, costs="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(torch.randn(6, 4),))
     with pytest.raises(RuntimeError, match="stage 1 failed: ValueError: boom on a micro-batch"):
         pipe.step(torch.randn(5, 4), torch.randn(5, 4))

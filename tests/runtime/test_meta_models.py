@@ -15,13 +15,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.compile import front
-from fxpipe.compile.front import trace_and_cut
+from fxpipe.compiler import PASSES, passes
+from fxpipe.compiler.state import Compilation, run_passes
 from fxpipe.errors import PlanError
 from fxpipe.materialize import kept_from, materialize, materialized_copy
 from fxpipe.models import GPT, ResNet
 from fxpipe.passes.analysis import profile as profile_module
-from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.profile import profile_units, real_bytes
 
 
@@ -206,9 +205,15 @@ def test_stages_start_from_the_modules_own_reset_parameters(tracer):
     assert model[0].weight.abs().max() <= bound and model[0].weight.std() > 0.1
 
 
+def _traced(model, x, plan) -> Compilation:
+    """The model checked, traced and cut into units, as compile's first passes do."""
+    compilation = Compilation(model, plan, (x,), {})
+    run_passes(PASSES[:4], compilation)
+    return compilation
+
+
 def _unit_graph(model, x, stages=1):
-    traced, units, _ = trace_and_cut(model, fxpipe.Plan(stages=stages), (x,), {})
-    return front.split_into_units(traced.gm, units, "cpu")
+    return passes._units_as_stages(_traced(model, x, fxpipe.Plan(stages=stages)))
 
 
 @contextlib.contextmanager
@@ -244,11 +249,9 @@ def test_a_meta_model_is_timed_with_no_more_weights_real_at_once_than_its_window
     with _copies_made() as copies:
         prof = profile_units(graph, table, [x], [4], warmup=1, repeats=3, window=window)
     runs = profile_module._runs(tensors, window)
-    assert len(copies) == 2 * len(runs)  # the timing's, then the memory measurement's
+    assert len(copies) == len(runs)  # one copy a run, for all its repetitions
     assert max(n for _, n in copies) <= max(window, max(sum(u.values()) for u in tensors))
     assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
-    if all(len(run) == 1 for run in runs):  # no connected call to compare the units with
-        assert (prof.backward_call == 0).all()
 
 
 def test_a_tied_weight_is_one_weight_in_the_copy_of_a_run():
@@ -258,58 +261,32 @@ def test_a_tied_weight_is_one_weight_in_the_copy_of_a_run():
     with _copies_made() as copies:
         profile_units(graph, table, [torch.randint(0, 128, (4, 12))], [4], warmup=0,
                       repeats=1, window=float("inf"))
-    assert [n for _, n in copies] == [real_bytes(model)] * 2  # the tied embedding once
+    assert [n for _, n in copies] == [real_bytes(model)]  # the tied embedding once
 
 
-def test_a_background_worker_makes_one_copy_of_a_meta_model_for_its_life():
-    """Timed in one run, the units get one real copy in each neighbour for as long as it runs
-    (not one per pass: making copies would be most of its work), whatever the load."""
-    with torch.device("meta"):
-        model = GPT(layers=1)
-    x = torch.randint(0, 128, (4, 12))
-    graph, table = _unit_graph(model, x)
-    with _copies_made() as copies:
-        prof = profile_units(graph, table, [x], [2, 4], warmup=1, repeats=10, concurrency=2,
-                             window=float("inf"))  # crossed: one worker per kind of load
-    workers = [t for t, _ in copies if t is not threading.main_thread()]
-    assert len(workers) == 2 and len(set(workers)) == 2
-    assert (prof.forward > 0).all() and all(p.is_meta for p in model.parameters())
-
-
-def test_a_meta_model_is_timed_with_no_more_real_copies_at_once_than_cores():
-    """4 stage threads on 2 cores: a real model's units are timed beside the 3 others, but
-    each timing thread holds real copies of a meta model's, so it has 1 neighbour, a copy for
-    each of the crossed load's 2 passes."""
-    with torch.device("meta"):
-        model = GPT(layers=1)
-    x = torch.randint(0, 128, (4, 12))
-    graph, table = _unit_graph(model, x)
-    with _copies_made() as copies, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "usable_cores", lambda: 2)
-        profile_units(graph, table, [x], [2], warmup=0, repeats=1, concurrency=4, threads=1,
-                      window=float("inf"))
-    assert len([t for t, _ in copies if t is not threading.main_thread()]) == 2
-
-
-@pytest.mark.parametrize("held, floor", [(0.5, 0), (0.5, 2**30), (1.0, 0)])
-def test_compile_times_a_meta_model_with_at_most_its_devices_share_real_at_once(held, floor):
-    """measure_costs makes real at once no more than the share `held` of the weights and
-    buffers (or one unit's), unless all of them are below the floor, ALL_REAL_BELOW."""
+@pytest.mark.parametrize("devices, floor, share", [
+    (["cpu", "cpu"], 0, 1.0),  # one device holds every stage
+    (["cpu", "cpu:0"], 0, 0.5),  # each device half of them
+    (["cpu", "cpu:0"], 2**40, None),  # below the floor, all of them at once anyway
+])
+def test_the_profile_pass_makes_real_at_once_its_devices_share_of_a_meta_model(
+        monkeypatch, devices, floor, share):
     with torch.device("meta"):
         model = GPT(layers=2)
     x = torch.randint(0, 128, (4, 12))
-    plan = fxpipe.Plan(stages=2, micro_batches=2)
-    traced, units, flat = trace_and_cut(model, plan, (x,), {})
-    total = real_bytes(model)
-    with _copies_made() as copies, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(front, "ALL_REAL_BELOW", floor)
-        front.measure_costs(traced.gm, units, flat, plan, ["cpu"], default_link("cpu", "cpu"),
-                            None, 1, warmup=0, repeats=1, min_time=0.0, held=held)
-    sizes = [n for _, n in copies]
-    if floor > total or held == 1.0:
-        assert set(sizes) == {total}  # every unit in one run
-    else:
-        graph, table = _unit_graph(model, x)
-        heaviest = max(sum(unit.values()) for unit in profile_module._tensor_bytes(
-            [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]))
-        assert max(sizes) <= max(held * total, heaviest) and len(sizes) > 2
+    c = _traced(model, x, fxpipe.Plan(stages=2, micro_batches=2))
+    c.devices = devices
+    windows = []
+
+    class Stop(Exception):
+        """What the profile pass hands the profile is all this test needs."""
+
+    def profiled(*args, window, **kwargs):
+        windows.append(window)
+        raise Stop
+
+    monkeypatch.setattr(passes, "profile_units", profiled)
+    monkeypatch.setattr(passes, "ALL_REAL_BELOW", floor)
+    with pytest.raises(Stop):
+        passes.profile(c)
+    assert windows == [floor if share is None else share * real_bytes(model)]

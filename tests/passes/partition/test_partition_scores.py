@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from partition_tables import close, p_tables, tables
 
 from fxpipe.cost import CostTable, Partition, step_times
-from fxpipe.passes.partition import even, exact
+from fxpipe.passes.partition import even
 
 
 def test_partition_evaluate_matches_a_hand_worked_example():
@@ -43,28 +39,3 @@ def test_even_split_of_a_uniform_pipeline_has_the_textbook_bubble():
     for stages in (1, 2, 4, 8):
         for p in (1, 3, 8):
             assert close(even(cost, stages, p).bubble, (stages - 1) / (p + stages - 1))
-
-
-@given(st.one_of(tables(max_units=8, comm=False), p_tables(max_units=8, comm=False)),
-       st.floats(0.0, 50.0), st.data())
-def test_a_stage_pays_its_backward_call_once(cost, call, data):
-    """A stage's backward is one call whatever its units: its fixed cost is added once per
-    stage, the same in Partition.evaluate and step_times. With the number of stages fixed and
-    no link slower than a stage, it shifts every partition's time alike, so the optimum does
-    not move."""
-    with_call = dataclasses.replace(cost, backward_call=np.full(len(cost.sizes), call))
-    stages = data.draw(st.integers(1, min(cost.units, 4)))
-    p = data.draw(st.integers(1, 8))
-    bounds = even(cost, stages, p).bounds
-    plain, paid = Partition.evaluate(cost, bounds, p), Partition.evaluate(with_call, bounds, p)
-    for a, b in zip(plain.stages, paid.stages):
-        assert close(b.b, a.b + call) and b.f == a.f
-    assert close(paid.predicted_time, step_times(with_call, bounds, [p])[0])
-    assert close(paid.predicted_time, plain.predicted_time + (stages + p - 1) * call)
-    assert close(exact(with_call, stages, p).predicted_time,
-                 exact(cost, stages, p).predicted_time + (stages + p - 1) * call)
-
-
-def test_a_backward_call_cost_per_size_is_checked():
-    with pytest.raises(ValueError, match="backward_call must hold 1 finite non-negative"):
-        CostTable([[1.0]], [[1.0]], [[0.0]], [[0.0]], [1.0], backward_call=[-1.0])

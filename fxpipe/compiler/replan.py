@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from fxpipe.compile.partitioning import PARTITIONERS
+from fxpipe.compiler.partitioning import PARTITIONERS
 from fxpipe.cost import Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.pipeline import CompiledPipeline

@@ -8,12 +8,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxpipe.batching import input_dims, resize
-from fxpipe.compile.front import output_names
+from fxpipe.batching import input_dims, resize, rows
+from fxpipe.compiler.inputs import output_names
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
 from fxpipe.runtime.bridge import model_output_of
-from fxpipe.runtime.microbatch import rows
 
 __all__ = ["check_loss_timing", "check_target", "traced_loss"]
 
@@ -43,7 +42,7 @@ def check_target(plan: Plan, target: Any) -> None:
     if plan.intra_layer is not None:
         raise PlanError(f"{argument} adds the loss to the last unit's costs, from which "
                         "Plan(intra_layer=...) picks the layers to split; leave out the target "
-                        "with intra_layer (retime(pipe, x, target=y) times the loss after).")
+                        "with intra_layer.")
     check_loss_timing(plan, target, argument)
 
 

@@ -1,0 +1,124 @@
+"""Opt-in calibration: what a compiled pipeline's actions take in real training steps beyond its
+units' timed costs, read from the runtime's timeline events, for predicting whole steps.
+
+Compile times each unit on its own, which is what partitioning needs: the units' relative
+costs. Inside a step a stage's forward and backward also pay the runtime's own work and share
+the machine with the other stages (cores, memory bandwidth, Python's interpreter lock for stage
+threads of one process), and a step pays for splitting the batch and agreeing on sizes outside
+its actions. `calibrate` runs a few steps and measures, per stage, the median forward and
+backward action beyond the partition's predicted stage cost, the median time to hand over a
+message, and the step's time outside its actions. `pipe.report(calibration=...)` and
+`pipe.predicted_timeline(calibration=...)` add them to every action of their kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fxpipe.cost import Partition
+from fxpipe.errors import FxpipeError
+from fxpipe.ir import Event
+from fxpipe.pipeline import CompiledPipeline
+from fxpipe.preserve import gradients_set_aside, preserved_state
+from fxpipe.schedules import ActionKind
+
+__all__ = ["Calibration", "calibrate", "calibration_from"]
+
+K = ActionKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Per stage, seconds each action took beyond what the partition predicts for it (medians
+    over the calibration's steps and micro-batches; below 0 where a stage ran faster than its
+    units timed one by one), and the step's own time outside its actions."""
+
+    forward: tuple[float, ...]  # per F action, beyond the stage's predicted forward
+    backward: tuple[float, ...]  # per B action, beyond the stage's predicted backward
+    send: tuple[float, ...]  # per SEND action: the stage's time to hand a message over
+    step: float  # per step, outside the span of its actions (splitting, starting the workers)
+    steps: int  # how many steps were measured
+    sizes: tuple[int, ...]  # the micro-batch sizes the steps ran (samples)
+
+    def overheads(self) -> dict[tuple[int, ActionKind], float]:
+        """The simulator's per-action overhead table (simulate(overhead=...))."""
+        table = {}
+        for s, (f, b, send) in enumerate(zip(self.forward, self.backward, self.send)):
+            table.update({(s, K.F): f, (s, K.B): b, (s, K.SEND_F): send, (s, K.SEND_B): send})
+        return table
+
+    def __str__(self) -> str:
+        def us(values: Sequence[float]) -> str:
+            return "/".join(f"{v * 1e6:+.0f}" for v in values)
+
+        return (f"calibration over {self.steps} steps: per action beyond the stage's predicted "
+                f"cost, forward {us(self.forward)} us, backward {us(self.backward)} us; per "
+                f"message sent {us(self.send)} us (per stage); per step outside its actions "
+                f"{self.step * 1e3:.2f} ms")
+
+
+def calibrate(pipe: Any, *inputs: Any, target: Any, steps: int = 10, warmup: int = 2,
+              clock: Callable[[], float] = time.perf_counter, **kwargs: Any) -> Calibration:
+    """Run `warmup` + `steps` training steps of `pipe` on `inputs` (forward()'s arguments, as
+    pipe.step takes them) and `target`, and measure what its actions take beyond its
+    partition's predicted costs (`calibration_from`). The steps leave no gradient, buffer or
+    random number generator changed. Under torchrun every rank calls it, as pipe.step."""
+    if not isinstance(pipe, CompiledPipeline):
+        raise FxpipeError(f"calibrate() takes the pipeline fxpipe.compile returned, not "
+                          f"{type(pipe).__name__}.")
+    if pipe.plan.loss_fn is None:
+        raise FxpipeError("calibrate() runs training steps, which need Plan(loss_fn=...): "
+                          "compile with a loss function.")
+    if pipe.plan.schedule == "async-1f1b":
+        raise FxpipeError("calibrate() times flushed steps (pipe.step); async-1f1b streams "
+                          "mini-batches: calibrate a pipeline compiled with schedule='1f1b'.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or \
+            isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise FxpipeError(f"calibrate(steps={steps!r}, warmup={warmup!r}) takes steps >= 1 "
+                          "and warmup >= 0, whole numbers.")
+    walls, kept = [], []
+    with preserved_state(pipe), gradients_set_aside(pipe):
+        for i in range(warmup + steps):
+            start = clock()
+            pipe.step(*inputs, target, **kwargs)
+            wall = clock() - start
+            if i >= warmup:
+                walls.append(wall)
+                kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
+    runs = pipe.executor.full_traces(kept)  # every stage's, under torchrun too
+    return calibration_from(runs, walls, pipe.partition, pipe.executor.last_sizes)
+
+
+def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
+                     partition: Partition, sizes: Sequence[int]) -> Calibration:
+    """The calibration of steps whose every stage's events are `runs` (one list per step) and
+    whose wall-clock seconds are `walls`, against `partition`'s predicted stage costs."""
+    if not runs or len(runs) != len(walls):
+        raise ValueError("calibration_from needs one wall-clock time per run, and a run")
+    stages = len(partition.stages)
+    took: dict[tuple[int, ActionKind], list[float]] = {}
+    outside = []
+    for events, wall in zip(runs, walls):
+        for e in events:
+            took.setdefault((e.stage, e.action.kind), []).append(e.duration)
+        span = (max(e.end for e in events) - min(e.start for e in events)) if events else 0.0
+        outside.append(max(wall - span, 0.0))
+
+    def beyond(stage: int, kind: ActionKind, predicted: float) -> float:
+        measured = took.get((stage, kind))
+        return statistics.median(measured) - predicted if measured else 0.0
+
+    def sending(stage: int) -> float:
+        sends = took.get((stage, K.SEND_F), []) + took.get((stage, K.SEND_B), [])
+        return statistics.median(sends) if sends else 0.0
+
+    return Calibration(
+        tuple(beyond(s, K.F, partition.stages[s].f) for s in range(stages)),
+        tuple(beyond(s, K.B, partition.stages[s].b) for s in range(stages)),
+        tuple(sending(s) for s in range(stages)),
+        statistics.median(outside), len(runs), tuple(sizes or ()),
+    )

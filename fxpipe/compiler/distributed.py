@@ -1,0 +1,167 @@
+"""Compiling under torchrun: one stage per rank, agreed on by every rank; the process groups its
+messages, gradients and tied weights travel in; the runtime of this rank's stage."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.compiler.assemble import materialize_stages, model_names
+from fxpipe.compiler.inputs import output_names
+from fxpipe.cost import Link
+from fxpipe.distributed import RankLayout, rank_device, rank_layout
+from fxpipe.errors import PlanError
+from fxpipe.ir import tied_parameters
+from fxpipe.passes.analysis.comm import default_link, measure_rank_link
+from fxpipe.plan import Plan
+from fxpipe.runtime.coordinator import DistCoordinator
+from fxpipe.runtime.dist import DistTransport
+from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.hooks import GradientSync
+from fxpipe.runtime.stage import StageRunner
+from fxpipe.units import Unit
+
+__all__ = ["LinkGroups", "agree", "build_rank_runtime", "ping_pong", "rank_layout_and_device",
+           "shared_by_rank0"]
+
+
+def rank_layout_and_device(plan: Plan) -> tuple[RankLayout, str]:
+    """This rank's place in the plan (joining torchrun's process group if the script has not)
+    and its stage's device."""
+    layout = rank_layout(plan)
+    return layout, rank_device(plan, layout)
+
+
+def agree(layout: RankLayout, plan: Plan, units: Sequence[Unit]) -> None:
+    """Every rank must compile the same plan for the same graph; say which ranks differ."""
+    fingerprint = repr((sorted(plan.to_dict().items(), key=str), [u.nodes for u in units]))
+    everyone: list[Any] = [None] * layout.world
+    torch.distributed.all_gather_object(everyone, fingerprint)
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    if differ:
+        raise PlanError(
+            f"ranks {differ} compiled a different plan or model than rank 0; every rank must "
+            "call fxpipe.compile with the same model class, example input shapes and Plan "
+            "(or Plan.load the same saved plan)."
+        )
+
+
+def shared_by_rank0(objects: list[Any]) -> list[Any]:
+    """`objects` as rank 0 has them, on every rank."""
+    torch.distributed.broadcast_object_list(objects, src=0)
+    return objects
+
+
+class LinkGroups:
+    """A process group for each direction between two stages, keyed by (sending stage,
+    receiving stage), made on first use by every rank in the same order. A gloo connection
+    carrying data both ways has its event thread spin while a sender holds the connection,
+    which on a busy host takes a core from compute; one-way connections avoid that."""
+
+    def __init__(self, layout: RankLayout) -> None:
+        self.layout = layout
+        self.made: dict[tuple[int, int], Any] = {}  # this rank's pipeline's, by stage pair
+
+    def get(self, src: int, dst: int) -> Any:
+        if (src, dst) not in self.made:
+            for group in range(self.layout.groups):  # all ranks make all groups' handles
+                ranks = [self.layout.rank_of(src, group), self.layout.rank_of(dst, group)]
+                handle = torch.distributed.new_group(ranks)
+                if group == self.layout.group:
+                    self.made[src, dst] = handle
+        return self.made[src, dst]
+
+    def of_edges(self, comm) -> dict[tuple[int, int], Any]:
+        """The groups of the directions to and from this rank's stage that the comm table's
+        edges use (gradients flow back along them); made for every pair, kept for ours."""
+        pairs = sorted({(e.src, e.dst) for e in comm.edges} | {(e.dst, e.src) for e in comm.edges})
+        handles = {pair: self.get(*pair) for pair in pairs}
+        return {pair: handle for pair, handle in handles.items() if self.layout.stage in pair}
+
+
+def ping_pong(plan: Plan, layout: RankLayout, groups: LinkGroups, device: str) -> Link:
+    """A link fitted to a ping-pong between the first two stages' ranks (the default link on
+    the ranks that take no part, and with one stage; the partition pass shares rank 0's)."""
+    link = default_link(device, device, True)
+    if plan.stages < 2:
+        return link
+    return measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), groups.get(0, 1),
+                             device, reply_group=groups.get(1, 0)) or link
+
+
+def build_rank_runtime(c) -> PipelineExecutor:
+    """This rank's stage made real on its device and its runtime: the executor, over the
+    process groups of its pipeline, of its data-parallel group and of its tied weights."""
+    layout, device = c.layout, c.devices[0]
+    stages = [c.graph.get_submodule(f"stage{s}") for s in range(c.plan.stages)]
+    materialize_stages(c, [layout.stage])
+    stage = stages[layout.stage]
+    stage.to(device)
+    pipeline = _pipeline_group(layout)
+    hook = c.graph.get_submodule(f"hook{layout.stage}")
+    runner = StageRunner(stage, hook, c.comm.stages[layout.stage], device,
+                         c.comm.carries_grad())
+    transport = DistTransport(c.comm, layout.pipeline_ranks, device, group=pipeline,
+                              links=c.link_groups.of_edges(c.comm), rank=layout.rank)
+    data_parallel = _data_parallel_group(layout, stage)
+    sync = None
+    if data_parallel is not None:
+        sync = GradientSync(layout.stage, list(stage.parameters()), data_parallel,
+                            c.plan.dp_sync, pipeline)
+        hook.register(lambda s: sync.on_stage_backward(s, hook.finishing))
+    coordinator = DistCoordinator(layout.pipeline_ranks, c.partition.micro_batches, device,
+                                  pipeline, _tied_groups(c.model, stages, layout), sync=sync,
+                                  data_parallel=data_parallel, group_index=layout.group,
+                                  groups=layout.groups)
+    return PipelineExecutor(
+        {layout.stage: runner}, c.comm, transport, output_names(c.cut_from), c.schedule,
+        c.forward_schedule, c.streamed, c.traced.bind.unflatten, coordinator, c.whole,
+    )
+
+
+def _pipeline_group(layout: RankLayout) -> Any:
+    """This rank's pipeline as a process group (the whole job when there is one pipeline)."""
+    if layout.groups == 1:
+        return None
+    mine = None
+    for group in range(layout.groups):  # every rank creates every group, in the same order
+        ranks = [layout.rank_of(s, group) for s in range(layout.stages)]
+        handle = torch.distributed.new_group(ranks)
+        if layout.rank in ranks:
+            mine = handle
+    return mine
+
+
+def _data_parallel_group(layout: RankLayout, stage: torch.nn.Module) -> Any:
+    """The ranks running this rank's stage in every pipeline group, as a process group; the
+    stage's parameters and buffers start as group 0's (as DistributedDataParallel does)."""
+    if layout.groups == 1:
+        return None
+    mine = None
+    for s in range(layout.stages):  # every rank creates every group, in the same order
+        handle = torch.distributed.new_group(layout.data_parallel_ranks(s))
+        if s == layout.stage:
+            mine = handle
+    source = layout.data_parallel_ranks(layout.stage)[0]
+    with torch.no_grad():
+        for tensor in [*stage.parameters(), *stage.buffers()]:
+            torch.distributed.broadcast(tensor.data, source, mine)
+    return mine
+
+
+def _tied_groups(model: torch.nn.Module, stages: Sequence[Any], layout: RankLayout
+                 ) -> list[tuple[torch.nn.Parameter, Any]]:
+    """For each weight tied across stages, the process group of the ranks holding it; the
+    copies start equal (broadcast from the first holder) and stay equal (summed gradients)."""
+    tied = []
+    for _, param, holders in tied_parameters(stages, model_names(model)):
+        for group in range(layout.groups):
+            ranks = [layout.rank_of(s, group) for s in holders]
+            handle = torch.distributed.new_group(ranks)
+            if layout.rank in ranks:
+                with torch.no_grad():
+                    torch.distributed.broadcast(param.data, ranks[0], handle)
+                tied.append((param, handle))
+    return tied

@@ -1,0 +1,329 @@
+"""The compiler's passes, in order, shared by one-process and torchrun compile: check the plan,
+trace, cut units, shapes, profile units, link, partition, rewrite, lower the schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fxpipe.batching import input_dims
+from fxpipe.compiler.distributed import (
+    LinkGroups,
+    agree,
+    ping_pong,
+    rank_layout_and_device,
+    shared_by_rank0,
+)
+from fxpipe.compiler.inputs import (
+    check_batched_inputs,
+    check_example_runs,
+    check_stage_count,
+    check_whole_inputs,
+    shapes_on,
+    stage_devices,
+    whole_positions,
+)
+from fxpipe.compiler.intra_layer import split_heavy_layers
+from fxpipe.compiler.loss import check_target, traced_loss
+from fxpipe.compiler.partitioning import choose_partition
+from fxpipe.compiler.state import Pass
+from fxpipe.cost import CostTable, Link, check_bounds, fit_to_flops
+from fxpipe.distributed import launched
+from fxpipe.errors import FxpipeTraceError, PlanError
+from fxpipe.inspect import format_bytes
+from fxpipe.materialize import check_meta_model, has_meta_tensors
+from fxpipe.meta import SHAPE
+from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
+from fxpipe.passes.analysis.costs import cost_table
+from fxpipe.passes.analysis.profile import (
+    annotate_profile,
+    profile_units,
+    real_bytes,
+    time_loss,
+    unit_parameters,
+)
+from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
+from fxpipe.passes.rewrite.stages import split_stages
+from fxpipe.schedules import lower
+from fxpipe.trace import trace
+from fxpipe.units import cut_units
+
+__all__ = ["PASSES"]
+
+# A meta model's weights up to this many bytes are made real all at once to time its units,
+# whatever share of them a device holds: a small model's units timed in several runs meet
+# cold caches at each run's start, which costs units of microseconds a noticeable share.
+ALL_REAL_BELOW = 256 * 2**20
+
+
+def check(c) -> None:
+    """The plan against the model, the example and where compile runs, before any work."""
+    if c.target is not None:
+        check_target(c.plan, c.target)
+    if has_meta_tensors(c.model):
+        check_meta_model(c.model, c.plan)
+    check_whole_inputs(c.model, c.plan)
+    if launched():
+        if c.plan.intra_layer is not None:
+            raise PlanError("Plan(intra_layer=...) splits layers over the devices of one "
+                            "process; under torchrun each rank runs one stage on one device. "
+                            "Drop intra_layer, or run in one process with Plan(devices=[...]).")
+        c.layout, device = rank_layout_and_device(c.plan)
+        c.devices = [device] * c.plan.stages  # this rank's view: its own stage's device
+        c.link_groups = LinkGroups(c.layout)
+        return
+    if c.plan.groups > 1:
+        raise PlanError(
+            f"Plan(groups={c.plan.groups}) replicates the pipeline over ranks of a torchrun "
+            f"job; launch with torchrun --nproc-per-node {c.plan.stages * c.plan.groups}, or "
+            "use groups=1 in one process."
+        )
+    c.devices = stage_devices(c.model, c.plan)
+
+
+def trace_model(c) -> None:
+    """The model as an fx graph, every node's example value recorded (the shape check)."""
+    try:
+        c.traced = trace(c.model, c.args, c.kwargs, c.plan, check=shapes_on(c.args, c.kwargs))
+    except FxpipeTraceError:
+        check_example_runs(c.model, c.args, c.kwargs)  # the likelier cause, if so
+        raise
+    c.flat = c.traced.bind(c.args, c.kwargs)
+
+
+def cut(c) -> None:
+    """The graph cut into units; the batch's split into micro-batches checked on it."""
+    c.units = cut_units(c.traced.gm, c.plan.unit_depth, c.traced.leaf_paths)
+    check_stage_count(c.model, c.plan, c.units)
+    c.whole = whole_positions(c.traced, c.plan, c.args, c.kwargs)
+    check_batched_inputs(c.traced, c.plan, c.args, c.kwargs, c.whole)
+    if c.distributed:
+        agree(c.layout, c.plan, c.units)
+
+
+def shapes(c) -> None:
+    """Shapes as functions of the micro-batch size where ranks must agree on message shapes
+    (the example's, recorded by the trace, serve in one process)."""
+    if c.distributed:
+        annotate_symbolic(c.traced.gm, c.flat, c.whole)
+
+
+def profile(c) -> None:
+    """Every unit timed at the plan's micro-batch size(s), and the loss with an example target
+    (under torchrun every rank times at once, rank 0's counting)."""
+    if c.plan.costs == "none":
+        return
+    batch = input_dims(c.flat, c.whole).batch
+    if isinstance(c.plan.micro_batches, int) and c.plan.micro_batches > batch:
+        raise PlanError(
+            f"Plan(micro_batches={c.plan.micro_batches}) splits the example batch of {batch} "
+            f"samples into more micro-batches than samples; the units are timed on its "
+            f"micro-batches, so give a full mini-batch as the example, or micro_batches <= "
+            f"{batch}."
+        )
+    device = c.devices[0]
+    unit_graph, unit_table = _units_as_stages(c)
+    held = 1 / c.plan.stages if c.distributed else c.devices.count(device) / len(c.devices)
+    sizes = profile_sizes(batch, c.plan)
+    cache = c.cache if c.layout is None or c.layout.rank == 0 else None
+    c.profile = profile_units(unit_graph, unit_table, c.flat, sizes, device, cache=cache,
+                              whole=c.whole,
+                              window=max(held * real_bytes(unit_graph), ALL_REAL_BELOW))
+    annotate_profile(c.traced.gm, c.units, c.profile)
+    loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, device)
+    if loss is not None:
+        output = next(n for n in c.traced.gm.graph.nodes if n.op == "output")
+        infos = {n.name: n.meta[SHAPE] for n in output.all_input_nodes}
+        c.loss_times = time_loss(infos, batch, sizes, loss, device)
+
+
+def _units_as_stages(c):
+    """The model split with one unit per stage, each on the timing device: what the units are
+    timed and counted through."""
+    return split_stages(c.traced.gm, c.units, range(1, len(c.units) + 1),
+                        [c.devices[0]] * len(c.units))
+
+
+def profile_sizes(batch: int, plan) -> list[int]:
+    """Micro-batch sizes to time: the plan's; powers of two up to the batch when the
+    micro-batch count is to be chosen ('auto', or the csimd partitioner), since time is not
+    proportional to micro-batch size and the planner must see it at every size it considers."""
+    if plan.micro_batches == "auto" or plan.partitioner == "csimd":
+        return sorted({batch} | {2 ** k for k in range(batch.bit_length()) if 2 ** k <= batch})
+    largest = -(-batch // plan.micro_batches)  # the largest micro-batch, ceil(B / p)
+    if plan.costs == "fit":  # a line needs two points
+        return sorted({largest, max(1, largest // 2)} if largest > 1 else {1, min(2, batch)})
+    return [largest]
+
+
+def link(c) -> None:
+    """The link between stages (the plan's figures, a ping-pong between ranks under torchrun,
+    a default by device kind in one process), and with it the cost table."""
+    plan, devices = c.plan, c.devices
+    if isinstance(plan.link, tuple):
+        c.link = Link(plan.link[0], plan.link[1], source="plan")
+    elif c.distributed:
+        c.link = ping_pong(plan, c.layout, c.link_groups, devices[0])
+    elif plan.link == "measure":
+        c.link = measure_local_link(devices[0], devices[-1])
+    else:
+        c.link = default_link(devices[0], devices[-1])
+    names = tuple(u.name for u in c.units)
+    if c.profile is None:
+        params, param_bytes = unit_parameters(c.traced.gm, c.units)
+        zeros = [0.0] * len(c.units)
+        c.cost = CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, names, param_bytes,
+                           source="not measured (Plan(costs='none'))")
+        return
+    annotate_comm(c.traced.gm, c.link)
+    batch = input_dims(c.flat, c.whole).batch
+    c.cost = cost_table(c.profile, c.link, batch, names, c.loss_times)
+    if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
+        c.cost = fit_to_flops(c.cost, flops_of_units(c.traced.gm, c.units, c.flat, c.whole),
+                              loss=c.loss_times)
+
+
+def partition(c) -> None:
+    """The plan's partitioner on the cost table (rank 0's, shared, under torchrun)."""
+    if c.distributed:
+        chosen = (choose_partition(c.model, c.plan, c.units, c.cost)
+                  if c.layout.rank == 0 else None)
+        c.cost, c.link, c.partition = shared_by_rank0([c.cost, c.link, chosen])
+    else:
+        c.partition = choose_partition(c.model, c.plan, c.units, c.cost)
+
+
+def rewrite(c) -> None:
+    """Heavy layers split where the plan asks, then the graph split into stage submodules
+    joined by send/recv and hook nodes."""
+    gm = c.traced.gm
+    if c.plan.intra_layer is not None:
+        gm, c.splits = split_heavy_layers(gm, c.units, c.partition, c.cost, c.plan.intra_layer,
+                                          c.devices, c.flat, c.link)
+    c.cut_from = gm
+    c.graph, c.comm = split_stages(gm, c.units, c.partition.bounds, c.devices)
+
+
+def schedule(c) -> None:
+    """The plan's schedule for the stage edges, with its sends and receives, checked to run."""
+    n, p = c.plan.stages, c.partition.micro_batches
+    edges = sorted({(e.src, e.dst) for e in c.comm.edges})
+    c.schedule = lower(c.plan.schedule, n, p, edges)
+    c.forward_schedule = c.schedule
+    if c.plan.schedule == "async-1f1b":  # the drop-in forward handles one mini-batch, flushed
+        c.forward_schedule = lower("gpipe", n, p, edges)
+        c.streamed = lambda minibatches: lower("async-1f1b", n, p, edges, minibatches)
+
+
+# --- verifiers: cheap checks of what a pass made (a failure is a bug in fxpipe) --------------
+
+
+def _nothing(c) -> None:
+    return None
+
+
+def _graph_lints(c) -> None:
+    c.traced.gm.graph.lint()
+
+
+def _units_cover(c) -> None:
+    covered = [name for unit in c.units for name in unit.nodes]
+    assert len(covered) == len(set(covered)), "a node is in two units"
+    assert [u.index for u in c.units] == list(range(len(c.units))), "units out of order"
+
+
+def _costs_valid(c) -> None:
+    assert c.cost.units == len(c.units), "the cost table has a row per unit"
+    for table in (c.cost.f, c.cost.b, c.cost.cf, c.cost.cb):
+        assert np.all(np.isfinite(table)) and np.all(table >= 0), "costs are finite, >= 0"
+
+
+def _partition_valid(c) -> None:
+    check_bounds(c.partition.bounds, len(c.units))
+    assert len(c.partition.bounds) == c.plan.stages, "one bound per stage"
+
+
+def _rewrite_valid(c) -> None:
+    c.graph.graph.lint()
+    assert len(c.comm.stages) == c.plan.stages, "one stage submodule per stage"
+    last = len(c.comm.stages) - 1
+    for edge in c.comm.edges:  # stage 0 sends the model's inputs, the last receives outputs
+        made = c.comm.stages[edge.src].outputs + (c.comm.graph_inputs if edge.src == 0 else ())
+        used = c.comm.stages[edge.dst].inputs + (c.comm.graph_outputs if edge.dst == last
+                                                 else ())
+        assert edge.value in made, f"{edge.value} is sent by a stage that has it"
+        assert edge.value in used, f"{edge.value} is received by a stage that uses it"
+
+
+# --- summaries -------------------------------------------------------------------------------
+
+
+def _show_check(c) -> str:
+    where = (f"rank {c.layout.rank} of {c.layout.world}, stage {c.layout.stage}"
+             if c.distributed else "one process")
+    return f"{where}; devices {', '.join(dict.fromkeys(c.devices))}"
+
+
+def _show_trace(c) -> str:
+    nodes = len(c.traced.gm.graph.nodes)
+    return f"traced with {c.traced.frontend}: {nodes} nodes, {len(c.flat)} graph inputs"
+
+
+def _show_units(c) -> str:
+    names = ", ".join(u.name for u in c.units[:4]) + (", ..." if len(c.units) > 4 else "")
+    whole = f"; whole inputs at {list(c.whole)}" if c.whole else ""
+    return f"{len(c.units)} units ({names}){whole}"
+
+
+def _show_shapes(c) -> str:
+    return ("symbolic shapes in the micro-batch size, for the ranks' messages"
+            if c.distributed else "the example's shapes, recorded by the trace")
+
+
+def _show_profile(c) -> str:
+    if c.profile is None:
+        return "no times (Plan(costs='none'))"
+    f, b = c.profile.forward.sum(axis=1), c.profile.backward.sum(axis=1)
+    sizes = ", ".join(f"{s}: {fi * 1e3:.2f} + {bi * 1e3:.2f} ms"
+                      for s, fi, bi in zip(c.profile.sizes, f, b))
+    where = (f"read from {c.profile.cached}" if c.profile.cached is not None
+             else f"measured on {c.profile.device}")
+    loss = "; loss timed" if c.loss_times is not None else ""
+    return f"units' forward + backward per micro-batch of {sizes}; {where}{loss}"
+
+
+def _show_link(c) -> str:
+    return f"{c.link}; cost table of {c.cost.units} units"
+
+
+def _show_partition(c) -> str:
+    p = c.partition
+    time = (f", predicted {p.predicted_time * 1e3:.2f} ms (closed form)"
+            if c.plan.costs != "none" else "")
+    return (f"{p.partitioner}: units per stage {'+'.join(map(str, p.sizes))}, "
+            f"{p.micro_batches} micro-batches{time}")
+
+
+def _show_rewrite(c) -> str:
+    crossing = sum(e.info.nbytes for e in c.comm.edges)
+    split = f", {len(c.splits)} stages with split layers" if c.splits else ""
+    return (f"{len(c.comm.stages)} stage submodules, {len(c.comm.edges)} values crossing "
+            f"({format_bytes(crossing)} at the example batch){split}")
+
+
+def _show_schedule(c) -> str:
+    actions = sum(len(stage) for stage in c.schedule.actions)
+    return f"{c.schedule.name}: {actions} actions, sends and receives matched"
+
+
+PASSES = (
+    Pass("check", check, _nothing, _show_check),
+    Pass("trace", trace_model, _graph_lints, _show_trace),
+    Pass("units", cut, _units_cover, _show_units),
+    Pass("shapes", shapes, _nothing, _show_shapes),
+    Pass("profile", profile, _nothing, _show_profile),
+    Pass("link", link, _costs_valid, _show_link),
+    Pass("partition", partition, _partition_valid, _show_partition),
+    Pass("rewrite", rewrite, _rewrite_valid, _show_rewrite),
+    Pass("schedule", schedule, _nothing, _show_schedule),
+)
+

@@ -1,0 +1,39 @@
+"""Running something on a module without leaving a trace: its gradients set aside, its
+buffers and the random number generators put back after."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["gradients_set_aside", "preserved_state"]
+
+
+@contextlib.contextmanager
+def gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
+    """The module's parameters accumulate into zeroed .grad meanwhile, as in a step; their own
+    .grad comes back after."""
+    saved = [(p, p.grad) for p in module.parameters() if p.requires_grad]
+    for param, _ in saved:
+        param.grad = torch.zeros_like(param)
+    try:
+        yield
+    finally:
+        for param, grad in saved:
+            param.grad = grad
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Run something on `module` without a trace: buffers and RNG state are put back after."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = sorted({b.device for b, _ in buffers if b.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)

@@ -1,0 +1,139 @@
+"""compile() is a named list of passes: each verified, summarised, printed on request; and a
+compile and a step leave the process as they found it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from fxpipe.compiler import PASSES
+from fxpipe.compiler.state import Compilation, Pass, run_passes
+from fxpipe.models import MLP
+
+NAMES = ["check", "trace", "units", "shapes", "profile", "link", "partition", "rewrite",
+         "schedule"]
+
+
+def test_the_passes_run_in_order_and_the_pipeline_keeps_their_record():
+    assert [p.name for p in PASSES] == NAMES
+    pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, micro_batches=2),
+                          example_inputs=(torch.randn(8, 32),), cache=False)
+    assert [r.name for r in pipe.passes] == NAMES
+    assert all(r.seconds >= 0 and r.summary for r in pipe.passes)
+    table = str(pipe.passes)
+    assert all(name in table for name in NAMES) and "9 passes" in table
+
+
+def test_dump_prints_each_pass_as_it_completes(capsys):
+    fxpipe.compile(MLP(), fxpipe.Plan(stages=2, costs="none", dump=True),
+                   example_inputs=(torch.randn(8, 32),))
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("fxpipe: ")]
+    assert [line.split()[1] for line in lines] == NAMES
+    assert "no times (Plan(costs='none'))" in lines[NAMES.index("profile")]
+    assert "units per stage" in lines[NAMES.index("partition")]
+
+
+def test_nothing_is_printed_without_dump(capsys):
+    fxpipe.compile(MLP(), fxpipe.Plan(stages=2, costs="none"),
+                   example_inputs=(torch.randn(8, 32),))
+    assert capsys.readouterr().out == ""
+
+
+def test_a_pass_whose_result_fails_its_verifier_stops_compile():
+    def broken(c):
+        c.units = ["not", "units"]
+
+    def verify(c):
+        assert all(hasattr(u, "nodes") for u in c.units), "units are Units"
+
+    compilation = Compilation(MLP(), fxpipe.Plan(stages=2), (torch.randn(4, 32),), {})
+    with pytest.raises(AssertionError, match="units are Units"):
+        run_passes([Pass("broken", broken, verify, lambda c: "")], compilation)
+
+
+@pytest.mark.parametrize("costs, splits", [("none", 1), ("measure", 2)])
+def test_the_stages_are_rewritten_once(monkeypatch, costs, splits):
+    """With measured costs the profile pass times the units through a split of its own, one
+    unit a stage; the model's stages are rewritten once."""
+    from fxpipe.compiler import passes
+
+    calls = []
+    split = passes.split_stages
+    monkeypatch.setattr(passes, "split_stages", lambda *a: calls.append(a[2]) or split(*a))
+    pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2, costs=costs),
+                          example_inputs=(torch.randn(8, 32),), cache=False)
+    assert len(calls) == splits
+    assert tuple(calls[-1]) == pipe.partition.bounds
+
+
+def test_print_says_where_the_unit_times_came_from(tmp_path):
+    x = torch.randn(8, 32)
+    first = fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(x,), cache=tmp_path)
+    second = fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(x,), cache=tmp_path)
+    assert "unit times: measured on cpu" in repr(first)
+    assert f"unit times: read from the cache {tmp_path}" in repr(second)
+    assert (second.cost.f == first.cost.f).all()
+
+
+def test_a_cache_that_is_not_a_folder_path_is_refused():
+    with pytest.raises(fxpipe.FxpipeError, match=r"compile\(cache=3\) takes True"):
+        fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(torch.randn(8, 32),),
+                       cache=3)
+
+
+class _Calls:
+    """Counts the shared libraries loaded meanwhile (an allocator tuning loads libc)."""
+
+    def __init__(self, monkeypatch):
+        self.loaded = []
+        real = ctypes.CDLL
+
+        def recording(name, *args, **kwargs):
+            self.loaded.append(name)
+            return real(name, *args, **kwargs)
+
+        monkeypatch.setattr(ctypes, "CDLL", recording)
+        monkeypatch.setattr(ctypes.cdll, "LoadLibrary", recording)
+
+
+@pytest.mark.parametrize("costs", ["measure", "none"])
+def test_compile_and_step_leave_the_process_as_they_found_it(monkeypatch, costs):
+    """No CPU binding, no thread count, no allocator call, no environment or signal
+    handler changed, on the stage threads too."""
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    threads, interop = torch.get_num_threads(), torch.get_num_interop_threads()
+    environment = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    calls = _Calls(monkeypatch)
+    seen_by_stages = []
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 2))
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    plan = fxpipe.Plan(stages=3, micro_batches=2, schedule="1f1b", loss_fn=F.mse_loss,
+                       costs=costs)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=None)
+    for s in range(3):
+        pipe.register_stage_hook(s, lambda _: seen_by_stages.append(
+            (threading.current_thread().name, torch.get_num_threads(),
+             os.sched_getaffinity(0) if affinity is not None else None)))
+    pipe.step(x, y)
+    pipe(x).sum().backward()
+    assert calls.loaded == []
+    assert torch.get_num_threads() == threads
+    assert torch.get_num_interop_threads() == interop
+    assert dict(os.environ) == environment
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    if affinity is not None:
+        assert os.sched_getaffinity(0) == affinity
+    stage_threads = {name for name, _, _ in seen_by_stages}
+    assert len(stage_threads) == 3  # a thread per stage
+    assert all(n == threads and (a is None or a == affinity) for _, n, a in seen_by_stages)
