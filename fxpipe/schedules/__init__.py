@@ -1,0 +1,29 @@
+"""Pipeline schedules as plain data: per-stage action lists, their generators, and lowering
+them for a runtime (sends and receives, optimizer steps, the check that they cannot hang)."""
+
+from fxpipe.schedules.actions import (
+    Action,
+    ActionKind,
+    B,
+    DeadlockError,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+)
+from fxpipe.schedules.generators import (
+    SCHEDULES,
+    async_one_f_one_b,
+    build,
+    forwards_first,
+    gpipe,
+    one_f_one_b,
+    peak_activations,
+)
+from fxpipe.schedules.lowering import add_communication, add_step, chain, check_communication, lower
+
+__all__ = [
+    "SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F", "Schedule", "ScheduleError",
+    "W", "add_communication", "add_step", "async_one_f_one_b", "build", "chain",
+    "check_communication", "forwards_first", "gpipe", "lower", "one_f_one_b", "peak_activations",
+]

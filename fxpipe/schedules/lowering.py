@@ -1,0 +1,191 @@
+"""Lowering a compute-only schedule for a runtime: sends and receives for the stage edges,
+optimizer steps, and the check that the result runs without hanging."""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict, deque
+from collections.abc import Iterable
+
+from fxpipe.schedules.actions import (
+    _MINIBATCH_KINDS,
+    _PARTNER,
+    _SERVES,
+    Action,
+    ActionKind,
+    B,
+    DeadlockError,
+    F,
+    Schedule,
+    ScheduleError,
+)
+from fxpipe.schedules.generators import build
+
+__all__ = ["add_communication", "add_step", "chain", "check_communication", "lower"]
+
+
+def chain(stages: int) -> tuple[tuple[int, int], ...]:
+    """The edges of a plain chain of stages: (0, 1), (1, 2), ..."""
+    return tuple((s, s + 1) for s in range(stages - 1))
+
+
+def add_communication(
+    schedule: Schedule, edges: Iterable[tuple[int, int]] | None = None
+) -> Schedule:
+    """Insert the sends and receives the stage edges (src, dst) call for; default: `chain`.
+
+    Before F(m) a stage receives from each producer, after it sends to each consumer; before B(m)
+    it receives the gradient from each consumer, after it sends one back to each producer. Several
+    values crossing one (src, dst) pair travel as one message per micro-batch; skip edges
+    (dst > src + 1) get their own messages.
+    """
+    if schedule.lowered:
+        raise ValueError(f"schedule {schedule.name!r} already has SEND/RECV actions; "
+                         "add_communication takes a compute-only schedule")
+    edges = chain(schedule.stages) if edges is None else _check_edges(edges, schedule.stages)
+    producers, consumers = defaultdict(list), defaultdict(list)
+    for src, dst in sorted(edges):
+        producers[dst].append(src)
+        consumers[src].append(dst)
+    lists = []
+    for s, stage in enumerate(schedule.actions):
+        lowered = []
+        for a in stage:
+            if a.kind is F:
+                lowered += [Action(s, ActionKind.RECV_F, a.mb, src) for src in producers[s]]
+                lowered += [a, *(Action(s, ActionKind.SEND_F, a.mb, d) for d in consumers[s])]
+            elif a.kind is B:
+                lowered += [Action(s, ActionKind.RECV_B, a.mb, d) for d in consumers[s]]
+                lowered += [a, *(Action(s, ActionKind.SEND_B, a.mb, src) for src in producers[s])]
+            else:
+                lowered.append(a)
+        lists.append(lowered)
+    return schedule._replace(lists)
+
+
+def _check_edges(edges: Iterable[tuple[int, int]], stages: int) -> set[tuple[int, int]]:
+    checked = set()
+    for edge in edges:
+        try:
+            src, dst = (operator.index(x) for x in edge)
+        except (TypeError, ValueError):
+            raise ValueError(f"edge {edge!r} is not a (src, dst) pair of stage indices") from None
+        if not 0 <= src < dst < stages:
+            raise ValueError(f"edge ({src}, {dst}) must satisfy 0 <= src < dst < {stages}: "
+                             "values flow from a stage to a later one")
+        checked.add((src, dst))
+    return checked
+
+
+def add_step(schedule: Schedule, allreduce: bool = False) -> Schedule:
+    """Close every mini-batch on every stage with a STEP (after the stage's last action of that
+    mini-batch), preceded by an ALLREDUCE when `allreduce`; mini-batches already closed stay."""
+    kinds = [ActionKind.ALLREDUCE] * allreduce + [ActionKind.STEP]
+    lists = []
+    for s, stage in enumerate(schedule.actions):
+        have = {(a.kind, schedule.minibatch(a)) for a in stage if a.kind in _MINIBATCH_KINDS}
+        last = {schedule.minibatch(a): i for i, a in enumerate(stage)
+                if a.kind not in _MINIBATCH_KINDS}
+        after = defaultdict(list)
+        for k, i in last.items():
+            mb = None if schedule.minibatches == 1 else k
+            after[i] += [Action(s, kind, mb) for kind in kinds if (kind, k) not in have]
+        lists.append([x for i, a in enumerate(stage) for x in (a, *after[i])])
+    return schedule._replace(lists)
+
+
+# --- checking ---------------------------------------------------------------------------------
+
+
+def check_communication(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every send meets one receive in the same order, each one sits
+    on the right side of the compute it serves, every F/B talks to the same peers, and the lists
+    cannot hang; DeadlockError when they can.
+
+    The model a runtime must follow: a SEND is posted and the stage moves on (isend, completed
+    later); a RECV blocks until its message arrives; messages on each directed stage pair are
+    matched first-in first-out.
+    """
+    present = [set(stage) for stage in schedule.actions]
+    for s, stage in enumerate(schedule.actions):
+        where = {a: i for i, a in enumerate(stage)}
+        for a in stage:
+            if a.kind not in _PARTNER:
+                continue
+            partner = a.partner
+            if partner not in present[a.peer]:
+                raise ScheduleError(f"{a} on stage {s} has no matching {partner} on stage "
+                                    f"{a.peer}; add it there or drop {a}")
+            compute = Action(s, _SERVES[a.kind], a.mb)
+            before = a.kind.is_recv
+            if compute not in where or (where[a] < where[compute]) != before:
+                side = "before" if before else "after"
+                raise ScheduleError(f"{a} must come {side} {compute} on stage {s}")
+    _check_peers(schedule)
+    _run_messages(schedule)
+
+
+def _check_peers(schedule: Schedule) -> None:
+    """Every F (B) of a stage talks to the same peers, and gradients retrace activations."""
+    for s, stage in enumerate(schedule.actions):
+        ran = {kind: {a.mb for a in stage if a.kind is kind} for kind in (F, B)}
+        peers = defaultdict(lambda: defaultdict(set))
+        for a in stage:
+            if a.kind in _PARTNER:
+                peers[a.kind][a.peer].add(a.mb)
+        for kind, by_peer in peers.items():
+            for peer, mbs in by_peer.items():
+                missing = ran[_SERVES[kind]] - mbs
+                if missing:
+                    raise ScheduleError(
+                        f"stage {s} has {kind.name} with stage {peer} but not for micro-batches "
+                        f"{sorted(missing)}; every {_SERVES[kind].name} must talk to the same "
+                        "peers")
+        mirrored = ((ActionKind.RECV_F, ActionKind.SEND_B), (ActionKind.SEND_F, ActionKind.RECV_B))
+        for a, b in mirrored:
+            if ran[B] and set(peers[a]) != set(peers[b]):
+                raise ScheduleError(
+                    f"stage {s} has {a.name} with stages {sorted(peers[a])} but {b.name} with "
+                    f"{sorted(peers[b])}; gradients go back along the edges activations came by")
+
+
+def _run_messages(schedule: Schedule) -> None:
+    channels: dict[tuple[int, int], deque[Action]] = defaultdict(deque)
+    pc = [0] * schedule.stages
+    progress = True
+    while progress:
+        progress = False
+        for s, stage in enumerate(schedule.actions):
+            while pc[s] < len(stage):
+                a = stage[pc[s]]
+                if a.kind.is_send:
+                    channels[s, a.peer].append(a)
+                elif a.kind.is_recv:
+                    queue = channels[a.peer, s]
+                    if not queue:
+                        break
+                    expected = a.partner
+                    if queue[0] != expected:
+                        raise ScheduleError(
+                            f"messages from stage {a.peer} to stage {s} arrive in another order "
+                            f"than received: {a} expects {expected}, but {queue[0]} comes first; "
+                            "order the receives like the sends")
+                    queue.popleft()
+                pc[s] += 1
+                progress = True
+    waiting = [(s, stage[pc[s]]) for s, stage in enumerate(schedule.actions) if pc[s] < len(stage)]
+    if waiting:
+        waits = "; ".join(f"stage {s} waits at {a} (action {pc[s]}) for {a.partner}"
+                          for s, a in waiting)
+        raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}. Reorder the lists so "
+                            "every receive is met by a send its peer reaches first")
+
+
+def lower(name: str, stages: int, micro_batches: int, edges: Iterable[tuple[int, int]],
+          minibatches: int = 2) -> Schedule:
+    """The schedule called `name` with its sends and receives for the stage `edges`, checked
+    to run without hanging (an asynchronous one streams `minibatches` mini-batches)."""
+    extra = {"minibatches": minibatches} if name == "async-1f1b" else {}
+    schedule = add_communication(build(name, stages, micro_batches, **extra), edges)
+    check_communication(schedule)
+    return schedule
