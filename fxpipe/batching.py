@@ -1,11 +1,4 @@
-"""Batch dimensions: which inputs carry the batch (and a token sequence), micro-batches cut
-from a mini-batch and merged back, and example inputs resized along those dimensions.
-
-The batch is dimension 0 of the first tensor input with a dimension (nested tensors in tuples,
-lists and dicts count, in pytree order); every tensor whose dimension 0 equals it is batched.
-A sequence dimension exists when a batched input is a rank-2 integer tensor (token ids).
-Inputs at positions in `whole` are never batched: every micro-batch gets them whole.
-"""
+"""Batch dimensions: which inputs carry the batch; micro-batches cut from it and merged back."""
 
 from __future__ import annotations
 
@@ -42,7 +35,12 @@ class InputDims:
 
 def input_dims(flat_inputs: Sequence[Any], whole: Collection[int] = ()) -> InputDims:
     """Which inputs carry the batch (and a token sequence); those at positions in `whole` never
-    do (e.g. an attention mask of shape (T, T) when T happens to equal the batch size)."""
+    do (e.g. an attention mask of shape (T, T) when T happens to equal the batch size).
+
+    The batch is dimension 0 of the first tensor input with a dimension (tensors nested in
+    tuples, lists and dicts count, in pytree order); every tensor whose dimension 0 equals it is
+    batched. A sequence dimension exists when a batched input is a rank-2 integer tensor.
+    """
     leaves, whole_leaves = [], set()
     for position, value in enumerate(flat_inputs):
         for leaf in pytree.tree_leaves(value):

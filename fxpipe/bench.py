@@ -1,11 +1,4 @@
-"""`fxpipe bench`: partitioners and schedules compared on one model, predicted against measured.
-
-Every configuration is compiled (units timed afresh, no disk cache) and calibrated
-(`fxpipe.calibrate`) before any is timed; then the configurations take turns, a round of timed
-steps each, so that a stretch of the machine running slow falls on every row alike. A row's
-prediction is the calibrated simulated step; its measurement the median of all its timed
-steps, with the lowest and highest round median beside it.
-"""
+"""`fxpipe bench`: partitioners and schedules compared on one model, predicted against measured."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Opt-in calibration: what a compiled pipeline's actions take in real training steps beyond its
-units' timed costs, read from the runtime's timeline events, for predicting whole steps.
-
-Compile times each unit on its own, which is what partitioning needs: the units' relative
-costs. Inside a step a stage's forward and backward also pay the runtime's own work and share
-the machine with the other stages (cores, memory bandwidth, Python's interpreter lock for stage
-threads of one process), and a step pays for splitting the batch and agreeing on sizes outside
-its actions. `calibrate` runs a few steps and measures, per stage, the median forward and
-backward action beyond the partition's predicted stage cost, the median time to hand over a
-message, and the step's time outside its actions. `pipe.report(calibration=...)` and
-`pipe.predicted_timeline(calibration=...)` add them to every action of their kind.
-"""
+"""Opt-in calibration: what a pipeline's actions take in real steps beyond its units' costs."""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -23,42 +11,13 @@ from fxpipe.cost import Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import Event
 from fxpipe.pipeline import CompiledPipeline
+from fxpipe.predict import Calibration
 from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.schedules import ActionKind
 
 __all__ = ["Calibration", "calibrate", "calibration_from"]
 
 K = ActionKind
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """Per stage, seconds each action took beyond what the partition predicts for it (medians
-    over the calibration's steps and micro-batches; below 0 where a stage ran faster than its
-    units timed one by one), and the step's own time outside its actions."""
-
-    forward: tuple[float, ...]  # per F action, beyond the stage's predicted forward
-    backward: tuple[float, ...]  # per B action, beyond the stage's predicted backward
-    send: tuple[float, ...]  # per SEND action: the stage's time to hand a message over
-    step: float  # per step, outside the span of its actions (splitting, starting the workers)
-    steps: int  # how many steps were measured
-    sizes: tuple[int, ...]  # the micro-batch sizes the steps ran (samples)
-
-    def overheads(self) -> dict[tuple[int, ActionKind], float]:
-        """The simulator's per-action overhead table (simulate(overhead=...))."""
-        table = {}
-        for s, (f, b, send) in enumerate(zip(self.forward, self.backward, self.send)):
-            table.update({(s, K.F): f, (s, K.B): b, (s, K.SEND_F): send, (s, K.SEND_B): send})
-        return table
-
-    def __str__(self) -> str:
-        def us(values: Sequence[float]) -> str:
-            return "/".join(f"{v * 1e6:+.0f}" for v in values)
-
-        return (f"calibration over {self.steps} steps: per action beyond the stage's predicted "
-                f"cost, forward {us(self.forward)} us, backward {us(self.backward)} us; per "
-                f"message sent {us(self.send)} us (per stage); per step outside its actions "
-                f"{self.step * 1e3:.2f} ms")
 
 
 def calibrate(pipe: Any, *inputs: Any, target: Any, steps: int = 10, warmup: int = 2,

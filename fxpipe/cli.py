@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -29,7 +27,8 @@ from fxpipe.compiler import available_partitioners, compare_partitioners, compil
 from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
-from fxpipe.models import MODELS, bundled
+from fxpipe.loading import bench_build, bundled_model, factory, load_model
+from fxpipe.models import MODELS
 from fxpipe.plan import PARTITIONERS, Plan
 
 __all__ = ["at_least_one", "main"]
@@ -45,7 +44,7 @@ _TIMED_STEPS = 10  # steps the demo times after calibrating
 def _demo(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     _threads_per_stage(args.threads, args.stages)
-    spec = _bundled(args.model)
+    spec = bundled_model(args.model)
     model = spec.build()
     data = torch.Generator().manual_seed(args.seed)
     x, y = spec.batch(args.batch, data)
@@ -107,7 +106,7 @@ def dist_rank() -> int:
 def _plan(args: argparse.Namespace) -> None:
     if args.json:
         check_output_path("--json", args.json)
-    model, inputs = _load_model(args.model, args.batch, args.input_shape, args.input_dtype,
+    model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
                 micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer)
@@ -153,9 +152,10 @@ def _bench(args: argparse.Namespace) -> None:
     for option, path in (("--csv", args.csv), ("--png", args.png)):
         if path:
             check_output_path(option, path)
-    _factory(args.model)  # an unknown model fails here, before any progress is shown
+    factory(args.model)  # an unknown model fails here, before any progress is shown
     bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
-    build = _bench_build(args)
+    build = bench_build(args.model, args.batch, args.input_shape, args.input_dtype,
+                        args.input_high)
     if args.nproc:  # and a model with too few units, before the job starts (bench checks too)
         check_stage_count_of(build, args.stages)
     rows = _bench_rows(args, build, micro_batches, partitioners, schedules)
@@ -178,19 +178,6 @@ def _bench(args: argparse.Namespace) -> None:
     if args.png:
         write_png(args.png, rows, title)
         print(f"chart written to {args.png}")
-
-
-def _bench_build(args: argparse.Namespace) -> Callable[[], tuple]:
-    """The benchmark's model factory: (model, x, y, loss_fn), fresh each call."""
-
-    def build():
-        torch.manual_seed(0)
-        model, inputs = _load_model(args.model, args.batch, args.input_shape,
-                                    args.input_dtype, args.input_high)
-        target, loss_fn = _target_and_loss(args.model, inputs, args.batch)
-        return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
-
-    return build
 
 
 def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
@@ -229,15 +216,6 @@ def _without_option(argv: Sequence[str], option: str) -> list[str]:
     return out
 
 
-def _target_and_loss(name: str, inputs: tuple, batch: int):
-    if ":" not in name:
-        spec = bundled(name)
-        _, target = spec.batch(batch, torch.Generator().manual_seed(0))
-        return target, spec.loss_fn
-    # a model of the user's: no labels, so train it to shrink its outputs (a stand-in loss)
-    return torch.zeros(batch), lambda output, _: output.float().square().mean()
-
-
 def _comparison(pipe) -> str:
     rows = []
     for name, part in compare_partitioners(pipe).items():
@@ -260,111 +238,6 @@ def _partitioner(text: str) -> str | list[int]:
             raise FxpipeError(f"--partitioner {text!r}: give a name or units per stage "
                               "such as 4,6") from e
     return text
-
-
-def _load_model(spec: str, batch: int, shapes: Sequence[str] | None, dtype: str, high: int):
-    """A bundled model by name, or MODULE:FACTORY with inputs described on the command line."""
-    factory = _factory(spec)
-    if factory is None:
-        if shapes:
-            raise FxpipeError(f"--input-shape describes the input of a MODULE:FACTORY model; the "
-                              f"bundled model {spec!r} makes its own inputs: drop the flag.")
-        model_spec = bundled(spec)
-        x, _ = model_spec.batch(batch, torch.Generator().manual_seed(0))
-        return model_spec.build(), (x,)
-    inputs = _inputs(batch, shapes, dtype, high)
-    try:
-        model = factory()
-    except TypeError as e:
-        raise FxpipeError(f"{spec} must be callable with no arguments and return the model "
-                          f"({e}); wrap it, e.g. def make_model(): return Net(width=64).") from e
-    if not isinstance(model, torch.nn.Module):
-        raise FxpipeError(f"{spec} returned {type(model).__name__}, not an nn.Module.")
-    return model, inputs
-
-
-def _bundled(name: str):
-    """The bundled model `name`, whose optional package, where it needs one, is installed."""
-    spec = bundled(name)
-    if spec.needs and importlib.util.find_spec(spec.needs) is None:
-        raise FxpipeError(f"the bundled model {name!r} is built with {spec.needs}, which is not "
-                          "installed here: pip install 'fxpipe[hf]', or choose another model "
-                          f"({', '.join(n for n, m in MODELS.items() if not m.needs)}).")
-    return spec
-
-
-def _factory(spec: str):
-    """The MODULE:FACTORY callable, or None for a bundled model's name; unknown names fail."""
-    if ":" not in spec:
-        if spec not in MODELS:
-            raise FxpipeError(f"{spec!r} is neither a bundled model ({', '.join(MODELS)}) nor "
-                              "MODULE:FACTORY (e.g. mypkg.models:make_model).")
-        _bundled(spec)
-        return None
-    module_name, _, factory_name = spec.partition(":")
-    if not module_name or not factory_name:
-        raise FxpipeError(f"{spec!r} names no {'module' if not module_name else 'factory'}: "
-                          "give MODULE:FACTORY, e.g. mypkg.models:make_model.")
-    if module_name.startswith("."):
-        raise FxpipeError(f"{spec!r} names a relative module; give its full dotted name, e.g. "
-                          f"mypkg{module_name}:{factory_name}.")
-    if "" not in sys.path and os.getcwd() not in sys.path:  # as `python -m` would find it
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise FxpipeError(_import_failure(spec, module_name, e)) from e
-    if not hasattr(module, factory_name):
-        raise FxpipeError(f"cannot load {spec!r}: module {module_name!r} has no "
-                          f"{factory_name!r}; give the name of a function defined in it.")
-    factory = getattr(module, factory_name)
-    if isinstance(factory, torch.nn.Module):
-        raise FxpipeError(f"{spec} is a model, not a function that makes one: give a factory, "
-                          f"e.g. def make_model(): return {type(factory).__name__}(...).")
-    return factory
-
-
-def _import_failure(spec: str, module_name: str, error: ImportError) -> str:
-    """Why MODULE did not import, and what to do: the module (or a package on its way) not
-    found, or an import inside it failing."""
-    missing = error.name if isinstance(error, ModuleNotFoundError) else None
-    if missing and (module_name.endswith(".py") or "/" in module_name or "\\" in module_name):
-        dotted = module_name.removesuffix(".py").replace("\\", "/").strip("/").replace("/", ".")
-        factory_name = spec.rpartition(":")[2]
-        return (f"cannot load {spec!r}: it names a file; give the module's dotted name, e.g. "
-                f"{dotted}:{factory_name}.")
-    if missing and (module_name == missing or module_name.startswith(missing + ".")):
-        package, _, name = missing.rpartition(".")
-        if package:  # its parent was found: Python looks for a submodule only then
-            return (f"cannot load {spec!r}: {package!r} has no submodule {name!r} "
-                    f"({error}); check the name.")
-        return (f"cannot load {spec!r}: no module {missing!r} on the Python path; run fxpipe "
-                "from the directory that holds it, or add that directory to PYTHONPATH.")
-    fix = "install it" if missing else "fix that import"
-    return f"cannot load {spec!r}: importing {module_name!r} failed ({error}); {fix}."
-
-
-def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> tuple:
-    """Random example inputs: one per --input-shape, with the batch in front."""
-    if not shapes:
-        raise FxpipeError("describe the model's input: --input-shape 3x32x32 (per sample, "
-                          "without the batch; repeat the flag for several inputs).")
-    kind = getattr(torch, dtype, None)
-    if not isinstance(kind, torch.dtype):
-        raise FxpipeError(f"--input-dtype {dtype!r} is not a torch dtype; use e.g. float32 "
-                          "or int64.")
-    inputs = []
-    for shape in shapes:
-        try:
-            dims = [batch, *(int(d) for d in shape.lower().split("x") if d)]
-        except ValueError as e:
-            raise FxpipeError(f"--input-shape {shape!r}: give sizes joined by x, such as "
-                              "3x32x32.") from e
-        if kind.is_floating_point:
-            inputs.append(torch.randn(dims, dtype=kind))
-        else:
-            inputs.append(torch.randint(0, high, dims, dtype=kind))
-    return tuple(inputs)
 
 
 def at_least_one(text: str) -> int:
@@ -440,6 +313,22 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _model_inputs(command: argparse.ArgumentParser) -> None:
+    """The options describing a MODULE:FACTORY model's example inputs."""
+    command.add_argument("--input-shape", action="append",
+                         help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
+                              "3x32x32 (once per input)")
+    command.add_argument("--input-dtype", default="float32", help="dtype of the inputs")
+    command.add_argument("--input-high", type=int, default=2, help="integer inputs: upper bound")
+
+
+def _threads_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--threads", type=_threads, default="auto",
+                         help="intra-op threads per stage thread (torch.set_num_threads): auto "
+                              "shares this process's threads among the stages, torch leaves "
+                              "torch's setting as it is")
+
+
 def _parser() -> argparse.ArgumentParser:
     # no abbreviated options: bench hands its own words on to torchrun's processes
     parser = argparse.ArgumentParser(prog="fxpipe", description=DESCRIPTION, allow_abbrev=False)
@@ -460,10 +349,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=at_least_one, default=5, help="training steps")
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
-    demo.add_argument("--threads", type=_threads, default="auto",
-                      help="intra-op threads per stage thread (torch.set_num_threads): auto "
-                           "shares this process's threads among the stages, torch leaves "
-                           "torch's setting as it is")
+    _threads_option(demo)
     demo.set_defaults(run=_demo)
 
     plan = commands.add_parser("plan", help="print the stage table of a model's pipeline",
@@ -478,9 +364,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="a number, or auto")
     plan.add_argument("--schedule", default="gpipe", help="the pipeline schedule")
     plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
-    plan.add_argument("--input-shape", action="append", help="per-sample shape, e.g. 3x32x32")
-    plan.add_argument("--input-dtype", default="float32", help="dtype of the example inputs")
-    plan.add_argument("--input-high", type=int, default=2, help="integer inputs: upper bound")
+    _model_inputs(plan)
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
     plan.add_argument("--json", help="write the chosen plan to this file")
     plan.set_defaults(run=_plan)
@@ -505,16 +389,8 @@ def _parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--nproc", type=at_least_one,
                            help="run every configuration under torchrun with this many "
                                 "processes (one stage each)")
-    bench_cmd.add_argument("--threads", type=_threads, default="auto",
-                           help="intra-op threads per stage thread (torch.set_num_threads): auto "
-                                "shares this process's threads among the stages, torch leaves "
-                                "torch's setting as it is")
-    bench_cmd.add_argument("--input-shape", action="append",
-                           help="per-sample shape of a MODULE:FACTORY model's input, e.g. "
-                                "3x32x32 (once per input)")
-    bench_cmd.add_argument("--input-dtype", default="float32", help="dtype of the inputs")
-    bench_cmd.add_argument("--input-high", type=int, default=2,
-                           help="integer inputs: upper bound")
+    _threads_option(bench_cmd)
+    _model_inputs(bench_cmd)
     bench_cmd.add_argument("--csv", help="write the table as CSV")
     bench_cmd.add_argument("--png", help="write a predicted/measured chart (needs matplotlib)")
     bench_cmd.add_argument("--rows-json", help=argparse.SUPPRESS)

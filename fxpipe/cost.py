@@ -1,8 +1,4 @@
-"""CostTable (per-unit f, b, cf, cb as functions of the micro-batch count p) and the cost model.
-
-Notation follows ALGORITHMS §0-§1: K units, N stages, p micro-batches of a mini-batch of size B.
-A partition is given by its `bounds`, the exclusive end unit of every stage (bounds[-1] == K).
-"""
+"""CostTable (per-unit f, b, cf, cb as functions of the micro-batch count p) and the cost model."""
 
 from __future__ import annotations
 
@@ -54,6 +50,9 @@ class CostTable:
 
     cf[i] / cb[i] are the times to send the values crossing the cut after unit i forward /
     their gradients backward (0 for the last unit).
+
+    Notation follows ALGORITHMS §0-§1: K units, N stages, p micro-batches of a mini-batch of
+    size B; a partition is its `bounds`, each stage's exclusive end unit (bounds[-1] == K).
     """
 
     f: np.ndarray
@@ -66,7 +65,6 @@ class CostTable:
     names: tuple[str, ...] = ()
     param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
-    peak_bytes: np.ndarray | None = None  # (M, K) most a unit's forward or backward allocates
     source: str = ""  # where the times come from (measured, read from a cache file, ...)
 
     def __post_init__(self) -> None:
@@ -92,8 +90,6 @@ class CostTable:
         object.__setattr__(self, "param_bytes", np.asarray(param_bytes, float))
         saved = np.zeros(shape) if self.activation_bytes is None else self.activation_bytes
         object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
-        peak = saved if self.peak_bytes is None else np.nan_to_num(self.peak_bytes)  # unmeasured
-        object.__setattr__(self, "peak_bytes", np.atleast_2d(np.asarray(peak, float)))
 
     @classmethod
     def from_arrays(
@@ -108,7 +104,6 @@ class CostTable:
         params: Sequence[float] | None = None,
         param_bytes: Sequence[float] | None = None,
         activation_bytes: Sequence[float] | np.ndarray | None = None,
-        peak_bytes: Sequence[float] | np.ndarray | None = None,
     ) -> CostTable:
         """A table from plain arrays: 1-D (the same at every p) or 2-D (one row per size)."""
         f = np.atleast_2d(np.asarray(f, dtype=np.float64))
@@ -120,7 +115,7 @@ class CostTable:
                 raise ValueError("a CostTable with several rows needs the micro-batch `sizes`")
             sizes = [1.0]
         return cls(f, b, cf, cb, np.asarray(sizes, float), batch, params, (), param_bytes,
-                   activation_bytes, peak_bytes)
+                   activation_bytes)
 
     @property
     def units(self) -> int:
@@ -130,12 +125,6 @@ class CostTable:
         """(K,) bytes each unit saves for backward per micro-batch, at micro-batch count p."""
         return np.maximum(self._interpolation(np.array([float(p)]))[0] @ self.activation_bytes,
                           0.0)
-
-    def transient_bytes(self, p: int) -> np.ndarray:
-        """(K,) bytes each unit allocates at its peak beyond what it keeps for backward (its
-        workspace, outputs and gradients), per micro-batch at micro-batch count p."""
-        weights = self._interpolation(np.array([float(p)]))[0]
-        return np.maximum(weights @ self.peak_bytes - weights @ self.activation_bytes, 0.0)
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -209,12 +198,11 @@ class Partition:
 
         The memory estimate per stage counts weights, gradients and `optimizer_slots` more
         copies (2: Adam's moments), plus the activations of the micro-batches in flight (p for
-        gpipe, at most N − s on stage s for the 1F1B schedules), plus the largest measured
-        transient allocation of one of its units.
+        gpipe, at most N − s on stage s for the 1F1B schedules).
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
-        saved, transient = cost.saved_bytes(p), cost.transient_bytes(p)
+        saved = cost.saved_bytes(p)
         starts = (0, *bounds[:-1])
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
@@ -228,8 +216,7 @@ class Partition:
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
-                weights + in_flight * float(saved[start:end].sum())
-                + float(transient[start:end].max()),
+                weights + in_flight * float(saved[start:end].sum()),
             ))
         time, rho_f, rho_b = _closed_form(stages, p)
         busy = p * sum(s.f + s.b for s in stages)
@@ -287,7 +274,7 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
-        peak_bytes=np.maximum(links @ cost.peak_bytes, 0.0))
+    )
 
 
 def _affine_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,4 @@
-"""Running under torchrun: which stage and pipeline group each rank is, checked before any
-communication, gathering a pipeline's state dict back into one, and leaving the job."""
+"""Running under torchrun: each rank's stage and group, gathering state dicts, leaving the job."""
 
 from __future__ import annotations
 

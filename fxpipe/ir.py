@@ -1,18 +1,4 @@
-"""The pipeline IR: stage, hook, send and recv nodes of a PipelineGraph, its send/recv table,
-and the timeline Event both the runtime and the simulator record.
-
-A PipelineGraph is an fx.GraphModule whose top-level graph reads like the pipeline:
-
-    hook1 = self.hook1(relu_3_at_s1)      # identity; its backward marks the end of stage 1's
-    stage1 = self.stage1(hook1)           #   backward and fires stage 1's callbacks
-    add_5 = stage1[0]
-    add_5_to_s2 = send(add_5, src=1, dst=2)
-    add_5_at_s2 = recv(add_5_to_s2, src=1, dst=2, device='cpu')
-
-Run as an ordinary module it executes the stages one after another (the reference every
-pipelined run is checked against). The runtime never re-reads this graph: it runs the `Stage`
-and `StageHook` modules and moves tensors along the `CommTable` the rewrite pass computed.
-"""
+"""The pipeline IR: stage, hook, send and recv nodes, the send/recv table, timeline events."""
 
 from __future__ import annotations
 
@@ -73,6 +59,10 @@ class CommTable:
 
     Stage 0 owns the model's inputs and the last stage owns the model's outputs: an input used by
     a later stage is sent from stage 0, an output made by an earlier stage is sent to the last.
+
+    Run as an ordinary module, a PipelineGraph executes the stages one after another (the
+    reference every pipelined run is checked against); the runtime never re-reads it: it runs
+    the Stage and StageHook modules and moves tensors along this table.
     """
 
     stages: tuple[StageIO, ...]
@@ -85,9 +75,6 @@ class CommTable:
 
     def recvs(self, stage: int) -> tuple[Edge, ...]:
         return tuple(e for e in self.edges if e.dst == stage)
-
-    def bytes_between(self, src: int, dst: int) -> int:
-        return sum(e.info.nbytes for e in self.edges if (e.src, e.dst) == (src, dst))
 
     def carries_grad(self) -> dict[str, bool]:
         """Per crossing value: whether a gradient travels back for it in training."""

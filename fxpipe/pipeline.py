@@ -6,7 +6,7 @@ import json
 import os
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx
@@ -19,15 +19,12 @@ from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stag
 from fxpipe.ir import CommTable, Event, Stage, StageHook, tied_parameters
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
-from fxpipe.predict import predict_step
+from fxpipe.predict import Calibration, predict_step
 from fxpipe.report import format_report, step_time, unlike_prediction_lines
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Timeline
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
-
-if TYPE_CHECKING:
-    from fxpipe.calibrate import Calibration
 
 __all__ = ["CompiledPipeline"]
 
@@ -370,8 +367,6 @@ def _owned(named, owns, prefix: str, remove_duplicate: bool):
 
 
 def _check_calibration(method: str, calibration: object) -> None:
-    from fxpipe.calibrate import Calibration  # which imports this module
-
     if calibration is not None and not isinstance(calibration, Calibration):
         raise FxpipeError(f"pipe.{method}(calibration=...) takes what fxpipe.calibrate(pipe, "
                           f"x, target=y) returns, not {calibration!r}.")

@@ -28,7 +28,7 @@ SCHEDULES = ("gpipe", "1f1b", "async-1f1b")
 CONSISTENCY_POLICIES = ("none", "stash", "2bw", "predict")
 DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
-_FORMAT, _VERSION = "fxpipe.plan", 1
+_FORMAT, _VERSION = "fxpipe.plan", 2  # 2: no cpu_affinity, cpu_memory, stage_threads
 COSTS = ("measure", "fit", "none")
 TIMED_PARTITIONERS = ("balanced", "ampa", "imd", "csimd", "exact")  # need measured costs
 
@@ -274,7 +274,11 @@ class Plan:
             raise PlanError(f"{str(path)!r} is plan format version {document.get('version')}; "
                             f"this fxpipe reads version {_VERSION}.")
         fields = {f.name for f in dataclasses.fields(cls)}
-        data = {k: v for k, v in document["plan"].items() if k in fields}
+        unknown = sorted(set(document["plan"]) - fields)
+        if unknown:
+            raise PlanError(f"{str(path)!r} sets {unknown}, which this fxpipe's Plan does not "
+                            "have; remove them from the file.")
+        data = dict(document["plan"])
         if isinstance(data.get("link"), list):
             data["link"] = tuple(data["link"])
         return cls(**{**data, **overrides})

@@ -1,9 +1,9 @@
-"""The predicted timeline of a compiled pipeline's step: its partition's stage costs, its link
-and, where given, a calibration's per-action overheads, played by the event simulator."""
+"""The predicted step of a compiled pipeline: stage costs, link and calibration, simulated."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Sequence
 
 from fxpipe.cost import Link, Partition
 from fxpipe.errors import FxpipeError
@@ -11,10 +11,45 @@ from fxpipe.ir import CommTable
 from fxpipe.schedules import ActionKind, Schedule
 from fxpipe.simulate import Timeline, simulate
 
-if TYPE_CHECKING:
-    from fxpipe.calibrate import Calibration
+__all__ = ["Calibration", "predict_step"]
 
-__all__ = ["predict_step"]
+K = ActionKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Per stage, seconds each action took beyond what the partition predicts for it (medians
+    over the calibration's steps and micro-batches; below 0 where a stage ran faster than its
+    units timed one by one), and the step's own time outside its actions.
+
+    Compile times each unit on its own, which partitioning needs: the units' relative costs.
+    Inside a step a stage's actions also pay the runtime's own work and share the machine with
+    the other stages (cores, memory bandwidth, Python's interpreter lock), and a step pays for
+    splitting the batch outside its actions; `calibrate` measures these from the timeline.
+    """
+
+    forward: tuple[float, ...]  # per F action, beyond the stage's predicted forward
+    backward: tuple[float, ...]  # per B action, beyond the stage's predicted backward
+    send: tuple[float, ...]  # per SEND action: the stage's time to hand a message over
+    step: float  # per step, outside the span of its actions (splitting, starting the workers)
+    steps: int  # how many steps were measured
+    sizes: tuple[int, ...]  # the micro-batch sizes the steps ran (samples)
+
+    def overheads(self) -> dict[tuple[int, ActionKind], float]:
+        """The simulator's per-action overhead table (simulate(overhead=...))."""
+        table = {}
+        for s, (f, b, send) in enumerate(zip(self.forward, self.backward, self.send)):
+            table.update({(s, K.F): f, (s, K.B): b, (s, K.SEND_F): send, (s, K.SEND_B): send})
+        return table
+
+    def __str__(self) -> str:
+        def us(values: Sequence[float]) -> str:
+            return "/".join(f"{v * 1e6:+.0f}" for v in values)
+
+        return (f"calibration over {self.steps} steps: per action beyond the stage's predicted "
+                f"cost, forward {us(self.forward)} us, backward {us(self.backward)} us; per "
+                f"message sent {us(self.send)} us (per stage); per step outside its actions "
+                f"{self.step * 1e3:.2f} ms")
 
 
 def predict_step(schedule: Schedule, partition: Partition, comm: CommTable, link: Link,

@@ -1,5 +1,4 @@
-"""Running something on a module without leaving a trace: its gradients set aside, its
-buffers and the random number generators put back after."""
+"""Running something on a module without a trace: gradients, buffers and RNGs kept."""
 
 from __future__ import annotations
 

@@ -1,23 +1,17 @@
-"""How a traced graph is cut into partitionable units (ALGORITHMS §0).
-
-A unit is a contiguous run of graph nodes owned by one module call: a leaf module (a torch.nn
-layer, or a module the user asked to keep whole, or a module at `unit_depth`) together with the
-functional glue that follows it in its parent's forward (activations, residual adds, reshapes).
-The rule reads the `nn_module_stack` metadata that both torch.fx and torch.export record, so
-both frontends cut the same model into the same units.
-"""
+"""How a traced graph is cut into partitionable units (ALGORITHMS §0)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import fx
 
 from fxpipe.meta import UNIT
 
-__all__ = ["Unit", "cut_units", "module_key"]
+__all__ = ["Unit", "cut_units", "module_key", "unit_parameters"]
 
 _OPAQUE_OPS = ("placeholder", "get_attr", "output")  # not owned by any one unit
 
@@ -59,6 +53,11 @@ def cut_units(
     Walking the nodes in order, a node joins the current unit when its module chain is a prefix
     of the unit's (glue in an enclosing forward) or extends a unit that so far holds only glue;
     any other module chain starts a new unit.
+
+    A unit is a contiguous run of nodes owned by one module call: a leaf module (a torch.nn
+    layer, a module kept whole, or one at `depth`) with the functional glue after it in its
+    parent's forward. The rule reads the `nn_module_stack` metadata both torch.fx and
+    torch.export record, so both frontends cut a model into the same units.
     """
     groups: list[tuple[tuple[str, ...], list[fx.Node]]] = []
     for node in gm.graph.nodes:
@@ -130,3 +129,30 @@ def _module_types(gm: fx.GraphModule) -> dict[str, str]:
         for path, module_type in _module_stack(node):
             types[path] = module_type.rsplit(".", 1)[-1]
     return types
+
+
+def unit_parameters(gm: fx.GraphModule, units: Sequence[Unit]) -> tuple[np.ndarray, np.ndarray]:
+    """Parameter count and bytes of each unit of `gm` (a weight shared by units counts in the
+    first): the parameters of the modules its nodes call, and those read by `get_attr` (which
+    no unit owns) in the unit of their first reader."""
+    unit_of = {name: unit.index for unit in units for name in unit.nodes}
+    seen: set[int] = set()
+    counts, nbytes = np.zeros(len(units)), np.zeros(len(units))
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.name in unit_of:
+            owner, params = unit_of[node.name], gm.get_submodule(node.target).parameters()
+        elif node.op == "get_attr":
+            readers = [unit_of[user.name] for user in node.users if user.name in unit_of]
+            owner_path, _, name = node.target.rpartition(".")
+            value = getattr(gm.get_submodule(owner_path), name)
+            if not readers or not isinstance(value, torch.nn.Parameter):
+                continue
+            owner, params = min(readers), [value]
+        else:
+            continue
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                counts[owner] += p.numel()
+                nbytes[owner] += p.numel() * p.element_size()
+    return counts, nbytes

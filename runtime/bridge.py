@@ -1,5 +1,4 @@
-"""The drop-in module's autograd bridge: a pipelined forward that autograd sees as one function,
-whose backward runs the pipeline's backward; and the `Call` record of one trip through it."""
+"""The drop-in module's autograd bridge, and the `Call` record of one trip through the pipeline."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Weight consistency in asynchronous pipelines: the weights a micro-batch's forward and
-backward see when the stage's optimizer steps in between (ALGORITHMS §6-§7).
-
-    none     forward with the current weights; backward with whatever is current then
-    stash    backward with exactly the weights its forward used (PipeDream weight stashing)
-    2bw      forward and backward with the version before the latest step (PipeDream-2BW)
-    predict  forward with the weights predicted s steps ahead, s = N - stage - 1, from the
-             optimizer's own state; backward with the current weights (PipeOptim)
-
-Weights never change in place for a forward: a policy hands the stage substitute tensors, and
-`saved_tensors_hooks` decide which weight values the backward reads. Copies are kept per
-weight version and freed when their last micro-batch's backward is done.
-"""
+"""Weight consistency in asynchronous pipelines: which weights a forward and backward see."""
 
 from __future__ import annotations
 
@@ -268,6 +256,18 @@ POLICIES = {"none": WeightPolicy, "stash": StashPolicy, "2bw": TwoBufferPolicy,
 
 def make_policy(name: str, weights: Mapping[str, torch.nn.Parameter], stage: int, stages: int,
                 predictor: Predictor | None = None) -> WeightPolicy:
+    """The policy `name` for one stage: the weights a micro-batch's forward and backward see
+    when the stage's optimizer steps in between (ALGORITHMS §6-§7):
+
+        none     forward with the current weights; backward with whatever is current then
+        stash    backward with exactly the weights its forward used (PipeDream weight stashing)
+        2bw      forward and backward with the version before the latest step (PipeDream-2BW)
+        predict  forward with the weights predicted s steps ahead, s = N - stage - 1, from the
+                 optimizer's own state; backward with the current weights (PipeOptim)
+
+    Weights never change in place for a forward: a policy hands the stage substitute tensors
+    and `saved_tensors_hooks` choose what the backward reads; copies live per weight version
+    until their last micro-batch's backward is done."""
     if name == "predict":
         return PredictPolicy(weights, stage, stages, predictor)
     return POLICIES[name](weights, stage, stages)

@@ -1,11 +1,9 @@
-"""What the ranks of a pipeline agree on per step: the micro-batch sizes, the loss, tied weights'
-gradients and the trace; trivial in one process (LocalCoordinator), over torch.distributed
-under torchrun (DistCoordinator)."""
+"""What the ranks of a pipeline agree on per step: micro-batch sizes, the loss, tied gradients."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,23 +14,26 @@ from fxpipe.ir import Event
 from fxpipe.runtime.hooks import GradientSync
 from fxpipe.schedules import Action
 
-__all__ = ["Coordinator", "DistCoordinator", "LocalCoordinator"]
+__all__ = ["Coordinator", "DistCoordinator"]
 
 _LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
 _TIED_TAG = 2 ** 31 - 4  # a tied weight's gradient from its other holder
 
 
-class Coordinator(Protocol):
-    """What the ranks of one pipeline agree on per step (trivial in one process)."""
+class Coordinator:
+    """What the ranks of one pipeline agree on per step; in one process, where every stage is
+    held, there is nothing to share (DistCoordinator shares it over torch.distributed)."""
 
     def shard(self, batch: Any, whole: Sequence[int] = ()) -> Any:
         """This pipeline group's share of a global mini-batch (inputs or target); inputs at
         positions in `whole` go to every group whole."""
+        return batch
 
     def dims(self, sizes: list[int] | None, seq: int | None, total: int | None
              ) -> tuple[list[int], int | None, int]:
         """The micro-batch sizes, sequence length and global mini-batch size, from the rank
         that holds the inputs."""
+        return sizes, seq, total
 
     def expect(self, batches: int) -> None:
         """At a step's start: get ready for what its end brings from other ranks, the loss of
@@ -41,6 +42,7 @@ class Coordinator(Protocol):
     def loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The step's loss, from the rank that computed it, on every rank (one call per
         mini-batch expected)."""
+        return loss
 
     def after_backward(self) -> None:
         """Gradient work once the backward of a mini-batch is complete (tied weights; after
@@ -48,6 +50,7 @@ class Coordinator(Protocol):
 
     def drain_events(self) -> list[Event]:
         """Timed work it did (all-reduces), in wall-clock seconds, since the last call."""
+        return []
 
     def gather_events(self, runs: Sequence[tuple[list[Event], float]]) -> list[list[Event]]:
         """Every stage's events of each run in `runs` (this rank's events of it and the
@@ -55,41 +58,15 @@ class Coordinator(Protocol):
         where each rank holds its own events, seconds from the earliest start among the ranks
         (one collective for all the runs; every rank must pass as many); in one process, the
         run's own."""
+        return [list(events) for events, _ in runs]
 
     def gather_job_events(self, events: list[Event], origin: float) -> dict[int, list[Event]]:
         """As gather_events for one run, for every pipeline group of the job (a collective
         over all ranks), keyed by group."""
-
-
-class LocalCoordinator:
-    """Every stage in this process: nothing to share."""
-
-    def shard(self, batch, whole=()):
-        return batch
-
-    def dims(self, sizes, seq, total):
-        return sizes, seq, total
-
-    def expect(self, batches: int) -> None:
-        return None
-
-    def loss(self, loss):
-        return loss
-
-    def after_backward(self) -> None:
-        return None
-
-    def drain_events(self) -> list[Event]:
-        return []
-
-    def gather_events(self, runs):
-        return [list(events) for events, _ in runs]
-
-    def gather_job_events(self, events, origin):
         return {0: events}
 
 
-class DistCoordinator:
+class DistCoordinator(Coordinator):
     """What the ranks of one pipeline share per step: the micro-batch sizes (from the first
     stage's rank), the loss (from the last stage's), and the gradients of weights tied across
     stages (summed among the ranks that hold them, so the copies stay equal).

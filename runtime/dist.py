@@ -1,13 +1,4 @@
-"""DistTransport: stages in separate processes, over torch.distributed point-to-point messages.
-
-Both ends know every message's layout ahead: the values of each (src, dst) edge in send/recv
-table order, each tensor's dtype from the shape pass and its shape as an expression of the
-micro-batch size (and sequence length) from the symbolic pass, evaluated per micro-batch, so
-an uneven last micro-batch or a new batch size needs no extra handshake. Sends are posted
-(isend) and completed at the end of a run; receives block. A rank that fails posts its error
-to the job's store; when a peer's wait ends without its message (the failed process exited,
-or the wait timed out) the peer reads that note and stops with the failed rank's error.
-"""
+"""DistTransport: stages in separate processes, over torch.distributed point-to-point messages."""
 
 from __future__ import annotations
 
@@ -66,7 +57,15 @@ class _Slot:
 
 
 class DistTransport:
-    """Moves values between this rank's stage and the stages of other ranks."""
+    """Moves values between this rank's stage and the stages of other ranks.
+
+    Both ends know every message's layout ahead: the values of each (src, dst) edge in table
+    order, each tensor's dtype from the shape pass and its shape as an expression of the
+    micro-batch size (and sequence length) from the symbolic pass, so an uneven micro-batch needs
+    no handshake. Sends are posted (isend) and completed at the end of a run; receives block. A
+    failing rank posts its error to the job's store, and a peer whose wait ends without its
+    message reads it and stops with that rank's error.
+    """
 
     def __init__(self, comm: CommTable, ranks: Sequence[int], device: str, *,
                  group: Any = None, links: Mapping[tuple[int, int], Any] | None = None,

@@ -1,11 +1,4 @@
-"""The driver: runs per-stage action lists over StageRunners, one worker thread per stage.
-
-Each worker walks its stage's list in order (GroPipe's PMPIA: a worker per device, fed by its
-in/out messages). F and B call the runner; SEND/RECV go through the transport; the action list
-alone decides what runs when, so gpipe, 1f1b and async schedules share this loop. Every action
-is recorded as a timeline Event; a failing stage aborts the transport so the others stop
-instead of waiting forever.
-"""
+"""The driver: runs per-stage action lists over StageRunners, one worker thread per stage."""
 
 from __future__ import annotations
 
@@ -49,7 +42,12 @@ class Run:
 
 class Driver:
     """Executes action lists over the runners this process holds: every stage (one worker
-    thread each) in one process, or one stage under torch.distributed (run inline)."""
+    thread each) in one process, or one stage under torch.distributed (run inline).
+
+    Each worker walks its stage's list in order (GroPipe's PMPIA): F and B call the runner,
+    SEND/RECV go through the transport, so every schedule shares this loop. Every action is
+    recorded as a timeline Event; a failing stage aborts the transport so the others stop.
+    """
 
     def __init__(self, runners: Mapping[int, StageRunner], comm: CommTable,
                  transport: Transport) -> None:

@@ -1,13 +1,4 @@
-"""PipelineExecutor: runs a compiled pipeline, as a drop-in module and as a whole schedule.
-
-`forward` splits the mini-batch into micro-batches and runs the schedule's forward actions; in
-training it returns outputs connected to autograd through one function whose backward runs the
-schedule's backward actions on the same stage workers. `step` runs the whole schedule, forward
-and backward interleaved as the schedule says (1F1B needs this), with the loss on the last stage.
-Both drive the same StageRunners through the same Driver. In one process the executor holds
-every stage; under torch.distributed it holds this rank's, and a Coordinator shares what only
-one rank knows (the micro-batch sizes, the loss).
-"""
+"""PipelineExecutor: runs a compiled pipeline, as a drop-in module and as a whole schedule."""
 
 from __future__ import annotations
 
@@ -29,7 +20,7 @@ from fxpipe.runtime.bridge import (
     output_values,
 )
 from fxpipe.runtime.consistency import make_policy
-from fxpipe.runtime.coordinator import Coordinator, LocalCoordinator
+from fxpipe.runtime.coordinator import Coordinator
 from fxpipe.runtime.driver import Driver, Run
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import LocalTransport, Transport
@@ -48,7 +39,13 @@ class PipelineExecutor:
     `schedule` is the lowered schedule of a step; `forward_schedule` the flushed one the
     drop-in forward and backward run (the same but for asynchronous schedules); for an
     asynchronous schedule, `streamed(minibatches)` is the one pipe.step_many runs over several
-    mini-batches with no flush between them (None for a synchronous one)."""
+    mini-batches with no flush between them (None for a synchronous one).
+
+    `forward` runs the schedule's forward actions and, in training, returns outputs whose
+    backward runs its backward actions on the same workers; `step` runs the whole schedule with
+    the loss on the last stage. Under torch.distributed a Coordinator shares what only one rank
+    knows (the micro-batch sizes, the loss).
+    """
 
     def __init__(
         self,
@@ -72,7 +69,7 @@ class PipelineExecutor:
         self.schedule, self.forward_schedule, self.streamed = schedule, forward_schedule, streamed
         self.micro_batches = schedule.micro_batches
         self.driver = Driver(self.runners, comm, transport)
-        self.coordinator = coordinator or LocalCoordinator()
+        self.coordinator = coordinator or Coordinator()
         self.whole = tuple(whole)  # positions of inputs every micro-batch receives whole
         self.first, self.last = 0 in runners, len(comm.stages) - 1 in runners
         self.everything_here = len(runners) == len(comm.stages)

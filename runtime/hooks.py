@@ -1,17 +1,4 @@
-"""Stage-backward hooks: GroPipe's delayed asynchronous gradient all-reduce across pipeline groups.
-
-G pipeline replicas each run the same stages on their own shard of the mini-batch; stage s of
-every replica forms a data-parallel group. With `delayed` (GroPipe) the stage's hook launches
-`all_reduce(async_op=True)` of its gradient buckets the moment the stage finishes the backward
-of its last micro-batch, so a later stage's reduction overlaps the backward still running on
-earlier stages; the stage waits for its own handles only before the optimizer step. With `naive`
-every rank waits until its whole pipeline has finished the backward, then reduces everything.
-
-Buckets: gradients are packed into flat buffers of at most `bucket_bytes` (25 MiB by default,
-DDP's default `bucket_cap_mb`): large enough that per-call latency is amortised, small enough
-that a big stage's first buckets travel while the rest are packed. Each group's loss is weighted
-by its share of the global mini-batch, so the all-reduce sums.
-"""
+"""Stage-backward hooks: GroPipe's delayed asynchronous gradient all-reduce."""
 
 from __future__ import annotations
 
@@ -32,7 +19,15 @@ DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
 
 
 class GradientSync:
-    """All-reduces one stage's gradients over its data-parallel group, as its hook fires."""
+    """All-reduces one stage's gradients over its data-parallel group, as its hook fires.
+
+    Stage s of every pipeline replica forms a data-parallel group. `delayed` (GroPipe) starts
+    `all_reduce(async_op=True)` of the stage's gradient buckets as it finishes its last
+    micro-batch's backward, overlapping earlier stages' backward, and waits only before the
+    optimizer step; `naive` waits for the whole pipeline's backward, then reduces. Buckets hold
+    at most `bucket_bytes` (DDP's 25 MiB). Each group's loss is weighted by its share of the
+    global mini-batch, so the all-reduce sums.
+    """
 
     def __init__(self, stage: int, params: Sequence[torch.nn.Parameter], group: Any,
                  mode: str = "delayed", pipeline: Any = None,

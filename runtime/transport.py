@@ -1,9 +1,4 @@
-"""Transports move a micro-batch's values between stages; LocalTransport does it in one process.
-
-A send never waits for its receiver (the schedules are lowered for posted sends); a receive
-blocks until the message is there, the run is aborted, or the timeout passes. Messages are
-keyed by (src, dst, direction, micro-batch), so their order on a link does not matter.
-"""
+"""Transports move a micro-batch's values between stages; LocalTransport does it in one process."""
 
 from __future__ import annotations
 
@@ -41,7 +36,12 @@ class PipelineAborted(FxpipeError):
 
 
 class Transport(Protocol):
-    """What the driver needs to move a micro-batch's values between stages."""
+    """What the driver needs to move a micro-batch's values between stages.
+
+    A send never waits for its receiver; a receive blocks until the message is there, the run
+    is aborted, or the timeout passes. Messages are keyed by (src, dst, direction, micro-batch),
+    so their order on a link does not matter.
+    """
 
     def send(self, src: int, dst: int, direction: str, key: MicroBatchKey,
              values: Mapping[str, Any]) -> None: ...

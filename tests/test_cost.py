@@ -64,15 +64,6 @@ def test_memory_estimate_counts_weights_state_and_in_flight_activations():
     assert [s.memory for s in one_f_one_b.stages] == [40 * 4 + 2 * 100, 80 * 4 + 1 * 1000]
 
 
-def test_memory_estimate_adds_the_largest_measured_transient_of_a_stage():
-    cost = CostTable.from_arrays([1.0] * 3, [1.0] * 3, params=[10, 20, 5],
-                                 param_bytes=[40, 80, 20], activation_bytes=[100, 1000, 10],
-                                 peak_bytes=[700, 1200, float("nan")])  # unit 2 unmeasured
-    np.testing.assert_array_equal(cost.transient_bytes(4), [600, 200, 0])
-    gpipe = Partition.evaluate(cost, [2, 3], p=4, schedule="gpipe")
-    assert [s.memory for s in gpipe.stages] == [120 * 4 + 4 * 1100 + 600, 20 * 4 + 4 * 10]
-
-
 def test_fit_link_recovers_latency_and_bandwidth():
     from fxpipe.passes.analysis.comm import fit_link
 

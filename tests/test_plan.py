@@ -71,7 +71,12 @@ def test_load_refuses_other_files_and_versions(tmp_path):
     with pytest.raises(PlanError, match="is not an fxpipe plan file"):
         Plan.load(path)
     path.write_text(json.dumps({"format": "fxpipe.plan", "version": 99, "plan": {}}))
-    with pytest.raises(PlanError, match="plan format version 99; this fxpipe reads version 1"):
+    with pytest.raises(PlanError, match="plan format version 99; this fxpipe reads version 2"):
+        Plan.load(path)
+    path.write_text(json.dumps({"format": "fxpipe.plan", "version": 2,
+                                "plan": {"stages": 2, "stage_threads": 1}}))
+    with pytest.raises(PlanError, match=r"sets \['stage_threads'\], which this fxpipe's Plan "
+                                        r"does not have; remove them from the file"):
         Plan.load(path)
 
 

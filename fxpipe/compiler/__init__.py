@@ -1,5 +1,4 @@
-"""Compiling a model into a pipeline: a named list of passes over one Compilation record, then
-the runtime built for it; the one package where the IR, the passes and the runtime meet."""
+"""compile(): a named list of passes over one Compilation, then the runtime built for it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""After the passes: the stages made real on their devices and the runtime that runs them in one
-process, a worker thread per stage."""
+"""After the passes: stages made real on their devices, and the one-process runtime."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Compiling under torchrun: one stage per rank, agreed on by every rank; the process groups its
-messages, gradients and tied weights travel in; the runtime of this rank's stage."""
+"""Compiling under torchrun: one stage per rank, its process groups and runtime."""
 
 from __future__ import annotations
 

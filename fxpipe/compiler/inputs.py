@@ -1,5 +1,4 @@
-"""The user's inputs checked before any work: example inputs, devices, whole inputs, how the
-batch splits into micro-batches, the stage count against the units."""
+"""The user's inputs checked before any work: examples, devices, batch split, stage count."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Layer-wise split and merge inside stages: the heavy Conv/Linear layers of each stage, chosen
-from the cost table, split over several devices before the stages are cut (ALGORITHMS §9)."""
+"""Layer-wise split and merge inside stages: heavy Conv/Linear layers split (ALGORITHMS §9)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The compiler's passes, in order, shared by one-process and torchrun compile: check the plan,
-trace, cut units, shapes, profile units, link, partition, rewrite, lower the schedule."""
+"""The compiler's passes, in order, shared by one-process and torchrun compile."""
 
 from __future__ import annotations
 
@@ -39,13 +38,12 @@ from fxpipe.passes.analysis.profile import (
     profile_units,
     real_bytes,
     time_loss,
-    unit_parameters,
 )
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.schedules import lower
 from fxpipe.trace import trace
-from fxpipe.units import cut_units
+from fxpipe.units import cut_units, unit_parameters
 
 __all__ = ["PASSES"]
 
@@ -168,15 +166,15 @@ def link(c) -> None:
     else:
         c.link = default_link(devices[0], devices[-1])
     names = tuple(u.name for u in c.units)
+    params = unit_parameters(c.traced.gm, c.units)
     if c.profile is None:
-        params, param_bytes = unit_parameters(c.traced.gm, c.units)
         zeros = [0.0] * len(c.units)
-        c.cost = CostTable(zeros, zeros, zeros, zeros, [1.0], None, params, names, param_bytes,
+        c.cost = CostTable(zeros, zeros, zeros, zeros, [1.0], None, params[0], names, params[1],
                            source="not measured (Plan(costs='none'))")
         return
     annotate_comm(c.traced.gm, c.link)
     batch = input_dims(c.flat, c.whole).batch
-    c.cost = cost_table(c.profile, c.link, batch, names, c.loss_times)
+    c.cost = cost_table(c.profile, c.link, batch, names, params, c.loss_times)
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
         c.cost = fit_to_flops(c.cost, flops_of_units(c.traced.gm, c.units, c.flat, c.whole),
                               loss=c.loss_times)

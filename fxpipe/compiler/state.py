@@ -1,5 +1,4 @@
-"""What compiling builds up, pass by pass (Compilation), and running the named passes over it:
-each pass's result summarised and cheaply verified, timed and printed with Plan(dump=True)."""
+"""What compiling builds up pass by pass, and running the passes: verified, timed, dumped."""
 
 from __future__ import annotations
 

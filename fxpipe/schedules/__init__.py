@@ -1,5 +1,4 @@
-"""Pipeline schedules as plain data: per-stage action lists, their generators, and lowering
-them for a runtime (sends and receives, optimizer steps, the check that they cannot hang)."""
+"""Pipeline schedules as plain data: action lists, their generators, and their lowering."""
 
 from fxpipe.schedules.actions import (
     Action,

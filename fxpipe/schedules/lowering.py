@@ -1,5 +1,4 @@
-"""Lowering a compute-only schedule for a runtime: sends and receives for the stage edges,
-optimizer steps, and the check that the result runs without hanging."""
+"""Lowering a schedule for a runtime: sends and receives, steps, and the check it cannot hang."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Communication model: the link between two stages' devices, by default per device pair kind,
-or measured (copies between local devices, a ping-pong between ranks)."""
+"""Communication model: the link between stages, by device kind, configured, or measured."""
 
 from __future__ import annotations
 

@@ -13,10 +13,12 @@ __all__ = ["cost_table"]
 
 
 def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str],
+               params: tuple[np.ndarray, np.ndarray],
                loss: tuple[np.ndarray, np.ndarray] | None = None) -> CostTable:
-    """Per-unit f and b from the profile; cf, cb from the bytes crossing each cut over `link`.
-    `loss`: its forward and backward seconds at the profile's sizes, which count in the last
-    unit: the last stage runs it, whatever the partition."""
+    """Per-unit f and b from the profile; cf, cb from the bytes crossing each cut over `link`;
+    `params`: each unit's parameter count and bytes. `loss`: its forward and backward seconds
+    at the profile's sizes, which count in the last unit: the last stage runs it, whatever the
+    partition."""
     f, b = profile.forward.copy(), profile.backward.copy()
     if loss is not None:
         f[:, -1] += loss[0]
@@ -30,9 +32,9 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         cb=link.time(profile.boundary_grad_bytes),
         sizes=profile.sizes,
         batch=batch,
-        params=profile.params,
+        params=params[0],
         names=tuple(names),
-        param_bytes=profile.param_bytes,
+        param_bytes=params[1],
         activation_bytes=profile.activation_bytes,
         source=source + (", with the loss timed on the last unit" if loss is not None else ""),
     )

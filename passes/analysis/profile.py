@@ -1,23 +1,4 @@
-"""Profile pass: the measured forward and backward time and the memory of every unit, at one or
-more micro-batch sizes, cached on disk.
-
-Each repetition runs the units as training does, all forwards in order, then all backwards in
-reverse, each unit a module of its own on the outputs of the units before it, so a unit meets
-the caches the units around it leave. Inputs that carry gradients in training get them here
-too, so a unit's backward includes its input gradient as it will in a stage. Warm-up runs,
-then repeats (more of them where they are short, until MIN_TIMED seconds), and the median
-counts; the first, untimed, repetition also counts the bytes each unit saves for its backward.
-Nothing is left behind on the model: gradients accumulate into zeroed .grad and the
-parameters' own .grad, buffers and random number generators are restored.
-A model on the meta device is timed a run of consecutive units at a time, on real copies of
-that run's units, so no more than `window` bytes of its weights exist at once.
-
-The times are what partitioning needs, the units' relative costs; what a stage costs inside a
-step beyond its units' sum (the runtime's own work, threads sharing cores) is calibration's
-(`fxpipe.calibrate`). Results are cached on disk by what changes them (the stages' code, the
-tensors' shapes and dtypes, the micro-batch sizes, the device, the machine, torch's version
-and threads), so compiling the same model twice measures it once.
-"""
+"""Profile pass: each unit's measured forward and backward time and saved bytes, cached."""
 
 from __future__ import annotations
 
@@ -47,10 +28,10 @@ from fxpipe.units import Unit
 
 __all__ = [
     "MIN_TIMED", "MOST_REPEATS", "ProfileCache", "UnitProfile", "UnitTiming", "annotate_profile",
-    "default_cache_dir", "profile_units", "real_bytes", "time_loss", "unit_parameters",
+    "default_cache_dir", "profile_units", "real_bytes", "time_loss",
 ]
 
-_FORMAT = 12  # bump when the cached record changes (or how it is measured)
+_FORMAT = 13  # bump when the cached record changes (or how it is measured)
 MOST_REPEATS = 100  # timed repetitions per micro-batch size at most, whatever min_time asks
 # seconds of timed repetitions per micro-batch size at least: units of tens of microseconds
 # timed a few times give medians that move a lot; more repetitions cost little where each
@@ -68,8 +49,6 @@ class UnitProfile:
     boundary_bytes: np.ndarray  # (M, K): values crossing the cut after unit i
     boundary_grad_bytes: np.ndarray  # (M, K): their gradients (floating values only)
     activation_bytes: np.ndarray  # (M, K): tensors the unit saves for its backward
-    param_bytes: np.ndarray  # (K,)
-    params: np.ndarray  # (K,) parameter counts (a tied weight counts in its first unit)
     device: str
     cached: pathlib.Path | None = None  # the cache file it was read from, if it was
 
@@ -154,12 +133,23 @@ def profile_units(
     """Measure every unit at each micro-batch size in `sizes`.
 
     `graph` and `table` are the rewrite pass's PipelineGraph and CommTable of the model split
-    with one unit per stage. `warmup` untimed (at least 1) and `repeats` timed repetitions, then
-    more until
-    the timed ones took `min_time` seconds (at most MOST_REPEATS). `whole`: positions of inputs
-    every micro-batch gets whole. `window`: the bytes of a meta model's parameters and buffers
-    (a tied one once) made real at once to time its units, in runs of consecutive units whose
-    tensors add up to no more (one unit at least); a real model is timed in one run."""
+    with one unit per stage. `warmup` untimed (at least 1) and `repeats` timed repetitions,
+    then more until the timed ones took `min_time` seconds (at most MOST_REPEATS). `whole`:
+    positions of inputs every micro-batch gets whole. `window`: the bytes of a meta model's
+    parameters and buffers (a tied one once) made real at once to time its units, in runs of
+    consecutive units whose tensors add up to no more (one unit at least); a real model is
+    timed in one run.
+
+    Each repetition runs the units as training does, all forwards in order, then all
+    backwards in reverse, each unit a module of its own on the outputs of the units before it;
+    inputs that carry gradients in training get them, so a unit's backward includes its input
+    gradient. The medians count; the first, untimed, repetition also counts the bytes each unit
+    saves for backward. Nothing is left on the model (its .grad, buffers and random number
+    generators are restored). The times are what partitioning needs, the units' relative
+    costs; what a stage costs inside a step beyond its units is calibration's. A profile is
+    cached by what changes it: the stages' code, tensors' shapes and dtypes, the sizes, the
+    device, the machine, torch's version and threads.
+    """
     sizes, warmup = tuple(sorted(set(int(s) for s in sizes))), max(warmup, 1)
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     meta = has_meta_tensors(graph)
@@ -177,9 +167,7 @@ def profile_units(
                 for values in inputs]
     forward, backward, crossing, crossing_grad, saved = (np.array(r, dtype=float)
                                                          for r in zip(*rows))
-    params, param_bytes = _parameters_of(modules)
-    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
-                          param_bytes, params, device)
+    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, device)
     if cache is not None:
         cache.put(key, profile)
     return profile
@@ -404,51 +392,6 @@ def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:
         result = fn(*args, **kwargs)
         return result, time.perf_counter() - start
     return cpu_timed
-
-
-def unit_parameters(gm: fx.GraphModule, units: Sequence[Unit]
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """Parameter count and bytes of each unit of `gm` (a weight shared by units counts in the
-    first): the parameters of the modules its nodes call, and those read by `get_attr` (which
-    no unit owns) in the unit of their first reader."""
-    unit_of = {name: unit.index for unit in units for name in unit.nodes}
-    seen: set[int] = set()
-    counts, nbytes = np.zeros(len(units)), np.zeros(len(units))
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and node.name in unit_of:
-            owner, params = unit_of[node.name], gm.get_submodule(node.target).parameters()
-        elif node.op == "get_attr":
-            readers = [unit_of[user.name] for user in node.users if user.name in unit_of]
-            value = _attribute(gm, node.target)
-            if not readers or not isinstance(value, torch.nn.Parameter):
-                continue
-            owner, params = min(readers), [value]
-        else:
-            continue
-        for p in params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                counts[owner] += p.numel()
-                nbytes[owner] += p.numel() * p.element_size()
-    return counts, nbytes
-
-
-def _parameters_of(modules: Sequence[torch.nn.Module]) -> tuple[np.ndarray, np.ndarray]:
-    """Parameter count and bytes of each module (a weight shared counts in the first)."""
-    seen: set[int] = set()
-    counts, nbytes = np.zeros(len(modules)), np.zeros(len(modules))
-    for i, module in enumerate(modules):
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                counts[i] += p.numel()
-                nbytes[i] += p.numel() * p.element_size()
-    return counts, nbytes
-
-
-def _attribute(gm: fx.GraphModule, target: str) -> Any:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner), name)
 
 
 def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time, whole,

@@ -1,12 +1,4 @@
-"""Symbolic pass: FLOPs and output bytes of every node as sympy expressions of the batch size.
-
-Shapes become expressions by probing: the graph runs at the example batch size B and at a second
-batch size (and, for token inputs, a second sequence length), and every dimension is fitted
-exactly as d(b, s) = d0 + β(b − B) + γ(s − T) + δ(b − B)(s − T). FLOPs then follow per operator
-from those symbolic shapes, using torch.utils.flop_counter's formulas and conventions (2 FLOPs per
-multiply-add, bias ignored) where it has one. An operator without a rule counts 0 FLOPs and
-leaves a warning on its record; it never fails the pass.
-"""
+"""Symbolic pass: FLOPs and output bytes of every node as sympy expressions of the batch size."""
 
 from __future__ import annotations
 
@@ -49,7 +41,14 @@ class SymbolicCost:
 def annotate_symbolic(gm: fx.GraphModule, flat_inputs: Sequence[Any],
                       whole: Collection[int] = ()) -> list[str]:
     """Write a SymbolicCost under node.meta[SYMBOLIC] for every node; return the warnings.
-    Inputs at positions in `whole` keep their size when the batch is probed."""
+    Inputs at positions in `whole` keep their size when the batch is probed.
+
+    Shapes become expressions by probing: the graph runs at the example batch B and at a
+    second batch (and, for token inputs, a second sequence length), and every dimension is
+    fitted exactly as d0 + β(b − B) + γ(s − T) + δ(b − B)(s − T). FLOPs follow per operator from
+    those shapes with torch.utils.flop_counter's conventions; an operator without a rule counts
+    0 FLOPs and leaves a warning, never a failure.
+    """
     base, shapes, warnings = _symbolic_shapes(gm, flat_inputs, whole)
     for node in gm.graph.nodes:
         op = _op_name(gm, node)

@@ -1,9 +1,4 @@
-"""`csimd`: CSIMD's cross-search, alternating IMD (partition) and ODPA (micro-batch count) (§4).
-
-Cross-search is a coordinate descent: on tables whose best partition changes with p it can
-stop short of the joint optimum. `csimd` therefore completes it with IMD at every candidate p
-the search did not reach (|candidates| IMD runs, milliseconds for hundreds of units), which
-puts it within IMD's bound of the joint optimum whenever links cost nothing."""
+"""`csimd`: CSIMD's cross-search, alternating IMD (partition) and ODPA (micro-batch count)."""
 
 from __future__ import annotations
 
@@ -110,5 +105,10 @@ def csimd(
 ) -> Partition:
     """Joint partition and micro-batch count: cross-search, completed by IMD at the candidate
     p it did not reach; the Partition's micro_batches is the chosen p. See `cross_search` for
-    the trace of (λ, p, T) visited."""
+    the trace of (λ, p, T) visited.
+
+    Cross-search is a coordinate descent that can stop short of the joint optimum where the
+    best partition changes with p; completing it with IMD at every candidate p (milliseconds
+    for hundreds of units) puts it within IMD's bound of the optimum whenever links are free.
+    """
     return cross_search(cost, stages, batch, p0, candidates, eta, sweep=True).partition

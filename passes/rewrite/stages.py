@@ -1,15 +1,4 @@
-"""Rewrite pass: split a traced graph into stage submodules joined by send/recv and hook nodes.
-
-Three phases, each a function: assign every node a stage, find the values that cross stages
-(the send/recv table), then clone the nodes into one graph per stage and build the top-level
-PipelineGraph that stitches the stages together.
-
-torch.fx.passes.split_module does the first and last phase for generic graphs, but it turns every
-parameter read through `get_attr` (all of them in an exported graph, tied weights in an fx graph)
-into an input of the stage, passed down from the top level. A pipeline stage must own its
-parameters, so here a `get_attr` is cloned into every stage that reads it, under its original
-name: a weight tied across stages stays one Parameter object with one gradient.
-"""
+"""Rewrite pass: split a traced graph into stage submodules joined by send/recv and hook nodes."""
 
 from __future__ import annotations
 
@@ -34,7 +23,14 @@ def split_stages(
     bounds: Sequence[int],
     devices: Sequence[str],
 ) -> tuple[fx.GraphModule, CommTable]:
-    """Split `gm` at the unit `bounds` (exclusive stage ends) into a PipelineGraph."""
+    """Split `gm` at the unit `bounds` (exclusive stage ends) into a PipelineGraph.
+
+    Three phases, each a function: assign every node a stage, find the values that cross
+    stages (the send/recv table), clone the nodes into a graph per stage and stitch them in the
+    top-level PipelineGraph. Unlike torch.fx's split_module, which turns every `get_attr` into a
+    stage input, a `get_attr` is cloned into every stage that reads it under its original name:
+    a stage owns its parameters, and a weight tied across stages stays one Parameter.
+    """
     stage_of = assign_stages(gm, units, bounds)
     table = find_edges(gm, stage_of, len(bounds))
     return build_pipeline(gm, stage_of, table, devices), table

@@ -38,6 +38,15 @@ def split_merge(
     `home` is the device the unsplit values and the parameters live on when the graph runs
     (default: where gm's parameters are now); shard inputs move from it, gathers move to it.
     `gm` is not modified; the result's graph module shares its modules and parameters.
+
+    ALGORITHMS §9 (Akintoye et al., Alg. 1), in phases, each a module: `layers` finds the
+    Conv1d/2d/3d and Linear calls it can split; `propagate` finds the values held as channel
+    pieces (a split layer's output, and that of every op acting on each channel alone, as the
+    table in `ops` says; any other consumer reads the gathered tensor); `emit` builds the graph
+    in which shard i of each merged chain computes its channels on devices[i], with one `cat`
+    per value a channel-mixing op reads; `outline.outline_shards` can then make each chain a
+    ShardGroup submodule. Shards read `split` views of the original parameters and buffers, so
+    gradients accumulate into the original Parameters and `state_dict()` is unchanged.
     """
     devices = tuple(str(torch.device(d)) for d in devices)
     if not devices:
