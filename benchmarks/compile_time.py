@@ -1,79 +1,119 @@
-"""Benchmark: how long compile takes, and each measurement it makes.
+"""Compile time of the README's ten-line example, as a multiple of one training step.
 
-compile traces the model, times its units, plans, and measures the link between the stages and
-the runtime's own time per step and per action. Each of those can be asked for again on a
-compiled pipeline, and `fxpipe bench` does so in every round. This script compiles a bundled
-model into 2 stages (one per rank under torchrun, or 2 stage threads) and prints compile's
-seconds, then the median of `--repeats` runs of each measurement: the link
-(`pipe.measure_link`, under torchrun with the sending and receiving terms measured on the
-stages' own compute), the units (`fxpipe.retime`), the runtime's own time per step and per
-forward and backward action, and one training step for scale; in one process also what
-compile spends on the thread capacity where stage threads outnumber the cores, as for
-`--threads` stage threads on this machine's cores (`measure_thread_capacity`; nothing where
-they do not outnumber them).
+    python benchmarks/compile_time.py                        # 5 rounds, torch's own threads
+    python benchmarks/compile_time.py --threads default,1    # and 1 intra-op thread, alternated
 
-    python benchmarks/compile_time.py --model vgg --batch 64
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \\
-        benchmarks/compile_time.py --model vgg --batch 64
+The example: the bundled ResNet, x = randn(32, 3, 32, 32), y = randint(0, 10, (32,)),
+Plan(stages=2, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy), compiled with
+example_target=y and a fresh, empty profile cache (so the units are timed, as on a first run).
+Each round is a fresh Python process (this script re-invoked with --child): it compiles
+--compiles times, the first one cold (lazy imports, first kernel calls, allocator warm-up),
+then times pipe.step(x, y) (median of --steps after --warmup steps) in the same process.
+Reported per round and as the median (min-max) over rounds: compile seconds, step ms, and
+compile / step, cold and warm. `--threads 1` calls torch.set_num_threads(1) before compiling
+(one intra-op thread per stage thread on 2 cores); "default" leaves torch's setting. Several
+values are run alternately, round by round. The passes table (pipe.passes) of the first
+round's cold and last compile shows where compile's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
-from typing import Any
 
-import torch.distributed as dist
-from two_stages import add_model_arguments, at_least_one, two_stages
-
-import fxpipe
-from fxpipe.compile.front import measure_thread_capacity
+MARK = "COMPILE_TIME_RESULT "
 
 
-def seconds(work: Callable[[], Any], distributed: bool) -> float:
-    """`work`'s seconds, the ranks started together under torchrun."""
-    if distributed:
-        dist.barrier()
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
+def child(threads: str, compiles: int, steps: int, warmup: int) -> None:
+    """One round, in this fresh process; prints one JSON line."""
+    import torch
+    import torch.nn.functional as F
+
+    import fxpipe
+    from fxpipe.models import ResNet
+
+    if threads != "default":
+        torch.set_num_threads(int(threads))
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    plan = fxpipe.Plan(stages=2, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy)
+    seconds, passes = [], []
+    for _ in range(compiles):
+        model = ResNet()
+        with tempfile.TemporaryDirectory() as cache:
+            start = time.perf_counter()
+            pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=y,
+                                  cache=cache)
+            seconds.append(time.perf_counter() - start)
+        passes.append(str(pipe.passes))
+    step = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        pipe.step(x, y)
+        if i >= warmup:
+            step.append(time.perf_counter() - start)
+    print(MARK + json.dumps({"threads": torch.get_num_threads(), "compile": seconds,
+                             "step": statistics.median(step), "passes": passes}))
+
+
+def run_round(args: argparse.Namespace, threads: str) -> dict:
+    command = [sys.executable, __file__, "--child", "--threads", threads,
+               "--compiles", str(args.compiles), "--steps", str(args.steps),
+               "--warmup", str(args.warmup)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith(MARK))
+                      [len(MARK):])
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return (f"{statistics.median(values):{fmt}} "
+            f"({min(values):{fmt}}-{max(values):{fmt}})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser, "vgg", schedule=True)
-    parser.add_argument("--repeats", type=at_least_one, default=3)
-    parser.add_argument("--threads", type=at_least_one, default=4,
-                        help="stage threads whose thread capacity is timed (one process)")
+    parser.add_argument("--rounds", type=int, default=5, help="fresh processes per variant")
+    parser.add_argument("--threads", default="default",
+                        help="intra-op threads, comma-separated: 'default' or a number")
+    parser.add_argument("--compiles", type=int, default=3, help="per process, the first cold")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    start = time.perf_counter()
-    setup = two_stages(args, schedule=args.schedule)  # builds the model and compiles it
-    compiled = time.perf_counter() - start
-    pipe, x, y = setup.pipe, setup.x, setup.y
-    measurements = {
-        "pipe.measure_link(x)": lambda: pipe.measure_link(x),
-        "fxpipe.retime(pipe, x, target=y)": lambda: fxpipe.retime(pipe, x, target=y),
-        "pipe.measure_step_overhead(x)": lambda: pipe.measure_step_overhead(x),
-        "pipe.measure_action_overhead(x)": lambda: pipe.measure_action_overhead(x),
-        "pipe.step(x, y)": lambda: pipe.step(x, y),
-    }
-    if not setup.distributed:  # as compile measures it for --threads stage threads
-        flat = pipe.traced.bind((x,), {})
-        measurements[f"thread capacity, {args.threads} threads"] = (
-            lambda: measure_thread_capacity(pipe.traced.gm, pipe.units, flat, pipe.partition,
-                                            ["cpu"] * args.threads, 1, pipe.executor.whole))
-    medians = {name: statistics.median(seconds(work, setup.distributed)
-                                       for _ in range(args.repeats))
-               for name, work in measurements.items()}
-    if not setup.reporting():
-        return
-    print(f"{args.model}, {setup.where}, {args.schedule}, batch {args.batch}, "
-          f"{args.micro_batches} micro-batches; seconds (medians of {args.repeats} runs)")
-    print(f"{'compile (with building the model)':>36}  {compiled:7.2f}")
-    for name, median in medians.items():
-        print(f"{name:>36}  {median:7.3f}")
+    if args.child:
+        return child(args.threads, args.compiles, args.steps, args.warmup)
+    if args.compiles < 2:
+        parser.error("--compiles must be at least 2 (one cold, then warm ones)")
+
+    variants = args.threads.split(",")
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    print(f"{'round':>5} {'threads':>12} {'cold s':>7} {'warm s':>7} {'step ms':>8} "
+          f"{'cold/step':>10} {'warm/step':>10}")
+    for r in range(args.rounds):
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotate
+            res = run_round(args, v)
+            res["cold"], res["warm"] = res["compile"][0], statistics.median(res["compile"][1:])
+            results[v].append(res)
+            print(f"{r + 1:>5} {v + ' (' + str(res['threads']) + ')':>12} {res['cold']:7.3f} "
+                  f"{res['warm']:7.3f} {res['step'] * 1e3:8.1f} "
+                  f"{res['cold'] / res['step']:10.1f} {res['warm'] / res['step']:10.1f}",
+                  flush=True)
+
+    print(f"\nmedian (min-max) over {args.rounds} rounds; warm = median of compiles 2.."
+          f"{args.compiles} of each process; step = median of {args.steps} pipe.step(x, y)")
+    for v, rounds in results.items():
+        print(f"threads {v}: compile cold {spread([r['cold'] for r in rounds], '.3f')} s, "
+              f"warm {spread([r['warm'] for r in rounds], '.3f')} s; "
+              f"step {spread([r['step'] * 1e3 for r in rounds], '.1f')} ms")
+        print(f"  compile / step: cold {spread([r['cold'] / r['step'] for r in rounds], '.1f')}"
+              f", warm {spread([r['warm'] / r['step'] for r in rounds], '.1f')}")
+    first = results[variants[0]][0]["passes"]
+    print(f"\npipe.passes, round 1, threads {variants[0]}: the cold compile\n{first[0]}")
+    print(f"\nand compile {args.compiles} of the same process\n{first[-1]}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ order, 2 groups x 2 stages against 1 group x 4 stages, and against plain DDP, si
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/hybrid_dp.py
 
-Every configuration trains the same model on the same global batch (SGD), alternated round by
-round in one job; rank 0 prints median step times and ratios. On a 2-core machine 4 ranks
-oversubscribe the cores two to one: absolute times are those of a shared CPU, and only the
-ratios measured side by side mean something.
+Every configuration trains the same model on the same global batch (SGD, one intra-op thread
+per rank), alternated round by round in one job; rank 0 prints, per configuration, the median
+(min-max) over rounds of each round's median step time and of its ratio to the delayed
+all-reduce's in the same round. On a 2-core machine 4 ranks oversubscribe the cores two to
+one: absolute times are those of a shared CPU, and only the ratios mean something.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def step_fn(name: str, config, batch: int, micro_batches: int):
     return step
 
 
+def spread(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="vgg,resnet")
@@ -83,25 +88,31 @@ def main() -> None:
                  for label, config in configs(world)}
         for fn in steps.values():
             fn()  # warm-up
-        times: dict[str, list[float]] = {label: [] for label in steps}
-        for _ in range(args.rounds):
-            for label, fn in steps.items():
+        times: dict[str, list[float]] = {label: [] for label in steps}  # per round, medians
+        for r in range(args.rounds):
+            labels = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]  # rotate
+            for label in labels:
+                took = []
                 for _ in range(args.repeats):
                     dist.barrier()
                     start = time.perf_counter()
-                    fn()
+                    steps[label]()
                     dist.barrier()
-                    times[label].append(time.perf_counter() - start)
-        results[name] = {label: statistics.median(t) * 1e3 for label, t in times.items()}
+                    took.append(time.perf_counter() - start)
+                times[label].append(statistics.median(took) * 1e3)
+        results[name] = times
     if dist.get_rank() == 0:
-        print(f"median step time (ms), {world} ranks on gloo, global batch {args.batch}, "
+        print(f"step time (ms) and its ratio to the delayed all-reduce's in the same round: "
+              f"median (min-max) over {args.rounds} rounds of each round's median of "
+              f"{args.repeats} steps; {world} ranks on gloo, global batch {args.batch}, "
               f"{args.micro_batches} micro-batches per pipeline; the machine has "
-              f"{os.cpu_count()} cores, so {world} ranks oversubscribe it")
-        for name, medians in results.items():
-            delayed = medians["G=2 x k=2, delayed"]
+              f"{os.cpu_count()} cores, so {world} ranks may oversubscribe it")
+        for name, times in results.items():
+            delayed = times["G=2 x k=2, delayed"]
             print(f"\n{name}")
-            for label, ms in medians.items():
-                print(f"  {label:<22}{ms:>9.1f} ms   {ms / delayed:>5.2f}x of delayed")
+            for label, ms in times.items():
+                print(f"  {label:<20}{spread(ms, '.1f'):>24} ms   "
+                      f"{spread([a / b for a, b in zip(ms, delayed)], '.2f'):>20}x of delayed")
     fxpipe.shutdown()  # every rank is done communicating before any tears gloo down
 
 

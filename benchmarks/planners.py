@@ -1,7 +1,7 @@
 """Benchmarks of the partitioners: CSIMD's EX1, IMD's speed, and every planner against the optimum.
 
     python benchmarks/planners.py            # everything (about 7 minutes on 2 cores)
-    python benchmarks/planners.py --quick    # a small run of every part (about 30 seconds)
+    python benchmarks/planners.py --quick    # a small run of every part (about 15 seconds)
     python benchmarks/planners.py --part a   # only EX1 (also: b = speed, c = planners)
 
 (a) EX1 of the CSIMD paper: f, b, cf, cb ~ U[50, 100], K = 5..100, N = 4, 5, 100 instances each;

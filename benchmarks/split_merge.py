@@ -1,9 +1,10 @@
 """Benchmark: split-and-merge overhead and step time on the bundled VGG (ALGORITHMS §9).
 
-Measures, side by side in one run (variants interleaved round by round, medians reported):
-the time of the rewrite pass itself, and the training-step time (forward, cross-entropy,
+Measures, side by side in one run (variants interleaved round by round, one step each): the
+time of the rewrite pass itself, and the training-step time (forward, cross-entropy,
 backward, SGD step) of the unsplit graph and of split-and-merge graphs with n = 1, 2, ...
-devices, with the paper's eqs. 11-13 prediction beside each.
+devices: the median step, and the median (min-max) over rounds of its ratio to the unsplit
+step of the same round, with the paper's eqs. 11-13 prediction beside each.
 
     python benchmarks/split_merge.py --batch 32 --repeats 20
 """
@@ -105,7 +106,7 @@ def main() -> None:
               f"{len(results[n].chains)} chains, {len(results[n].gathers)} gathers)")
     print(f"  outline_shards n={args.max_devices}: {outline_ms:7.2f} ms")
     print()
-    header = (f"{'variant':<12} {'step ms':>9} {'x unsplit':>9} {'extra ms':>9} "
+    header = (f"{'variant':<12} {'step ms':>9} {'x unsplit (min-max)':>21} {'extra ms':>9} "
               f"{'eq.12 T_O':>10} {'eq.13 S':>8}")
     print(header)
     print("-" * len(header))
@@ -115,7 +116,9 @@ def main() -> None:
         pieces = torch.randn(micro).chunk(max(n, 1), dim=1)
         t_c = 0.0 if n == 1 else _median_ms(lambda p=pieces: torch.cat(p, 1), 50)
         cost = overlap_cost(n, t_fwd / n**2, t_bwd / n**2, t_c)
-        print(f"{name:<12} {median[name]:9.2f} {median[name] / median['unsplit']:9.3f} "
+        ratio = [t / u for t, u in zip(times[name], times["unsplit"])]
+        ratio_text = f"{statistics.median(ratio):.3f} ({min(ratio):.2f}-{max(ratio):.2f})"
+        print(f"{name:<12} {median[name]:9.2f} {ratio_text:>21} "
               f"{median[name] - median['unsplit']:+9.2f} {cost.t_o:10.2f} {cost.speedup:8.2f}")
     print()
     # how much of the extra time is the gathers themselves (cat of the pieces, per forward)

@@ -4,12 +4,12 @@
 
 For each model and schedule (GPipe, 1F1B), both runtimes run the same two stages (the model is
 an nn.Sequential cut at the same child, Plan(unit_depth=1)), the same micro-batch count and
-the same loss, alternated A B A B in one job; rank 0 prints the median step times, the ratio
-fxpipe / torch, and the simulator's ideal for the per-micro-batch compute fxpipe measured (the
-units are re-timed at the start of every round and the median prediction counts, since the
-machine's speed drifts over the run).
-Models: 8 x [Linear(1024, 1024) + ReLU] at batch 64 with 8 micro-batches (the case from the
-issue), and the bundled ResNet-style CNN at batch 32 with 4 micro-batches.
+the same loss, alternated round by round in one job (each rank sets one intra-op thread).
+Rank 0 prints, as the median (min-max) over rounds of each round's medians: the step times,
+the ratio fxpipe / torch, and fxpipe's calibrated prediction (`fxpipe.calibrate` at the start
+of every round, then `pipe.predicted_timeline(cal).makespan + cal.step`) with measured /
+predicted. Models: 8 x [Linear(1024, 1024) + ReLU] at batch 64 with 8 micro-batches, and the
+bundled ResNet-style CNN at batch 32 with 4 micro-batches.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def resnet_case():
     return "resnet", model, x, y, F.cross_entropy, 4
 
 
-def timed(fn, repeats: int) -> list[float]:
+def timed(fn, repeats: int) -> float:
+    """The median seconds of `repeats` calls of `fn`, the ranks started together each time."""
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -61,24 +62,30 @@ def timed(fn, repeats: int) -> list[float]:
         fn()
         dist.barrier()
         times.append(time.perf_counter() - start)
-    return times
+    return statistics.median(times)
+
+
+def spread(values: list[float], fmt: str = ".1f") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=4, help="A B rounds, alternated")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per runtime and round")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds, the runtimes alternated")
+    parser.add_argument("--models", default="mlp,resnet")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    cases = {"mlp": mlp_case, "resnet": resnet_case}
     rows = []
-    for case in (mlp_case, resnet_case):
+    for case in (cases[name] for name in args.models.split(",")):
         for schedule in ("gpipe", "1f1b"):
             name, model, x, y, loss_fn, chunks = case()
             plan = fxpipe.Plan(stages=world, schedule=schedule, micro_batches=chunks,
                                unit_depth=1, loss_fn=loss_fn)
-            pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+            pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=y)
             sizes = list(pipe.partition.sizes)
 
             # torch.distributed.pipelining on the same children of the same Sequential
@@ -101,23 +108,26 @@ def main() -> None:
                 pipe.step(x, y)
 
             torch_step(), fxpipe_step()  # warm-up
-            times, ideals = {"torch": [], "fxpipe": []}, []
-            for _ in range(args.rounds):  # each round re-times the units for the ideal
-                ideals.append(pipe.predicted_timeline(fxpipe.retime(pipe, (x,))).makespan)
-                times["torch"] += timed(torch_step, args.repeats)
-                times["fxpipe"] += timed(fxpipe_step, args.repeats)
-            medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            ideal = statistics.median(ideals) * 1e3
-            rows.append((name, schedule, sizes, chunks, medians, ideal))
+            rounds = []  # per round: torch s, fxpipe s, calibrated prediction s
+            for r in range(args.rounds):
+                cal = fxpipe.calibrate(pipe, x, target=y, steps=5, warmup=1)
+                predicted = pipe.predicted_timeline(cal).makespan + cal.step
+                steps = [("torch", torch_step), ("fxpipe", fxpipe_step)]
+                order = steps if r % 2 == 0 else steps[::-1]  # alternate which goes first
+                measured = {k: timed(fn, args.repeats) for k, fn in order}
+                rounds.append((measured["torch"], measured["fxpipe"], predicted))
+            rows.append((name, schedule, sizes, chunks, rounds))
 
     if rank == 0:
-        print("median step time, 2 ranks (gloo, one core and one intra-op thread each)")
-        print(f"{'model':<12}{'schedule':<9}{'split':<10}{'p':>3}{'torch ms':>10}"
-              f"{'fxpipe ms':>11}{'fx/torch':>10}{'ideal ms':>10}{'fx/ideal':>10}")
-        for name, schedule, sizes, chunks, medians, ideal in rows:
-            print(f"{name:<12}{schedule:<9}{sizes!s:<10}{chunks:>3}{medians['torch']:>10.1f}"
-                  f"{medians['fxpipe']:>11.1f}{medians['fxpipe'] / medians['torch']:>10.2f}"
-                  f"{ideal:>10.1f}{medians['fxpipe'] / ideal:>10.2f}")
+        print(f"2 ranks on gloo, one intra-op thread each; median (min-max) over {args.rounds} "
+              f"rounds of each round's median of {args.repeats} steps; predicted: fxpipe's "
+              "calibrated prediction (fxpipe.calibrate, 5 steps, at the start of every round)")
+        for name, schedule, sizes, chunks, rounds in rows:
+            ours, theirs, predicted = ([r[i] * 1e3 for r in rounds] for i in (1, 0, 2))
+            print(f"{name} {schedule} split {sizes} p={chunks}: torch {spread(theirs)} ms, "
+                  f"fxpipe {spread(ours)} ms, predicted {spread(predicted)} ms")
+            print(f"    fxpipe / torch {spread([a / b for a, b in zip(ours, theirs)], '.2f')}, "
+                  f"fxpipe / predicted {spread([a / b for a, b in zip(ours, predicted)], '.2f')}")
     fxpipe.shutdown()  # every rank is done communicating before any tears gloo down
 
 

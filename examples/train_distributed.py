@@ -20,9 +20,6 @@ import torch.distributed as dist
 import fxpipe
 from fxpipe.models import bundled
 
-# after re-timing, steps for the cores to settle, then the steps the report sets the last beside
-SETTLING_STEPS, REPORTED_STEPS = 10, 10
-
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="resnet", choices=["resnet", "vgg", "gpt", "mlp"])
 parser.add_argument("--batch", type=int, default=32)
@@ -32,10 +29,9 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--real", action="store_true", help="build the whole model on every rank")
 parser.add_argument("--partitioner", help="default: the plan's (balanced when units are timed)")
 parser.add_argument("--timeline", metavar="PNG",
-                    help="after training, time the link, units and loss again, run "
-                         f"{SETTLING_STEPS + REPORTED_STEPS} steps without updating the "
-                         "weights, print pipe.report() and draw the last step's measured and "
-                         "predicted timelines (needs matplotlib)")
+                    help="after training, calibrate (fxpipe.calibrate), print pipe.report() "
+                         "and draw the last step's measured and predicted timelines (needs "
+                         "matplotlib)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # one core per rank; more would oversubscribe a small machine
@@ -76,16 +72,10 @@ if rank == 0:
     print(f"throughput: {args.batch / median:.1f} samples/s (median step {median * 1e3:.1f} ms "
           f"over steps 1..{args.steps - 1})")
 if args.timeline:  # every rank takes part: the ranks time together and exchange their traces
-    # the machine's speed drifts during training: predict from the link, the units and the loss
-    # timed again now; the report sets the last step beside the last REPORTED_STEPS
-    pipe.measure_link(x)
-    fresh = fxpipe.retime(pipe, (x,), target=y)
-    pipe.measure_runtime_overhead(x)
-    for _ in range(SETTLING_STEPS + REPORTED_STEPS):
-        pipe.step(x, y)  # the weights stay as training left them
-    optimizer.zero_grad()
-    pipe.report(partition=fresh)
-    pipe.save_timeline(args.timeline, partition=fresh)
+    # what each stage's actions take in real steps, beyond the units' timed costs
+    calibration = fxpipe.calibrate(pipe, x, target=y)  # leaves the weights and gradients
+    pipe.report(calibration=calibration)
+    pipe.save_timeline(args.timeline, calibration=calibration)
 state = fxpipe.gather_state_dict(pipe)  # the whole model's state dict, on rank 0
 if rank == 0:
     spec.build().load_state_dict(state)

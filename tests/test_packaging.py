@@ -29,3 +29,31 @@ def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, flags=re.S)
     test_command = next(c.strip() for c in commands if "pytest" in c)
     assert test_command in (ROOT / ".ci" / "run").read_text()
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The fxpipe modules a source file imports."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("fxpipe")}
+
+
+@pytest.mark.parametrize("folder, forbidden", [
+    ("runtime", ("fxpipe.passes", "fxpipe.compiler", "fxpipe.pipeline", "fxpipe.calibrate")),
+    ("passes", ("fxpipe.runtime", "fxpipe.compiler", "fxpipe.pipeline")),
+    ("fxpipe", ("fxpipe.runtime", "fxpipe.passes")),
+])
+def test_dependencies_flow_one_way(folder, forbidden):
+    """IR <- analysis <- partition <- compiler -> runtime: only the compiler wires the passes
+    and the runtime into the IR; the runtime never imports the passes."""
+    for path in (ROOT / folder).rglob("*.py"):
+        if folder == "fxpipe" and "compiler" in path.relative_to(ROOT / folder).parts:
+            continue
+        wrong = {name for name in _imports(path) if name.startswith(forbidden)}
+        assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}"

@@ -8,6 +8,7 @@ import torch
 
 from fxpipe.compiler.inputs import output_names
 from fxpipe.compiler.intra_layer import outline_split_stages
+from fxpipe.compiler.state import Compilation
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import tied_parameters
 from fxpipe.materialize import materialize
@@ -21,7 +22,7 @@ def model_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def materialize_stages(c, which: Sequence[int]) -> None:
+def materialize_stages(c: Compilation, which: Sequence[int]) -> None:
     """Give a meta model's stages `which` storage on their devices (fxpipe.materialize), under
     every name the model and the graphs have for their tensors; each stage's hook is rebound
     to its parameters (even where nothing was meta: a tied weight another stage made real is
@@ -32,7 +33,7 @@ def materialize_stages(c, which: Sequence[int]) -> None:
         c.graph.get_submodule(f"hook{s}").rebind(dict(module.named_parameters()))
 
 
-def build_local_runtime(c) -> PipelineExecutor:
+def build_local_runtime(c: Compilation) -> PipelineExecutor:
     """Every stage made real on its device, and an executor running them on worker threads."""
     stages = [c.graph.get_submodule(f"stage{s}") for s in range(c.plan.stages)]
     for name, _, holders in tied_parameters(stages, model_names(c.model)):

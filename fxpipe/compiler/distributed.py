@@ -9,6 +9,7 @@ import torch
 
 from fxpipe.compiler.assemble import materialize_stages, model_names
 from fxpipe.compiler.inputs import output_names
+from fxpipe.compiler.state import Compilation
 from fxpipe.cost import Link
 from fxpipe.distributed import RankLayout, rank_device, rank_layout
 from fxpipe.errors import PlanError
@@ -90,7 +91,7 @@ def ping_pong(plan: Plan, layout: RankLayout, groups: LinkGroups, device: str) -
                              device, reply_group=groups.get(1, 0)) or link
 
 
-def build_rank_runtime(c) -> PipelineExecutor:
+def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     """This rank's stage made real on its device and its runtime: the executor, over the
     process groups of its pipeline, of its data-parallel group and of its tied weights."""
     layout, device = c.layout, c.devices[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from torch import fx
 
 from fxpipe.batching import input_dims
 from fxpipe.compiler.distributed import (
@@ -24,11 +25,12 @@ from fxpipe.compiler.inputs import (
 from fxpipe.compiler.intra_layer import split_heavy_layers
 from fxpipe.compiler.loss import check_target, traced_loss
 from fxpipe.compiler.partitioning import choose_partition
-from fxpipe.compiler.state import Pass
+from fxpipe.compiler.state import Compilation, Pass
 from fxpipe.cost import CostTable, Link, check_bounds, fit_to_flops
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeTraceError, PlanError
 from fxpipe.inspect import format_bytes
+from fxpipe.ir import CommTable
 from fxpipe.materialize import check_meta_model, has_meta_tensors
 from fxpipe.meta import SHAPE
 from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
@@ -41,6 +43,7 @@ from fxpipe.passes.analysis.profile import (
 )
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
+from fxpipe.plan import Plan
 from fxpipe.schedules import lower
 from fxpipe.trace import trace
 from fxpipe.units import cut_units, unit_parameters
@@ -53,7 +56,7 @@ __all__ = ["PASSES"]
 ALL_REAL_BELOW = 256 * 2**20
 
 
-def check(c) -> None:
+def check(c: Compilation) -> None:
     """The plan against the model, the example and where compile runs, before any work."""
     if c.target is not None:
         check_target(c.plan, c.target)
@@ -78,7 +81,7 @@ def check(c) -> None:
     c.devices = stage_devices(c.model, c.plan)
 
 
-def trace_model(c) -> None:
+def trace_model(c: Compilation) -> None:
     """The model as an fx graph, every node's example value recorded (the shape check)."""
     try:
         c.traced = trace(c.model, c.args, c.kwargs, c.plan, check=shapes_on(c.args, c.kwargs))
@@ -88,7 +91,7 @@ def trace_model(c) -> None:
     c.flat = c.traced.bind(c.args, c.kwargs)
 
 
-def cut(c) -> None:
+def cut(c: Compilation) -> None:
     """The graph cut into units; the batch's split into micro-batches checked on it."""
     c.units = cut_units(c.traced.gm, c.plan.unit_depth, c.traced.leaf_paths)
     check_stage_count(c.model, c.plan, c.units)
@@ -98,14 +101,14 @@ def cut(c) -> None:
         agree(c.layout, c.plan, c.units)
 
 
-def shapes(c) -> None:
+def shapes(c: Compilation) -> None:
     """Shapes as functions of the micro-batch size where ranks must agree on message shapes
     (the example's, recorded by the trace, serve in one process)."""
     if c.distributed:
         annotate_symbolic(c.traced.gm, c.flat, c.whole)
 
 
-def profile(c) -> None:
+def profile(c: Compilation) -> None:
     """Every unit timed at the plan's micro-batch size(s), and the loss with an example target
     (under torchrun every rank times at once, rank 0's counting)."""
     if c.plan.costs == "none":
@@ -134,14 +137,14 @@ def profile(c) -> None:
         c.loss_times = time_loss(infos, batch, sizes, loss, device)
 
 
-def _units_as_stages(c):
+def _units_as_stages(c: Compilation) -> tuple[fx.GraphModule, CommTable]:
     """The model split with one unit per stage, each on the timing device: what the units are
     timed and counted through."""
     return split_stages(c.traced.gm, c.units, range(1, len(c.units) + 1),
                         [c.devices[0]] * len(c.units))
 
 
-def profile_sizes(batch: int, plan) -> list[int]:
+def profile_sizes(batch: int, plan: Plan) -> list[int]:
     """Micro-batch sizes to time: the plan's; powers of two up to the batch when the
     micro-batch count is to be chosen ('auto', or the csimd partitioner), since time is not
     proportional to micro-batch size and the planner must see it at every size it considers."""
@@ -153,7 +156,7 @@ def profile_sizes(batch: int, plan) -> list[int]:
     return [largest]
 
 
-def link(c) -> None:
+def link(c: Compilation) -> None:
     """The link between stages (the plan's figures, a ping-pong between ranks under torchrun,
     a default by device kind in one process), and with it the cost table."""
     plan, devices = c.plan, c.devices
@@ -180,7 +183,7 @@ def link(c) -> None:
                               loss=c.loss_times)
 
 
-def partition(c) -> None:
+def partition(c: Compilation) -> None:
     """The plan's partitioner on the cost table (rank 0's, shared, under torchrun)."""
     if c.distributed:
         chosen = (choose_partition(c.model, c.plan, c.units, c.cost)
@@ -190,7 +193,7 @@ def partition(c) -> None:
         c.partition = choose_partition(c.model, c.plan, c.units, c.cost)
 
 
-def rewrite(c) -> None:
+def rewrite(c: Compilation) -> None:
     """Heavy layers split where the plan asks, then the graph split into stage submodules
     joined by send/recv and hook nodes."""
     gm = c.traced.gm
@@ -201,7 +204,7 @@ def rewrite(c) -> None:
     c.graph, c.comm = split_stages(gm, c.units, c.partition.bounds, c.devices)
 
 
-def schedule(c) -> None:
+def schedule(c: Compilation) -> None:
     """The plan's schedule for the stage edges, with its sends and receives, checked to run."""
     n, p = c.plan.stages, c.partition.micro_batches
     edges = sorted({(e.src, e.dst) for e in c.comm.edges})
@@ -215,32 +218,32 @@ def schedule(c) -> None:
 # --- verifiers: cheap checks of what a pass made (a failure is a bug in fxpipe) --------------
 
 
-def _nothing(c) -> None:
+def _nothing(c: Compilation) -> None:
     return None
 
 
-def _graph_lints(c) -> None:
+def _graph_lints(c: Compilation) -> None:
     c.traced.gm.graph.lint()
 
 
-def _units_cover(c) -> None:
+def _units_cover(c: Compilation) -> None:
     covered = [name for unit in c.units for name in unit.nodes]
     assert len(covered) == len(set(covered)), "a node is in two units"
     assert [u.index for u in c.units] == list(range(len(c.units))), "units out of order"
 
 
-def _costs_valid(c) -> None:
+def _costs_valid(c: Compilation) -> None:
     assert c.cost.units == len(c.units), "the cost table has a row per unit"
     for table in (c.cost.f, c.cost.b, c.cost.cf, c.cost.cb):
         assert np.all(np.isfinite(table)) and np.all(table >= 0), "costs are finite, >= 0"
 
 
-def _partition_valid(c) -> None:
+def _partition_valid(c: Compilation) -> None:
     check_bounds(c.partition.bounds, len(c.units))
     assert len(c.partition.bounds) == c.plan.stages, "one bound per stage"
 
 
-def _rewrite_valid(c) -> None:
+def _rewrite_valid(c: Compilation) -> None:
     c.graph.graph.lint()
     assert len(c.comm.stages) == c.plan.stages, "one stage submodule per stage"
     last = len(c.comm.stages) - 1
@@ -255,29 +258,29 @@ def _rewrite_valid(c) -> None:
 # --- summaries -------------------------------------------------------------------------------
 
 
-def _show_check(c) -> str:
+def _show_check(c: Compilation) -> str:
     where = (f"rank {c.layout.rank} of {c.layout.world}, stage {c.layout.stage}"
              if c.distributed else "one process")
     return f"{where}; devices {', '.join(dict.fromkeys(c.devices))}"
 
 
-def _show_trace(c) -> str:
+def _show_trace(c: Compilation) -> str:
     nodes = len(c.traced.gm.graph.nodes)
     return f"traced with {c.traced.frontend}: {nodes} nodes, {len(c.flat)} graph inputs"
 
 
-def _show_units(c) -> str:
+def _show_units(c: Compilation) -> str:
     names = ", ".join(u.name for u in c.units[:4]) + (", ..." if len(c.units) > 4 else "")
     whole = f"; whole inputs at {list(c.whole)}" if c.whole else ""
     return f"{len(c.units)} units ({names}){whole}"
 
 
-def _show_shapes(c) -> str:
+def _show_shapes(c: Compilation) -> str:
     return ("symbolic shapes in the micro-batch size, for the ranks' messages"
             if c.distributed else "the example's shapes, recorded by the trace")
 
 
-def _show_profile(c) -> str:
+def _show_profile(c: Compilation) -> str:
     if c.profile is None:
         return "no times (Plan(costs='none'))"
     f, b = c.profile.forward.sum(axis=1), c.profile.backward.sum(axis=1)
@@ -289,11 +292,11 @@ def _show_profile(c) -> str:
     return f"units' forward + backward per micro-batch of {sizes}; {where}{loss}"
 
 
-def _show_link(c) -> str:
+def _show_link(c: Compilation) -> str:
     return f"{c.link}; cost table of {c.cost.units} units"
 
 
-def _show_partition(c) -> str:
+def _show_partition(c: Compilation) -> str:
     p = c.partition
     time = (f", predicted {p.predicted_time * 1e3:.2f} ms (closed form)"
             if c.plan.costs != "none" else "")
@@ -301,14 +304,14 @@ def _show_partition(c) -> str:
             f"{p.micro_batches} micro-batches{time}")
 
 
-def _show_rewrite(c) -> str:
+def _show_rewrite(c: Compilation) -> str:
     crossing = sum(e.info.nbytes for e in c.comm.edges)
     split = f", {len(c.splits)} stages with split layers" if c.splits else ""
     return (f"{len(c.comm.stages)} stage submodules, {len(c.comm.edges)} values crossing "
             f"({format_bytes(crossing)} at the example batch){split}")
 
 
-def _show_schedule(c) -> str:
+def _show_schedule(c: Compilation) -> str:
     actions = sum(len(stage) for stage in c.schedule.actions)
     return f"{c.schedule.name}: {actions} actions, sends and receives matched"
 
