@@ -24,8 +24,10 @@ def calibrate(pipe: Any, *inputs: Any, target: Any, steps: int = 10, warmup: int
               clock: Callable[[], float] = time.perf_counter, **kwargs: Any) -> Calibration:
     """Run `warmup` + `steps` training steps of `pipe` on `inputs` (forward()'s arguments, as
     pipe.step takes them) and `target`, and measure what its actions take beyond its
-    partition's predicted costs (`calibration_from`). The steps leave no gradient, buffer or
-    random number generator changed. Under torchrun every rank calls it, as pipe.step."""
+    partition's predicted costs (`calibration_from`). The steps leave no gradient, buffer,
+    random number generator or last run (what pipe.report() describes) changed. Use a batch
+    like compile's example: the prediction is of its micro-batches. Under torchrun every rank
+    calls it, as pipe.step."""
     if not isinstance(pipe, CompiledPipeline):
         raise FxpipeError(f"calibrate() takes the pipeline fxpipe.compile returned, not "
                           f"{type(pipe).__name__}.")
@@ -39,17 +41,18 @@ def calibrate(pipe: Any, *inputs: Any, target: Any, steps: int = 10, warmup: int
             isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise FxpipeError(f"calibrate(steps={steps!r}, warmup={warmup!r}) takes steps >= 1 "
                           "and warmup >= 0, whole numbers.")
-    walls, kept = [], []
-    with preserved_state(pipe), gradients_set_aside(pipe):
+    walls, kept, executor = [], [], pipe.executor
+    with preserved_state(pipe), gradients_set_aside(pipe), executor.runs_aside():
         for i in range(warmup + steps):
             start = clock()
             pipe.step(*inputs, target, **kwargs)
             wall = clock() - start
             if i >= warmup:
                 walls.append(wall)
-                kept.append((pipe.executor.last_trace(), pipe.executor.trace_origin))
-    runs = pipe.executor.full_traces(kept)  # every stage's, under torchrun too
-    return calibration_from(runs, walls, pipe.partition, pipe.executor.last_sizes)
+                kept.append((executor.last_trace(), executor.trace_origin))
+        sizes = executor.last_sizes
+    runs = executor.full_traces(kept)  # every stage's, under torchrun too
+    return calibration_from(runs, walls, pipe.partition, sizes)
 
 
 def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
@@ -79,5 +82,5 @@ def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
         tuple(beyond(s, K.F, partition.stages[s].f) for s in range(stages)),
         tuple(beyond(s, K.B, partition.stages[s].b) for s in range(stages)),
         tuple(sending(s) for s in range(stages)),
-        statistics.median(outside), len(runs), tuple(sizes or ()),
+        statistics.median(outside), len(runs), tuple(sizes or ()), tuple(partition.bounds),
     )

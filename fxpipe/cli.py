@@ -402,11 +402,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.argv = argv
+    threads = torch.get_num_threads()  # --threads sets them for the command's run only
     try:
         args.run(args)
     except FxpipeError as e:
         print(f"fxpipe: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)
     return 0
 
 

@@ -15,11 +15,12 @@ __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_t
 @dataclasses.dataclass(frozen=True)
 class Link:
     """A point-to-point link between two stages' devices: a message of n bytes takes
-    latency + n / bandwidth on the wire, and its sender `per_message` seconds to hand over."""
+    latency + n / bandwidth on the wire, and its sender `per_message` seconds per tensor it
+    holds to hand over (a transport posts one send a tensor)."""
 
     latency: float  # seconds per message
     bandwidth: float  # bytes per second (math.inf: no copy at all)
-    per_message: float = 0.0  # the sender's own seconds per message (e.g. its isend calls)
+    per_message: float = 0.0  # the sender's own seconds per tensor sent (its isend call)
     source: str = "configured"  # where the figures come from: configured, default, measured
 
     def time(self, nbytes: np.ndarray | float) -> np.ndarray:
@@ -29,7 +30,7 @@ class Link:
         return np.where(nbytes > 0, self.latency + transfer, 0.0)
 
     def __str__(self) -> str:
-        sending = (f", {self.per_message * 1e6:.0f} us to send each message"
+        sending = (f", {self.per_message * 1e6:.0f} us to send each tensor"
                    if self.per_message else "")
         if math.isinf(self.bandwidth) and not self.latency:
             return f"free (same memory, no copy{sending}; {self.source})"
@@ -274,6 +275,7 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
+        source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )
 
 

@@ -129,8 +129,7 @@ class CompiledPipeline(torch.nn.Module):
 
     def weight_copies(self) -> list[int]:
         """Per stage held here, the most extra weight copies its consistency policy kept."""
-        return [runner.policy.peak_copies if runner.policy else 0
-                for runner in self.executor.runners.values()]
+        return list(self.executor.weight_copies().values())
 
     def last_trace(self) -> list[Event]:
         """Every action of the last pipelined forward/backward or step this process ran, with
@@ -140,9 +139,23 @@ class CompiledPipeline(torch.nn.Module):
     def predicted_timeline(self, calibration: Calibration | None = None) -> Timeline:
         """The event simulator's timeline of the last run's schedule (or the plan's) with the
         partition's stage costs and the link, and `calibration`'s per-action overheads when
-        given (`fxpipe.calibrate`)."""
+        given (`fxpipe.calibrate`, on micro-batches of compile's example's sizes)."""
+        predicted = self._predicted_sizes()
+        if calibration is not None and predicted and list(calibration.sizes) != predicted:
+            raise FxpipeError(
+                f"this calibration ran micro-batches of {list(calibration.sizes)} samples, and "
+                f"the prediction is of compile's example's, {predicted}: calibrate on a batch "
+                "like compile's example."
+            )
         return predict_step(self.executor.latest_schedule, self.partition, self.comm,
                             self.link, calibration)
+
+    def _predicted_sizes(self) -> list[int]:
+        """The micro-batch sizes compile's example splits into ([] where not known: under
+        data parallelism a group's share of it)."""
+        if self.cost.batch is None or self.plan.groups > 1:
+            return []
+        return split_sizes(self.cost.batch, self.partition.micro_batches)
 
     def report(self, file: Any = None, calibration: Calibration | None = None) -> str:
         """Predicted against measured for the last run, per stage and in total: bubble,
@@ -158,12 +171,8 @@ class CompiledPipeline(torch.nn.Module):
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(calibration).events
         stages = self.plan.stages
-        # compile's prediction is of its example's micro-batches (under data parallelism a
-        # group's share of it, which is not known here)
-        known = self.cost.batch is not None and self.plan.groups == 1
         notes = unlike_prediction_lines(
-            split_sizes(self.cost.batch, self.partition.micro_batches) if known else None,
-            self.executor.last_sizes or [],
+            self._predicted_sizes() or None, self.executor.last_sizes or [],
             any(e.action.kind is ActionKind.B for e in measured))
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              self.executor.latest_schedule.name,
@@ -258,9 +267,7 @@ class CompiledPipeline(torch.nn.Module):
                     else:
                         target._buffers[attr] = own[name]
             self.stage_hook(stage.index).rebind(dict(stage.module.named_parameters()))
-        for runner in self.executor.runners.values():
-            if runner.policy is not None:
-                runner.policy.weights = dict(runner.stage.module.named_parameters())
+        self.executor.rebind_weights()
 
     def print_graph(self, stages: bool = False) -> None:
         """Print the rewritten top-level graph; with `stages=True`, every stage's code too."""
@@ -297,15 +304,12 @@ class CompiledPipeline(torch.nn.Module):
         return table
 
     def _weight_copies_line(self) -> str:
-        runners = self.executor.runners
-        if not any(r.policy for r in runners.values()):
+        if not self.executor.optimizers_attached():
             return (f"async-1f1b weights (consistency={self.plan.consistency!r}): no optimizer "
                     "attached yet (pipe.attach_optimizer)")
         parts = []
-        for index, runner in runners.items():
-            copies = runner.policy.peak_copies if runner.policy else 0
-            nbytes = copies * sum(p.numel() * p.element_size()
-                                  for p in runner.stage.module.parameters())
+        for index, copies in self.executor.weight_copies().items():
+            nbytes = copies * sum(p.nbytes for p in self.stages[index].module.parameters())
             parts.append(f"stage {index}: {copies} ({format_bytes(nbytes)})")
         return (f"async-1f1b weights (consistency={self.plan.consistency!r}), most extra "
                 f"copies held so far: {'; '.join(parts)}")

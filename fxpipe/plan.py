@@ -28,7 +28,8 @@ SCHEDULES = ("gpipe", "1f1b", "async-1f1b")
 CONSISTENCY_POLICIES = ("none", "stash", "2bw", "predict")
 DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
-_FORMAT, _VERSION = "fxpipe.plan", 2  # 2: no cpu_affinity, cpu_memory, stage_threads
+_FORMAT, _VERSION = "fxpipe.plan", 2
+_REMOVED_IN_2 = {"cpu_affinity": "auto", "cpu_memory": "keep", "stage_threads": "auto"}
 COSTS = ("measure", "fit", "none")
 TIMED_PARTITIONERS = ("balanced", "ampa", "imd", "csimd", "exact")  # need measured costs
 
@@ -65,9 +66,9 @@ class Plan:
     concrete_args: Mapping[str, Any] | None = None
     unit_depth: int | None = None
     costs: str = "measure"  # measure: profile units; fit: and model α·FLOPs+β; none: no times
-    # (latency s, bandwidth B/s), or "measure"; None: measured between ranks under torchrun
-    # (a ping-pong costs little), defaults per device pair kind in one process
-    link: tuple[float, float] | str | None = None
+    # (latency s, bandwidth B/s[, sender's s per tensor]), or "measure"; None: measured
+    # between ranks under torchrun (a ping-pong), defaults per device pair kind in one process
+    link: tuple[float, ...] | str | None = None
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
     dump: bool = False  # print each compiler pass's result as it completes
@@ -194,11 +195,13 @@ class Plan:
                             "(latency in seconds, bandwidth in bytes per second).")
         link = tuple(self.link)
         object.__setattr__(self, "link", link)
-        ok = len(link) == 2 and all(isinstance(v, (int, float)) for v in link)
-        if not ok or link[0] < 0 or link[1] <= 0:
+        ok = len(link) in (2, 3) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                         for v in link)
+        if not ok or link[0] < 0 or link[1] <= 0 or (len(link) == 3 and link[2] < 0):
             raise PlanError(
                 f"Plan(link={self.link!r}) must be (latency in seconds >= 0, bandwidth in "
-                "bytes per second > 0), e.g. link=(20e-6, 10e9)."
+                "bytes per second > 0), and optionally the sender's seconds per tensor sent "
+                ">= 0, e.g. link=(20e-6, 10e9) or (20e-6, 10e9, 5e-6)."
             )
 
     def _check_partitioner(self) -> None:
@@ -241,12 +244,12 @@ class Plan:
                 ) from e
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as JSON-ready data (loss_fn is not data and is left out)."""
+        """The plan as JSON-ready data (loss_fn is not data, nor how compile prints, dump)."""
         if callable(self.tracer):
             raise PlanError("a plan with a tracer callable cannot be saved; save it with "
                             "tracer='auto' and pass Plan.load(path, tracer=my_tracer).")
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "loss_fn"}
+                if f.name not in ("loss_fn", "dump")}
         data["leaf_modules"] = [leaf if isinstance(leaf, str) else leaf.__name__
                                 for leaf in self.leaf_modules]
         for name in ("partitioner", "devices", "link", "whole_inputs"):
@@ -270,15 +273,21 @@ class Plan:
             raise PlanError(f"cannot read a plan from {str(path)!r}: {e}") from e
         if not isinstance(document, dict) or document.get("format") != _FORMAT:
             raise PlanError(f"{str(path)!r} is not an fxpipe plan file.")
-        if document.get("version") != _VERSION:
-            raise PlanError(f"{str(path)!r} is plan format version {document.get('version')}; "
-                            f"this fxpipe reads version {_VERSION}.")
+        version, data = document.get("version"), dict(document.get("plan", {}))
+        if version == 1:  # its CPU fields are gone: at their defaults, they changed nothing
+            for name, default in _REMOVED_IN_2.items():
+                if data.pop(name, default) != default:
+                    raise PlanError(f"{str(path)!r} sets {name}, which fxpipe no longer has: "
+                                    "the CPU's threads and binding are the user's to set "
+                                    "(docs/cpu.md); remove it from the file.")
+        elif version != _VERSION:
+            raise PlanError(f"{str(path)!r} is plan format version {version}; this fxpipe "
+                            f"reads versions 1 and {_VERSION}.")
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(document["plan"]) - fields)
+        unknown = sorted(set(data) - fields)
         if unknown:
             raise PlanError(f"{str(path)!r} sets {unknown}, which this fxpipe's Plan does not "
                             "have; remove them from the file.")
-        data = dict(document["plan"])
         if isinstance(data.get("link"), list):
             data["link"] = tuple(data["link"])
         return cls(**{**data, **overrides})

@@ -34,6 +34,7 @@ class Calibration:
     step: float  # per step, outside the span of its actions (splitting, starting the workers)
     steps: int  # how many steps were measured
     sizes: tuple[int, ...]  # the micro-batch sizes the steps ran (samples)
+    bounds: tuple[int, ...]  # the partition it was measured against
 
     def overheads(self) -> dict[tuple[int, ActionKind], float]:
         """The simulator's per-action overhead table (simulate(overhead=...))."""
@@ -56,17 +57,25 @@ def predict_step(schedule: Schedule, partition: Partition, comm: CommTable, link
                  calibration: Calibration | None = None) -> Timeline:
     """`schedule` (lowered for `comm`'s edges) timed with `partition`'s per-micro-batch stage
     costs; a message on edge (src, dst) takes the cut after stage src's link time (cf, cb),
-    its sender `link.per_message`; `calibration` adds its overheads to every action."""
+    and its sender `link.per_message` per tensor it holds (a send is one per tensor);
+    `calibration`, measured against this partition, adds its overheads to every action in
+    place of the link's sending time."""
     stages = partition.stages
-    if calibration is not None and len(calibration.forward) != len(stages):
-        raise FxpipeError(f"this calibration is of a pipeline of {len(calibration.forward)} "
-                          f"stages, and this one has {len(stages)}: calibrate this pipeline "
+    if calibration is not None and calibration.bounds != partition.bounds:
+        raise FxpipeError(f"this calibration was measured on the partition with stage ends "
+                          f"{list(calibration.bounds)}, and this pipeline's are "
+                          f"{list(partition.bounds)}: calibrate this pipeline "
                           "(fxpipe.calibrate(pipe, x, target=y)).")
     send_f = {(e.src, e.dst): stages[e.src].cf for e in comm.edges}
     send_b = {(e.src, e.dst): stages[e.src].cb for e in comm.edges}
-    overhead = {(s, kind): link.per_message for s in range(len(stages))
-                for kind in (ActionKind.SEND_F, ActionKind.SEND_B)}
     if calibration is not None:
-        overhead.update(calibration.overheads())
+        overhead = calibration.overheads()
+    else:  # the activations' tensors, and the gradients of those that carry one
+        carries, overhead = comm.carries_grad(), {}
+        for e in comm.edges:
+            forward, backward = (e.src, K.SEND_F, e.dst), (e.dst, K.SEND_B, e.src)
+            overhead[forward] = overhead.get(forward, 0.0) + link.per_message
+            gradient = carries[e.value] and e.info.tensors[0].dtype.is_floating_point
+            overhead[backward] = overhead.get(backward, 0.0) + link.per_message * gradient
     return simulate(schedule, [s.f for s in stages], [s.b for s in stages], send_f, send_b,
                     overhead=overhead)

@@ -19,12 +19,13 @@ from fxpipe.schedules import (
     check_communication,
 )
 
-__all__ = ["Event", "Overheads", "Timeline", "simulate"]
+__all__ = ["Overheads", "Timeline", "simulate"]
 
 Costs = float | Sequence[float] | np.ndarray
 LinkCosts = float | Sequence[float] | np.ndarray | Mapping[tuple[int, int], float]
-# seconds each action of a kind takes on a stage beyond its compute or link time
-Overheads = Mapping[tuple[int, ActionKind], float]
+# seconds each action of a kind takes on a stage beyond its compute or link time, keyed
+# (stage, kind), or (stage, kind, peer) for a send or receive with that peer
+Overheads = Mapping[tuple, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +125,8 @@ def simulate(
     at a time in send order; every directed stage pair is a link of its own (full duplex). A
     RECV blocks its stage until the message has arrived. `overhead[(s, kind)]` (seconds, e.g.
     a calibration's) is added to every action of that kind on stage s: to a compute's time, to
-    the stage's time in a SEND before its message leaves, and in a RECV before it waits. A
+    the stage's time in a SEND before its message leaves, and in a RECV before it waits; for a
+    send or receive, `overhead[(s, kind, peer)]` takes the place of (s, kind) with that peer. A
     compute-only schedule is lowered with `add_communication(schedule, edges)` first, so both
     forms time the same; a lowered one is checked with `check_communication`.
 
@@ -160,7 +162,7 @@ def simulate(
 
     def own_time(a: Action) -> float:
         """The stage's own time in `a` (a RECV's before its wait, a SEND's before the wire)."""
-        seconds = extra.get((a.stage, a.kind), 0.0)
+        seconds = extra.get((a.stage, a.kind, a.peer), extra.get((a.stage, a.kind), 0.0))
         if a.kind.is_compute:
             seconds += float(compute[a.kind][a.stage, a.mb])
         elif a.kind in other:
@@ -209,17 +211,22 @@ def simulate(
     return Timeline(lowered, flat, transfers, makespan, tuple(busy))
 
 
-def _overheads(overhead: Overheads, n: int) -> dict[tuple[int, ActionKind], float]:
-    """The overhead table checked: stages in range, finite seconds."""
+def _overheads(overhead: Overheads, n: int) -> dict[tuple, float]:
+    """The overhead table checked: stages (and peers) in range, finite seconds."""
     table = {}
-    for (stage, kind), seconds in overhead.items():
-        if not 0 <= stage < n or not isinstance(kind, ActionKind):
-            raise ValueError(f"overhead has an entry for ({stage!r}, {kind!r}); give "
-                             f"(stage in 0..{n - 1}, ActionKind) keys")
+    for key, seconds in overhead.items():
+        stage, kind, *peer = key
+        known = 0 <= stage < n and isinstance(kind, ActionKind) and len(peer) <= 1
+        if known and peer:  # a peer only for a send or receive, and one of the stages
+            known = (kind.is_send or kind.is_recv) and 0 <= peer[0] < n
+        if not known:
+            raise ValueError(f"overhead has an entry for {key!r}; give (stage in 0..{n - 1}, "
+                             "ActionKind) keys, or (stage, kind, peer) for a send or receive")
         if not math.isfinite(seconds):
-            raise ValueError(f"overhead[({stage}, {kind.name})] must be finite seconds, got "
+            raise ValueError(f"overhead[({stage}, {kind.name}{', ' if peer else ''}"
+                             f"{', '.join(map(str, peer))})] must be finite seconds, got "
                              f"{seconds!r}")
-        table[stage, kind] = float(seconds)
+        table[key] = float(seconds)
     return table
 
 

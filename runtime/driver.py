@@ -59,9 +59,9 @@ class Driver:
                      if len(runners) > 1 else None)
         self._state: dict[int, _StageState] = {}
 
-    def run(self, programs: Sequence[Sequence[Action]], run: Run, key: Any = None) -> Run:
-        """Execute `programs[s]` on every stage s held here; `key` keeps this run's in-flight
-        micro-batches apart from another run's (a forward now, its backward later)."""
+    def run(self, programs: Sequence[Sequence[Action]], run: Run, run_id: Any = None) -> Run:
+        """Execute `programs[s]` on every stage s held here; `run_id` keeps this run's
+        in-flight micro-batches apart from another run's (a forward now, its backward later)."""
         self.transport.reset()
         # thread-local, like grad mode: carried over to the workers
         run.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
@@ -69,10 +69,10 @@ class Driver:
         run.started = time.time()
         start = time.perf_counter()
         if self.pool is None:
-            outcomes = [_error_of(self._walk, s, programs[s], run, key, start)
+            outcomes = [_error_of(self._walk, s, programs[s], run, run_id, start)
                         for s in self.runners]
         else:
-            futures = [self.pool.submit(self._walk, s, programs[s], run, key, start)
+            futures = [self.pool.submit(self._walk, s, programs[s], run, run_id, start)
                        for s in self.runners]
             outcomes = [f.exception() for f in futures]
         failures = [(e.stage, e.error) for e in outcomes if e is not None]  # _StageFailed
@@ -80,8 +80,8 @@ class Driver:
             self.transport.flush()
         else:
             for runner in self.runners.values():
-                runner.discard(key)
-            self.discard(key)
+                runner.discard(run_id)
+            self.discard(run_id)
             stage, error = next(((s, e) for s, e in failures
                                  if not isinstance(e, PipelineAborted)), failures[0])
             if isinstance(error, FxpipeError):  # ours, or another rank's failure: as it is
@@ -91,14 +91,14 @@ class Driver:
         run.events.sort(key=lambda e: (e.stage, e.start))
         return run
 
-    def _walk(self, s: int, program: Sequence[Action], run: Run, key: Any,
+    def _walk(self, s: int, program: Sequence[Action], run: Run, run_id: Any,
               start: float) -> None:
         """Walk stage s's program in order on this thread, blocking in its receives. A failure
         aborts the transport and is raised as the stage's (_StageFailed)."""
         try:
-            torch.set_grad_enabled(run.grad_enabled)
             walk = _Walk(s, program, self._state.setdefault(s, _StageState()))
-            with contextlib.ExitStack() as context:
+            with contextlib.ExitStack() as context:  # undone after, on the caller's thread too
+                context.enter_context(torch.set_grad_enabled(run.grad_enabled))
                 context.enter_context(device_context(self.runners[s].device))
                 for device_type, dtype in run.autocast:
                     context.enter_context(torch.autocast(device_type, dtype=dtype))
@@ -109,26 +109,28 @@ class Driver:
                 if forwards_first(program):
                     for ahead in (program[i] for i in walk.receives):
                         self.transport.prefetch(ahead.peer, s, _direction(ahead),
-                                                MicroBatchKey(key, ahead.mb))
+                                                MicroBatchKey(run_id, ahead.mb))
                 for _ in program:
-                    self._advance(walk, run, key, start)
+                    self._advance(walk, run, run_id, start)
         except BaseException as error:
             self.transport.abort(error)
             raise _StageFailed(s, error) from error
 
-    def _advance(self, walk: _Walk, run: Run, key: Any, start: float) -> None:
+    def _advance(self, walk: _Walk, run: Run, run_id: Any, start: float) -> None:
         """Run the stage's next action, recorded, and drop what no later action of it needs."""
         s, i, state = walk.stage, walk.next, walk.state
         action, ahead = walk.program[i], walk.ahead[i]
         if ahead is not None:  # start its transfer during this compute
-            self.transport.prefetch(ahead.peer, s, _direction(ahead), MicroBatchKey(key, ahead.mb))
+            self.transport.prefetch(ahead.peer, s, _direction(ahead),
+                                    MicroBatchKey(run_id, ahead.mb))
+        key = MicroBatchKey(run_id, action.mb)
         began = time.perf_counter()
-        self._execute(s, action, run, MicroBatchKey(key, action.mb), state)
+        self._execute(s, action, run, key, state)
         run.events.append(Event(s, action, began - start, time.perf_counter() - start))
         if walk.last_value_use.get(action.mb) == i:
-            state.values.pop(MicroBatchKey(key, action.mb), None)
+            state.values.pop(key, None)
         if walk.last_grad_use.get(action.mb) == i:
-            state.input_grads.pop(MicroBatchKey(key, action.mb), None)
+            state.input_grads.pop(key, None)
         walk.next += 1
 
     def _execute(self, s: int, a: Action, run: Run, key: MicroBatchKey,

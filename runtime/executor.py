@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -231,6 +232,31 @@ class PipelineExecutor:
 
     def in_flight(self) -> list[int]:
         return [runner.in_flight for runner in self.runners.values()]
+
+    @contextlib.contextmanager
+    def runs_aside(self) -> Iterator[None]:
+        """Runs meanwhile (a calibration's) leave the last run's trace, schedule and sizes as
+        they were, for the report of the user's own last run."""
+        kept = (self._trace, self.trace_origin, self.last_schedule, self.last_sizes)
+        try:
+            yield
+        finally:
+            self._trace, self.trace_origin, self.last_schedule, self.last_sizes = kept
+
+    def optimizers_attached(self) -> bool:
+        return any(runner.policy for runner in self.runners.values())
+
+    def weight_copies(self) -> dict[int, int]:
+        """Per stage held here, the most extra weight copies its consistency policy kept."""
+        return {s: runner.policy.peak_copies if runner.policy else 0
+                for s, runner in self.runners.items()}
+
+    def rebind_weights(self) -> None:
+        """Point the consistency policies at their stages' parameters again (after the
+        parameters were replaced: `.to()`, `load_state_dict(assign=True)`)."""
+        for runner in self.runners.values():
+            if runner.policy is not None:
+                runner.policy.weights = dict(runner.stage.module.named_parameters())
 
     def run_forward(self, call: Call) -> Run:
         """The schedule's forward actions for `call`, keeping what its backward needs."""

@@ -315,8 +315,40 @@ def test_compile_refuses_a_loss_it_cannot_time(plan, target, message, monkeypatc
     def trace(*args, **kwargs):  # every refusal comes before the model is traced
         raise AssertionError("traced before the target was checked")
 
-    if "rows" not in message:  # the row count needs the traced inputs' batch dimension
+    def profile_units(*args, **kwargs):  # the row count needs the traced batch, not timings
+        raise AssertionError("timed before the target was checked")
+
+    monkeypatch.setattr(passes, "profile_units", profile_units)
+    if "rows" not in message:
         monkeypatch.setattr(passes, "trace", trace)
     with pytest.raises(FxpipeError, match=message):
         fxpipe.compile(MLP(), plan, example_inputs=(torch.randn(16, 32),), example_target=target,
                        cache=False)
+
+
+def test_a_loss_that_takes_the_models_probabilities_only_is_timed_on_them():
+    """The loss is timed on the model's own outputs: binary cross-entropy refuses values
+    outside [0, 1], which a sigmoid's output never is."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1), nn.Sigmoid())
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16, 1)).float()
+    plan = fxpipe.Plan(stages=2, micro_batches=2, loss_fn=F.binary_cross_entropy)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
+    assert "with the loss timed on the last unit" in repr(pipe)
+    torch.testing.assert_close(pipe.step(x, y), F.binary_cross_entropy(model(x), y))
+
+
+@pytest.mark.parametrize("plan, message", [
+    (fxpipe.Plan(stages=2, partitioner=[1, 2]), r"covers 3 units, but MLP has \d+ units"),
+    (fxpipe.Plan(stages=2, micro_batches=32),
+     r"splits the example batch of 16 samples into more micro-batches than samples"),
+])
+def test_plans_that_do_not_fit_the_model_are_refused_before_any_timing(plan, message,
+                                                                        monkeypatch):
+    from fxpipe.compiler import passes
+
+    def profile_units(*args, **kwargs):
+        raise AssertionError("timed before the plan was checked against the model")
+
+    monkeypatch.setattr(passes, "profile_units", profile_units)
+    with pytest.raises(fxpipe.PlanError, match=message):
+        fxpipe.compile(MLP(), plan, example_inputs=(torch.randn(16, 32),), cache=False)

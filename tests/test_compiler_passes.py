@@ -15,7 +15,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.compiler import PASSES
-from fxpipe.compiler.state import Compilation, Pass, run_passes
+from fxpipe.compiler.state import Compilation, CompilerError, Pass, ensure, run_passes
 from fxpipe.models import MLP
 
 NAMES = ["check", "trace", "units", "shapes", "profile", "link", "partition", "rewrite",
@@ -53,11 +53,31 @@ def test_a_pass_whose_result_fails_its_verifier_stops_compile():
         c.units = ["not", "units"]
 
     def verify(c):
-        assert all(hasattr(u, "nodes") for u in c.units), "units are Units"
+        ensure(all(hasattr(u, "nodes") for u in c.units), "units are Units")
 
     compilation = Compilation(MLP(), fxpipe.Plan(stages=2), (torch.randn(4, 32),), {})
-    with pytest.raises(AssertionError, match="units are Units"):
+    with pytest.raises(CompilerError, match=r"fxpipe's broken pass made a result its verifier "
+                                            r"refuses: units are Units should hold. This is a "
+                                            r"bug in fxpipe"):
         run_passes([Pass("broken", broken, verify, lambda c: "")], compilation)
+
+
+def test_the_profile_passs_verifier_refuses_times_that_are_not_finite(monkeypatch):
+    """Under `python -O` too: the verifiers raise, they do not assert."""
+    from fxpipe.compiler import passes
+
+    profile_units = passes.profile_units
+
+    def broken(*args, **kwargs):
+        profile = profile_units(*args, **kwargs)
+        profile.forward[0, 0] = float("nan")
+        return profile
+
+    monkeypatch.setattr(passes, "profile_units", broken)
+    with pytest.raises(CompilerError, match="fxpipe's profile pass made a result its verifier "
+                                            "refuses: finite, non-negative times should hold"):
+        fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(torch.randn(8, 32),),
+                       cache=False)
 
 
 @pytest.mark.parametrize("costs, splits", [("none", 1), ("measure", 2)])
@@ -105,28 +125,40 @@ class _Calls:
         monkeypatch.setattr(ctypes.cdll, "LoadLibrary", recording)
 
 
-@pytest.mark.parametrize("costs", ["measure", "none"])
-def test_compile_and_step_leave_the_process_as_they_found_it(monkeypatch, costs):
-    """No CPU binding, no thread count, no allocator call, no environment or signal
-    handler changed, on the stage threads too."""
+@pytest.mark.parametrize("costs, stages", [("measure", 3), ("none", 3), ("measure", 1)])
+def test_compile_and_step_leave_the_process_as_they_found_it(monkeypatch, costs, stages):
+    """No CPU binding, thread count, allocator call, environment, signal handler, random
+    number generator state or grad mode changed, on the stage threads either; one stage runs
+    on the caller's own thread."""
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     threads, interop = torch.get_num_threads(), torch.get_num_interop_threads()
     environment = dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     calls = _Calls(monkeypatch)
     seen_by_stages = []
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Dropout(0.1),
                           nn.Linear(8, 2))
     x, y = torch.randn(8, 8), torch.randn(8, 2)
-    plan = fxpipe.Plan(stages=3, micro_batches=2, schedule="1f1b", loss_fn=F.mse_loss,
+    plan = fxpipe.Plan(stages=stages, micro_batches=2, schedule="1f1b", loss_fn=F.mse_loss,
                        costs=costs)
-    pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=None)
-    for s in range(3):
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,),
+                          example_target=y if costs == "measure" else None, cache=False)
+    assert torch.equal(torch.rand(3), expected)
+    for s in range(stages):
         pipe.register_stage_hook(s, lambda _: seen_by_stages.append(
             (threading.current_thread().name, torch.get_num_threads(),
              os.sched_getaffinity(0) if affinity is not None else None)))
     pipe.step(x, y)
+    with torch.no_grad():
+        pipe.step(x, y)
+        assert not torch.is_grad_enabled()
+        pipe(x)
+        assert not torch.is_grad_enabled()
     pipe(x).sum().backward()
+    assert torch.is_grad_enabled()
     assert calls.loaded == []
     assert torch.get_num_threads() == threads
     assert torch.get_num_interop_threads() == interop
@@ -135,5 +167,5 @@ def test_compile_and_step_leave_the_process_as_they_found_it(monkeypatch, costs)
     if affinity is not None:
         assert os.sched_getaffinity(0) == affinity
     stage_threads = {name for name, _, _ in seen_by_stages}
-    assert len(stage_threads) == 3  # a thread per stage
+    assert len(stage_threads) == stages  # a thread per stage (the caller's own for one)
     assert all(n == threads and (a is None or a == affinity) for _, n, a in seen_by_stages)

@@ -51,7 +51,7 @@ def test_link_time_and_defaults():
 def test_a_link_says_what_a_message_costs():
     assert str(Link(0.0, math.inf)) == "free (same memory, no copy; configured)"
     assert str(Link(2e-5, 1e10, per_message=5e-6, source="measured")) == (
-        "20 us + bytes / 10.0 GB/s, 5 us to send each message (measured)")
+        "20 us + bytes / 10.0 GB/s, 5 us to send each tensor (measured)")
     assert str(Link(3e-6, math.inf, source="plan")) == "3 us per message, no copy (plan)"
 
 
@@ -154,3 +154,30 @@ def test_a_flop_fit_needs_the_mini_batch_size():
     cost = CostTable.from_arrays([[1.0], [2.0]], [[1.0], [2.0]], sizes=[1, 2])
     with pytest.raises(ValueError, match=r"needs CostTable\.batch"):
         fit_to_flops(cost, lambda m: np.array([float(m)]))
+
+
+def test_a_send_costs_its_sender_the_links_time_per_tensor_it_holds():
+    """Two values cross from stage 0 to 1, one of them integer token ids: each forward send
+    holds two tensors, each backward send one (the ids carry no gradient)."""
+    import torch
+    from torch import nn
+
+    import fxpipe
+    from fxpipe.schedules import ActionKind
+
+    class TwoValues(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def forward(self, ids):
+            hidden = self.embed(ids)
+            return self.head(hidden) + ids.unsqueeze(-1).float()
+
+    plan = fxpipe.Plan(stages=2, partitioner=[1, 1], costs="none", link=(0.0, 1e12, 1e-3))
+    pipe = fxpipe.compile(TwoValues(), plan, example_inputs=(torch.randint(0, 16, (4, 3)),))
+    assert len(pipe.comm.edges) == 2 and pipe.link.per_message == 1e-3
+    sends = {e.action.kind: e.duration for e in pipe.predicted_timeline().events
+             if e.action.kind.is_send}
+    assert sends[ActionKind.SEND_F] == pytest.approx(2e-3)
+    assert sends[ActionKind.SEND_B] == pytest.approx(1e-3)

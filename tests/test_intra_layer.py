@@ -83,4 +83,5 @@ def test_a_split_output_layer_calibrates_and_reports():
     assert [layer.name for split in pipe.intra_layer for layer in split.result.layers] == [
         "classifier.6"]
     calibration = fxpipe.calibrate(pipe, x, target=y, steps=2, warmup=0)
+    pipe.step(x, y)
     assert "calibrated" in pipe.report(file=io.StringIO(), calibration=calibration)

@@ -55,11 +55,15 @@ def test_csimd_chooses_the_micro_batch_count():
 
 
 def test_save_and_load_round_trip(tmp_path):
+    import json
+
     plan = Plan(stages=3, partitioner=[2, 2, 1], schedule="1f1b", micro_batches=4,
-                devices=["cpu"] * 3, link=(1e-5, 1e9), leaf_modules=["blocks.0"], dump=True)
+                devices=["cpu"] * 3, link=(1e-5, 1e9, 1e-6), leaf_modules=["blocks.0"])
     path = tmp_path / "plan.json"
     plan.save(path, predicted_step_seconds=0.1)
     assert Plan.load(path) == plan
+    Plan(stages=2, dump=True).save(path)  # how compile prints is no part of the plan
+    assert "dump" not in json.loads(path.read_text())["plan"]
     assert Plan.load(path, micro_batches=8).micro_batches == 8
 
 
@@ -71,7 +75,16 @@ def test_load_refuses_other_files_and_versions(tmp_path):
     with pytest.raises(PlanError, match="is not an fxpipe plan file"):
         Plan.load(path)
     path.write_text(json.dumps({"format": "fxpipe.plan", "version": 99, "plan": {}}))
-    with pytest.raises(PlanError, match="plan format version 99; this fxpipe reads version 2"):
+    with pytest.raises(PlanError, match="plan format version 99; this fxpipe reads versions 1 "
+                                        "and 2"):
+        Plan.load(path)
+    path.write_text(json.dumps({"format": "fxpipe.plan", "version": 1, "plan": {
+        "stages": 2, "cpu_affinity": "auto", "cpu_memory": "keep", "stage_threads": "auto"}}))
+    assert Plan.load(path) == Plan(stages=2)  # an earlier fxpipe's plan, its CPU fields unset
+    path.write_text(json.dumps({"format": "fxpipe.plan", "version": 1,
+                                "plan": {"stages": 2, "stage_threads": 1}}))
+    with pytest.raises(PlanError, match=r"sets stage_threads, which fxpipe no longer has: the "
+                                        r"CPU's threads and binding are the user's to set"):
         Plan.load(path)
     path.write_text(json.dumps({"format": "fxpipe.plan", "version": 2,
                                 "plan": {"stages": 2, "stage_threads": 1}}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -170,10 +171,13 @@ def test_report_before_any_run():
         pipe.save_trace("unused.json")
 
 
-def _calibration(stages: int, forward: float = 0.0, backward: float = 0.0, send: float = 0.0,
-                 step: float = 0.0) -> Calibration:
+def _calibration(pipe, forward: float = 0.0, backward: float = 0.0, send: float = 0.0,
+                 step: float = 0.0, bounds=None) -> Calibration:
+    """A calibration of `pipe`'s partition, at compile's micro-batch sizes."""
+    stages = len(pipe.partition.stages)
+    sizes = [4] * pipe.partition.micro_batches  # the fixture's batch of 16, in 4
     return Calibration((forward,) * stages, (backward,) * stages, (send,) * stages, step, 1,
-                       ())
+                       tuple(sizes), tuple(bounds or pipe.partition.bounds))
 
 
 def test_report_predicts_with_the_calibration_it_is_given(trained):
@@ -186,7 +190,7 @@ def test_report_predicts_with_the_calibration_it_is_given(trained):
         return float(row.split()[1]), float(row.split()[3]), float(step.group(1))
 
     plain = cells(trained.report(file=io.StringIO()))
-    calibration = _calibration(3, forward=1e-3, step=2e-3)
+    calibration = _calibration(trained, forward=1e-3, step=2e-3)
     given = cells(trained.report(file=io.StringIO(), calibration=calibration))
     assert given[0] == plain[0]
     assert given[1] == pytest.approx(plain[1] + 1.0, abs=0.011)
@@ -198,7 +202,7 @@ def test_report_predicts_with_the_calibration_it_is_given(trained):
 
 def test_the_trace_and_the_picture_predict_with_the_calibration_they_are_given(
         trained, tmp_path, monkeypatch):
-    calibration = _calibration(3, forward=1e-3)
+    calibration = _calibration(trained, forward=1e-3)
     forwards = 3 * trained.partition.micro_batches
 
     def predicted_forwards(calibration):  # microseconds the predicted track spends in F
@@ -224,9 +228,14 @@ def test_the_trace_and_the_picture_predict_with_the_calibration_they_are_given(
     assert drawn[1] == pytest.approx(drawn[0] + forwards * 1e3, rel=1e-6)
 
 
-def test_a_calibration_of_another_pipeline_is_refused(trained):
-    with pytest.raises(FxpipeError, match="a pipeline of 2 stages, and this one has 3"):
-        trained.predicted_timeline(_calibration(2))
+def test_a_calibration_of_another_partition_or_batch_is_refused(trained):
+    with pytest.raises(FxpipeError, match=r"measured on the partition with stage ends \[1, 2, "
+                                          r"\d+\], and this pipeline's are"):
+        trained.predicted_timeline(_calibration(trained, bounds=(1, 2, len(trained.units))))
+    other = dataclasses.replace(_calibration(trained), sizes=(8, 8))
+    with pytest.raises(FxpipeError, match=r"ran micro-batches of \[8, 8\] samples, and the "
+                                          r"prediction is of compile's example's, \[4, 4, 4, 4\]"):
+        trained.report(calibration=other)
 
 
 def test_drawing_the_timeline_leaves_matplotlibs_backend_as_it_was(trained, tmp_path):

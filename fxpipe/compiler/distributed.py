@@ -13,7 +13,7 @@ from fxpipe.compiler.state import Compilation
 from fxpipe.cost import Link
 from fxpipe.distributed import RankLayout, rank_device, rank_layout
 from fxpipe.errors import PlanError
-from fxpipe.ir import tied_parameters
+from fxpipe.ir import CommTable, tied_parameters
 from fxpipe.passes.analysis.comm import default_link, measure_rank_link
 from fxpipe.plan import Plan
 from fxpipe.runtime.coordinator import DistCoordinator
@@ -73,7 +73,7 @@ class LinkGroups:
                     self.made[src, dst] = handle
         return self.made[src, dst]
 
-    def of_edges(self, comm) -> dict[tuple[int, int], Any]:
+    def of_edges(self, comm: CommTable) -> dict[tuple[int, int], Any]:
         """The groups of the directions to and from this rank's stage that the comm table's
         edges use (gradients flow back along them); made for every pair, kept for ours."""
         pairs = sorted({(e.src, e.dst) for e in comm.edges} | {(e.dst, e.src) for e in comm.edges})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,17 +17,20 @@ from fxpipe.meta import SHAPE, ValueInfo
 from fxpipe.passes.analysis.shape import annotate_shapes, record_values
 from fxpipe.plan import Plan
 from fxpipe.preserve import preserved_state
-from fxpipe.trace import trace
+from fxpipe.trace import Traced, trace
 from fxpipe.units import Unit, cut_units
 
 __all__ = [
-    "check_batched_inputs", "check_example_runs", "check_stage_count", "check_whole_inputs",
+    "check_batched_inputs", "check_example_runs", "check_micro_batch_count", "check_stage_count",
+    "check_stage_sizes", "check_whole_inputs",
     "example_args", "output_names", "shapes_on", "stage_devices", "units_of",
     "whole_positions",
 ]
 
 
-def example_args(example_inputs: Any, example_kwargs: Mapping[str, Any] | None):
+def example_args(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """compile's example as forward()'s positional and keyword arguments."""
     if example_inputs is None and not example_kwargs:
         raise FxpipeError(
             "compile() needs one example batch to record shapes: "
@@ -99,14 +102,14 @@ def check_whole_inputs(model: torch.nn.Module, plan: Plan) -> None:
         )
 
 
-def whole_positions(traced, plan: Plan, args: tuple, kwargs: Mapping[str, Any]
+def whole_positions(traced: Traced, plan: Plan, args: tuple, kwargs: Mapping[str, Any]
                     ) -> tuple[int, ...]:
     """Positions among the flat graph inputs of the arguments every micro-batch gets whole."""
     owners = traced.bind.argument_of_each_input(args, kwargs)
     return tuple(i for i, name in enumerate(owners) if name in plan.whole_inputs)
 
 
-def check_batched_inputs(traced, plan: Plan, args: tuple, kwargs: Mapping[str, Any],
+def check_batched_inputs(traced: Traced, plan: Plan, args: tuple, kwargs: Mapping[str, Any],
                          whole: Sequence[int]) -> None:
     """Inputs whose first dimension equals the batch size are split into micro-batches; one
     that only happens to (a (T, T) mask when T == B) must be named in Plan(whole_inputs=...).
@@ -159,7 +162,7 @@ def _shrinks(full: ValueInfo, small: ValueInfo, batch: int, half: int) -> bool:
     )
 
 
-def shapes_on(args: tuple, kwargs: Mapping[str, Any]):
+def shapes_on(args: tuple, kwargs: Mapping[str, Any]) -> Callable[[Traced], None]:
     """The check a candidate graph must pass: it runs on the example and gets its shapes."""
     return lambda traced: annotate_shapes(traced.gm, traced.bind(args, kwargs))
 
@@ -174,6 +177,27 @@ def check_stage_count(model: torch.nn.Module, plan: Plan, units: Sequence[Unit])
         f"Plan(stages={plan.stages}) asks for more stages than {type(model).__name__} has "
         f"units: it cuts into {len(units)} units ({names}); use stages <= {len(units)}{finer}."
     )
+
+
+def check_stage_sizes(model: torch.nn.Module, plan: Plan, units: Sequence[Unit]) -> None:
+    """Plan(partitioner=[...]) covers the units exactly."""
+    if plan.sizes is not None and sum(plan.sizes) != len(units):
+        raise PlanError(
+            f"Plan(partitioner={list(plan.sizes)}) covers {sum(plan.sizes)} units, but "
+            f"{type(model).__name__} has {len(units)} units; make the sizes add up to "
+            f"{len(units)} (print(fxpipe.units_of(model, x)) lists them)."
+        )
+
+
+def check_micro_batch_count(plan: Plan, batch: int) -> None:
+    """Every micro-batch of the example, which the units are timed on, holds a sample."""
+    if isinstance(plan.micro_batches, int) and plan.micro_batches > batch:
+        raise PlanError(
+            f"Plan(micro_batches={plan.micro_batches}) splits the example batch of {batch} "
+            f"samples into more micro-batches than samples; the units are timed on its "
+            f"micro-batches, so give a full mini-batch as the example, or micro_batches <= "
+            f"{batch}."
+        )
 
 
 def units_of(

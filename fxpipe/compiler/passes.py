@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from torch import fx
 
@@ -16,7 +18,9 @@ from fxpipe.compiler.distributed import (
 from fxpipe.compiler.inputs import (
     check_batched_inputs,
     check_example_runs,
+    check_micro_batch_count,
     check_stage_count,
+    check_stage_sizes,
     check_whole_inputs,
     shapes_on,
     stage_devices,
@@ -25,18 +29,19 @@ from fxpipe.compiler.inputs import (
 from fxpipe.compiler.intra_layer import split_heavy_layers
 from fxpipe.compiler.loss import check_target, traced_loss
 from fxpipe.compiler.partitioning import choose_partition
-from fxpipe.compiler.state import Compilation, Pass
+from fxpipe.compiler.state import Compilation, Pass, ensure
 from fxpipe.cost import CostTable, Link, check_bounds, fit_to_flops
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeTraceError, PlanError
 from fxpipe.inspect import format_bytes
 from fxpipe.ir import CommTable
 from fxpipe.materialize import check_meta_model, has_meta_tensors
-from fxpipe.meta import SHAPE
+from fxpipe.meta import SHAPE, SYMBOLIC
 from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
     annotate_profile,
+    model_outputs,
     profile_units,
     real_bytes,
     time_loss,
@@ -44,7 +49,7 @@ from fxpipe.passes.analysis.profile import (
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
-from fxpipe.schedules import lower
+from fxpipe.schedules import check_communication, lower
 from fxpipe.trace import trace
 from fxpipe.units import cut_units, unit_parameters
 
@@ -92,11 +97,16 @@ def trace_model(c: Compilation) -> None:
 
 
 def cut(c: Compilation) -> None:
-    """The graph cut into units; the batch's split into micro-batches checked on it."""
+    """The graph cut into units; the plan's stage sizes, the batch's split into micro-batches
+    and the example target checked against them, before any timing."""
     c.units = cut_units(c.traced.gm, c.plan.unit_depth, c.traced.leaf_paths)
     check_stage_count(c.model, c.plan, c.units)
+    check_stage_sizes(c.model, c.plan, c.units)
     c.whole = whole_positions(c.traced, c.plan, c.args, c.kwargs)
+    if c.plan.costs != "none":  # the example's micro-batches are timed
+        check_micro_batch_count(c.plan, input_dims(c.flat, c.whole).batch)
     check_batched_inputs(c.traced, c.plan, c.args, c.kwargs, c.whole)
+    c.loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, c.devices[0])
     if c.distributed:
         agree(c.layout, c.plan, c.units)
 
@@ -114,13 +124,6 @@ def profile(c: Compilation) -> None:
     if c.plan.costs == "none":
         return
     batch = input_dims(c.flat, c.whole).batch
-    if isinstance(c.plan.micro_batches, int) and c.plan.micro_batches > batch:
-        raise PlanError(
-            f"Plan(micro_batches={c.plan.micro_batches}) splits the example batch of {batch} "
-            f"samples into more micro-batches than samples; the units are timed on its "
-            f"micro-batches, so give a full mini-batch as the example, or micro_batches <= "
-            f"{batch}."
-        )
     device = c.devices[0]
     unit_graph, unit_table = _units_as_stages(c)
     held = 1 / c.plan.stages if c.distributed else c.devices.count(device) / len(c.devices)
@@ -130,11 +133,9 @@ def profile(c: Compilation) -> None:
                               whole=c.whole,
                               window=max(held * real_bytes(unit_graph), ALL_REAL_BELOW))
     annotate_profile(c.traced.gm, c.units, c.profile)
-    loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, device)
-    if loss is not None:
-        output = next(n for n in c.traced.gm.graph.nodes if n.op == "output")
-        infos = {n.name: n.meta[SHAPE] for n in output.all_input_nodes}
-        c.loss_times = time_loss(infos, batch, sizes, loss, device)
+    if c.loss is not None:  # on the model's own outputs, as the last stage computes it
+        outputs = model_outputs(c.traced.gm, c.flat, c.whole, device)
+        c.loss_times = time_loss(outputs, sizes, c.loss, device)
 
 
 def _units_as_stages(c: Compilation) -> tuple[fx.GraphModule, CommTable]:
@@ -161,7 +162,7 @@ def link(c: Compilation) -> None:
     a default by device kind in one process), and with it the cost table."""
     plan, devices = c.plan, c.devices
     if isinstance(plan.link, tuple):
-        c.link = Link(plan.link[0], plan.link[1], source="plan")
+        c.link = Link(*plan.link, source="plan")  # latency, bandwidth[, per tensor]
     elif c.distributed:
         c.link = ping_pong(plan, c.layout, c.link_groups, devices[0])
     elif plan.link == "measure":
@@ -212,47 +213,76 @@ def schedule(c: Compilation) -> None:
     c.forward_schedule = c.schedule
     if c.plan.schedule == "async-1f1b":  # the drop-in forward handles one mini-batch, flushed
         c.forward_schedule = lower("gpipe", n, p, edges)
-        c.streamed = lambda minibatches: lower("async-1f1b", n, p, edges, minibatches)
+        c.streamed = functools.partial(lower, "async-1f1b", n, p, edges)  # (minibatches)
 
 
 # --- verifiers: cheap checks of what a pass made (a failure is a bug in fxpipe) --------------
 
 
-def _nothing(c: Compilation) -> None:
-    return None
+def _check_made(c: Compilation) -> None:
+    ensure(len(c.devices) == c.plan.stages, "one device per stage")
+    ensure(c.distributed == launched(), "a rank layout exactly under torchrun")
 
 
-def _graph_lints(c: Compilation) -> None:
+def _graph_made(c: Compilation) -> None:
     c.traced.gm.graph.lint()
+    ensure(all(SHAPE in n.meta for n in c.traced.gm.graph.nodes), "every node has its shape")
 
 
 def _units_cover(c: Compilation) -> None:
     covered = [name for unit in c.units for name in unit.nodes]
-    assert len(covered) == len(set(covered)), "a node is in two units"
-    assert [u.index for u in c.units] == list(range(len(c.units))), "units out of order"
+    ensure(len(covered) == len(set(covered)), "no node in two units")
+    ensure([u.index for u in c.units] == list(range(len(c.units))), "units in order")
+    ensure(all(u.nodes for u in c.units), "no empty unit")
+
+
+def _shapes_made(c: Compilation) -> None:
+    if c.distributed:  # the ranks size their messages from these
+        ensure(all(SYMBOLIC in n.meta for n in c.traced.gm.graph.nodes),
+               "every node has its symbolic shape")
+
+
+def _profile_made(c: Compilation) -> None:
+    if c.profile is None:
+        ensure(c.plan.costs == "none", "a profile wherever costs are measured")
+        return
+    batch = input_dims(c.flat, c.whole).batch
+    ensure(list(c.profile.sizes) == profile_sizes(batch, c.plan), "the plan's sizes timed")
+    for table in (c.profile.forward, c.profile.backward, c.profile.activation_bytes):
+        ensure(table.shape == (len(c.profile.sizes), len(c.units)), "a row a size, a column a "
+               "unit")
+        ensure(np.all(np.isfinite(table)) and np.all(table >= 0), "finite, non-negative times")
 
 
 def _costs_valid(c: Compilation) -> None:
-    assert c.cost.units == len(c.units), "the cost table has a row per unit"
+    ensure(c.cost.units == len(c.units), "the cost table has a column per unit")
     for table in (c.cost.f, c.cost.b, c.cost.cf, c.cost.cb):
-        assert np.all(np.isfinite(table)) and np.all(table >= 0), "costs are finite, >= 0"
+        ensure(np.all(np.isfinite(table)) and np.all(table >= 0), "finite, non-negative costs")
 
 
 def _partition_valid(c: Compilation) -> None:
     check_bounds(c.partition.bounds, len(c.units))
-    assert len(c.partition.bounds) == c.plan.stages, "one bound per stage"
+    ensure(len(c.partition.bounds) == c.plan.stages, "one bound per stage")
 
 
 def _rewrite_valid(c: Compilation) -> None:
     c.graph.graph.lint()
-    assert len(c.comm.stages) == c.plan.stages, "one stage submodule per stage"
+    ensure(len(c.comm.stages) == c.plan.stages, "one stage submodule per stage")
     last = len(c.comm.stages) - 1
     for edge in c.comm.edges:  # stage 0 sends the model's inputs, the last receives outputs
         made = c.comm.stages[edge.src].outputs + (c.comm.graph_inputs if edge.src == 0 else ())
         used = c.comm.stages[edge.dst].inputs + (c.comm.graph_outputs if edge.dst == last
                                                  else ())
-        assert edge.value in made, f"{edge.value} is sent by a stage that has it"
-        assert edge.value in used, f"{edge.value} is received by a stage that uses it"
+        ensure(edge.value in made, f"{edge.value} is sent by a stage that has it")
+        ensure(edge.value in used, f"{edge.value} is received by a stage that uses it")
+
+
+def _schedule_made(c: Compilation) -> None:
+    for schedule in (c.schedule, c.forward_schedule):
+        ensure(schedule.stages == c.plan.stages, "a list per stage")
+        ensure(schedule.micro_batches == c.partition.micro_batches, "the partition's micro-batches")
+        ensure(schedule.lowered or not c.comm.edges, "sends and receives in the lists")
+    check_communication(c.forward_schedule)
 
 
 # --- summaries -------------------------------------------------------------------------------
@@ -317,14 +347,14 @@ def _show_schedule(c: Compilation) -> str:
 
 
 PASSES = (
-    Pass("check", check, _nothing, _show_check),
-    Pass("trace", trace_model, _graph_lints, _show_trace),
+    Pass("check", check, _check_made, _show_check),
+    Pass("trace", trace_model, _graph_made, _show_trace),
     Pass("units", cut, _units_cover, _show_units),
-    Pass("shapes", shapes, _nothing, _show_shapes),
-    Pass("profile", profile, _nothing, _show_profile),
+    Pass("shapes", shapes, _shapes_made, _show_shapes),
+    Pass("profile", profile, _profile_made, _show_profile),
     Pass("link", link, _costs_valid, _show_link),
     Pass("partition", partition, _partition_valid, _show_partition),
     Pass("rewrite", rewrite, _rewrite_valid, _show_rewrite),
-    Pass("schedule", schedule, _nothing, _show_schedule),
+    Pass("schedule", schedule, _schedule_made, _show_schedule),
 )
 

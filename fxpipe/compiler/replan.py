@@ -38,8 +38,7 @@ class Replan:
                 f"threshold {self.threshold:.0%}")
         old = (f"current  {list(self.current.sizes)}: predicted "
                f"{self.current.predicted_time * 1e3:.2f} ms with the measured costs (the "
-               "stages' costs alone, as the planners score partitions: pipe.report() adds "
-               "the runtime's own work)")
+               "stages' costs alone, as the planners score partitions)")
         if not self.changed:
             return f"{head}\n{old}\nkeep the current partition"
         new = (f"proposed {list(self.proposed.sizes)}: predicted "

@@ -20,7 +20,18 @@ from fxpipe.schedules import Schedule
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
 
-__all__ = ["Compilation", "Pass", "PassLog", "PassRecord", "run_passes"]
+__all__ = ["Compilation", "CompilerError", "Pass", "PassLog", "PassRecord", "ensure",
+           "run_passes"]
+
+
+class CompilerError(RuntimeError):
+    """A pass made something its verifier refuses: a bug in fxpipe, not in the user's model."""
+
+
+def ensure(condition: object, what: str) -> None:
+    """A verifier's check: raise CompilerError saying `what` should hold, unless it does."""
+    if not condition:
+        raise CompilerError(what)
 
 
 @dataclasses.dataclass
@@ -40,6 +51,7 @@ class Compilation:
     units: list[Unit] = dataclasses.field(default_factory=list)  # units
     flat: list[Any] = dataclasses.field(default_factory=list)  # the example as graph inputs
     whole: tuple[int, ...] = ()  # positions of inputs every micro-batch gets whole (units)
+    loss: Callable[[Mapping[str, Any], int], Any] | None = None  # the loss to time (units)
     profile: Any = None  # the units' UnitProfile, or None without costs (profile)
     loss_times: tuple[Any, Any] | None = None  # the loss's forward and backward (profile)
     link: Link | None = None  # link
@@ -65,7 +77,7 @@ class Compilation:
 
 class Pass(NamedTuple):
     """One named step of compiling: `run` fills in the Compilation, `verify` checks what it
-    made (cheaply, raising AssertionError on a compiler bug), `show` summarises it."""
+    made (cheaply, with `ensure`), `show` summarises it."""
 
     name: str
     run: Callable[[Compilation], None]
@@ -99,7 +111,12 @@ def run_passes(passes: Sequence[Pass], compilation: Compilation) -> PassLog:
         start = time.perf_counter()
         step.run(compilation)
         seconds = time.perf_counter() - start
-        step.verify(compilation)
+        try:
+            step.verify(compilation)
+        except CompilerError as error:
+            raise CompilerError(f"fxpipe's {step.name} pass made a result its verifier "
+                                f"refuses: {error} should hold. This is a bug in fxpipe, not "
+                                "in your model; please report it.") from None
         record = PassRecord(step.name, seconds, step.show(compilation))
         records.append(record)
         if compilation.plan.dump and compilation.speaks:

@@ -22,13 +22,13 @@ from torch import fx
 from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
 from fxpipe.materialize import has_meta_tensors, kept_from, materialized_copy
-from fxpipe.meta import PROFILE, ValueInfo
+from fxpipe.meta import PROFILE, SHAPE, ValueInfo
 from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.units import Unit
 
 __all__ = [
     "MIN_TIMED", "MOST_REPEATS", "ProfileCache", "UnitProfile", "UnitTiming", "annotate_profile",
-    "default_cache_dir", "profile_units", "real_bytes", "time_loss",
+    "default_cache_dir", "model_outputs", "profile_units", "real_bytes", "time_loss",
 ]
 
 _FORMAT = 13  # bump when the cached record changes (or how it is measured)
@@ -173,35 +173,61 @@ def profile_units(
     return profile
 
 
-def time_loss(outputs: Mapping[str, ValueInfo], batch: int, sizes: Sequence[int],
+def time_loss(outputs: Callable[[int], Mapping[str, Any]], sizes: Sequence[int],
               loss: Callable[[Mapping[str, Any], int], torch.Tensor], device: str,
               repeats: int = 5) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds of `loss(outputs, size)`'s forward and of its backward at each micro-batch size:
-    medians of `repeats` runs (after one untimed) on stand-in outputs of the model's shapes
-    and dtypes (`outputs`: the graph's output values by name, at the example's `batch` rows),
-    as a loss costs the same on any values of its inputs' shapes."""
+    """Seconds of `loss(outputs(size), size)`'s forward and of its backward at each micro-batch
+    size: medians of `repeats` runs after one untimed. `outputs(size)`: the graph's output
+    values by name for a micro-batch of `size` samples (`model_outputs`)."""
     timer = _timer(torch.device(device))
     forward, backward = [], []
     for size in sizes:
-        values = {name: _stand_in(info, batch, size, device) for name, info in outputs.items()}
+        values = outputs(size)
         times = [_time_loss(loss, values, size, timer) for _ in range(repeats + 1)][1:]
         forward.append(statistics.median(t[0] for t in times))
         backward.append(statistics.median(t[1] for t in times))
     return np.array(forward), np.array(backward)
 
 
-def _stand_in(info: ValueInfo, batch: int, size: int, device: str) -> Any:
-    """A value of `info`'s shape and dtype, its first dimension `size` where it was `batch`."""
+def model_outputs(gm: fx.GraphModule, flat_inputs: Sequence[Any], whole: Sequence[int],
+                  device: str) -> Callable[[int], dict[str, Any]]:
+    """size -> the graph's output values by name for the example cut to `size` samples, as the
+    last stage holds them (leaves needing a gradient): computed by running the graph (its
+    buffers and the random number generators put back after), or, for a model on the meta
+    device, stand-ins of their shapes and dtypes drawn from a generator of their own."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    dims = input_dims(flat_inputs, whole)
+
+    def computed(size: int) -> dict[str, Any]:
+        with preserved_state(gm), torch.no_grad():  # the placeholders' values, as they are
+            result = fx.Interpreter(gm).run(*_on(resize(flat_inputs, dims, size), device),
+                                            enable_io_processing=False)
+        values = zip(pytree.tree_leaves(output.args[0]), pytree.tree_leaves(result))
+        return {node.name: _as_input(value, True) for node, value in values
+                if isinstance(node, fx.Node)}
+
+    def stand_ins(size: int) -> dict[str, Any]:
+        generator = torch.Generator().manual_seed(0)
+        return {node.name: _stand_in(node.meta[SHAPE], dims.batch, size, device, generator)
+                for node in output.all_input_nodes}
+
+    return stand_ins if has_meta_tensors(gm) else computed
+
+
+def _stand_in(info: ValueInfo, batch: int, size: int, device: str,
+              generator: torch.Generator) -> Any:
+    """A value of `info`'s shape and dtype, its first dimension `size` where it was `batch`:
+    floats in [0, 1) (a probability as much as a logit), other dtypes zeros."""
     if not info.tensors:
         return None
     tensors = []
     for tensor in info.tensors:
         shape = (size, *tensor.shape[1:]) if tensor.shape and tensor.shape[0] == batch \
             else tensor.shape
-        made = (torch.randn(shape, dtype=tensor.dtype, device=device)
-                if tensor.dtype.is_floating_point else
-                torch.zeros(shape, dtype=tensor.dtype, device=device))
-        tensors.append(made.requires_grad_(tensor.dtype.is_floating_point))
+        floating = tensor.dtype.is_floating_point
+        made = (torch.rand(shape, generator=generator).to(tensor.dtype) if floating else
+                torch.zeros(shape, dtype=tensor.dtype))
+        tensors.append(made.to(device).requires_grad_(floating))
     return tensors[0] if info.is_tensor else tuple(tensors)
 
 

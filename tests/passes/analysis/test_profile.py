@@ -7,17 +7,17 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.meta import ValueInfo
 from fxpipe.models import GPT, VGG
 from fxpipe.passes.analysis import profile as profile_module
 from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.costs import cost_table
-from fxpipe.passes.analysis.profile import profile_units, time_loss
+from fxpipe.passes.analysis.profile import model_outputs, profile_units, time_loss
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.units import unit_parameters
 
@@ -150,29 +150,50 @@ def test_a_meta_model_is_timed_in_the_fewest_runs_within_the_window(units, windo
             assert held([*run, following.start]) > window
 
 
-def test_the_loss_is_timed_on_stand_ins_of_the_outputs_and_counts_in_the_last_unit():
-    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
-    _, graph, table = _per_unit(model, x)
+def test_the_loss_is_timed_on_the_models_outputs_and_counts_in_the_last_unit():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.Sigmoid())
+    x = torch.randn(8, 8)
+    pipe, graph, table = _per_unit(model, x)
     profile = profile_units(graph, table, [x], [2, 4], warmup=0, repeats=1, min_time=0)
     seen = []
 
-    def loss(outputs, size):
+    def loss(outputs, size):  # binary cross-entropy takes the model's probabilities only
         time.sleep(0.01)
         (value,) = outputs.values()
         seen.append((tuple(value.shape), value.requires_grad, size))
-        return value.square().mean()
+        return F.binary_cross_entropy(value, torch.ones_like(value))
 
-    info = ValueInfo.of(torch.randn(8, 4))
-    forward, backward = time_loss({"out": info}, 8, [2, 4], loss, "cpu", repeats=2)
+    outputs = model_outputs(pipe.traced.gm, [x], (), "cpu")
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    forward, backward = time_loss(outputs, [2, 4], loss, "cpu", repeats=2)
+    assert torch.equal(torch.rand(3), expected)  # the random number generators as they were
     assert set(seen) == {((2, 4), True, 2), ((4, 4), True, 4)}  # the micro-batch's rows
+    torch.testing.assert_close(outputs(2)[table.graph_outputs[0]], model(x[:2]))
     assert np.all(forward >= 0.01) and np.all(backward > 0)
-    params = (np.zeros(3), np.zeros(3))
-    cost = cost_table(profile, default_link("cpu", "cpu"), 8, ["a", "b", "c"], params,
+    params = (np.zeros(4), np.zeros(4))
+    cost = cost_table(profile, default_link("cpu", "cpu"), 8, ["a", "b", "c", "d"], params,
                       (forward, backward))
     np.testing.assert_allclose(cost.f[:, -1], profile.forward[:, -1] + forward)
     np.testing.assert_allclose(cost.b[:, -1], profile.backward[:, -1] + backward)
     np.testing.assert_allclose(cost.f[:, :-1], profile.forward[:, :-1])
     assert "with the loss timed" in cost.source
+
+
+def test_a_meta_models_loss_is_timed_on_stand_ins_of_its_outputs_shapes():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=1, costs="none"),
+                          example_inputs=(torch.randn(6, 8),))
+    outputs = model_outputs(pipe.traced.gm, [torch.randn(6, 8)], (), "cpu")
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    (value,) = outputs(3).values()
+    assert torch.equal(torch.rand(3), expected)  # drawn from a generator of their own
+    assert value.shape == (3, 8) and value.requires_grad and not value.is_meta
+    assert (value >= 0).all() and (value < 1).all()  # a probability as much as a logit
 
 
 @given(st.integers(0, 3), st.integers(1, 10), st.floats(0.0, 1.0), st.floats(1e-4, 0.1))
