@@ -28,7 +28,7 @@ from fxpipe.report import step_time
 
 __all__ = ["BenchRow", "against_even", "bench", "bench_plans", "bench_under_torchrun",
            "check_stage_count_of", "first_rank_error", "format_rows", "rows_from_json",
-           "rows_to_json", "write_csv", "write_png"]
+           "rows_to_json", "write_csv"]
 
 Build = Callable[[], tuple[torch.nn.Module, Any, Any, Callable]]  # -> model, x, y, loss_fn
 
@@ -170,12 +170,13 @@ def against_even(rows: Sequence[BenchRow]) -> list[str]:
     difference is the machine's drift alone."""
     lines = []
     for schedule in dict.fromkeys(r.schedule for r in rows):
-        evens = [r for r in rows if r.schedule == schedule and r.partitioner == "even"]
-        others = [r for r in rows if r.schedule == schedule and r.partitioner != "even"
-                  and (r.sizes, r.micro_batches) != (evens[0].sizes, evens[0].micro_batches)]
-        if not evens or not others:
+        even = next((r for r in rows if r.schedule == schedule and r.partitioner == "even"), None)
+        others = [] if even is None else [
+            r for r in rows if r.schedule == schedule and r.partitioner != "even"
+            and (r.sizes, r.micro_batches) != (even.sizes, even.micro_batches)]
+        if not others:
             continue
-        even, best = evens[0], min(others, key=lambda r: r.measured_ms)
+        best = min(others, key=lambda r: r.measured_ms)
         lines.append(f"{schedule}: the fastest automatic partition, {best.partitioner} "
                      f"({format_sizes(best.sizes)}, p={best.micro_batches}), steps "
                      f"{even.measured_ms / best.measured_ms:.2f}x the speed of even "
@@ -193,29 +194,6 @@ def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),
                      "memory": " ".join(f"{m:.0f}" for m in r.memory)}
             writer.writerow([*cells.values(), r.ratio])
-
-
-def write_png(path: str, rows: Sequence[BenchRow], title: str) -> None:
-    """Predicted and measured step per row, the measured whisker spanning its rounds."""
-    from matplotlib.figure import Figure  # a Figure of its own: pyplot's state stays as it is
-
-    positions = range(len(rows))
-    figure = Figure(figsize=(max(6, 0.9 * len(rows) + 2), 4))
-    axis = figure.subplots()
-    axis.bar([i - 0.2 for i in positions], [r.predicted_ms for r in rows], 0.4,
-             label="predicted (calibrated)", color="#9ecae1")
-    whiskers = [[max(r.measured_ms - r.measured_low_ms, 0) for r in rows],
-                [max(r.measured_high_ms - r.measured_ms, 0) for r in rows]]
-    axis.bar([i + 0.2 for i in positions], [r.measured_ms for r in rows], 0.4, yerr=whiskers,
-             capsize=3, ecolor="#636363", label="measured (median; whisker: the rounds')",
-             color="#3182bd")
-    axis.set_xticks(list(positions), [f"{r.partitioner}\n{r.schedule}" for r in rows],
-                    fontsize=8)
-    axis.set_ylabel("step time (ms)")
-    axis.set_title(title, fontsize=10)
-    axis.legend(loc="upper left", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
 
 
 def rows_to_json(path: str, rows: Sequence[BenchRow]) -> None:

@@ -20,10 +20,9 @@ from fxpipe.bench import (
     format_rows,
     rows_to_json,
     write_csv,
-    write_png,
 )
 from fxpipe.calibrate import calibrate
-from fxpipe.compiler import available_partitioners, compare_partitioners, compile
+from fxpipe.compiler import compare_partitioners, compile
 from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
@@ -147,11 +146,8 @@ def _bench(args: argparse.Namespace) -> None:
         raise FxpipeError(f"--batch {args.batch} cannot fill --micro-batches {micro_batches} "
                           f"(each needs a sample at least): give --batch {micro_batches} or "
                           f"more, or fewer micro-batches.")
-    if args.png:
-        args.png = png_path(args.png)
-    for option, path in (("--csv", args.csv), ("--png", args.png)):
-        if path:
-            check_output_path(option, path)
+    if args.csv:
+        check_output_path("--csv", args.csv)
     factory(args.model)  # an unknown model fails here, before any progress is shown
     bench_plans(args.stages, micro_batches, partitioners, schedules)  # and so does a plan
     build = bench_build(args.model, args.batch, args.input_shape, args.input_dtype,
@@ -175,9 +171,6 @@ def _bench(args: argparse.Namespace) -> None:
     if args.csv:
         write_csv(args.csv, rows)
         print(f"rows written to {args.csv}")
-    if args.png:
-        write_png(args.png, rows, title)
-        print(f"chart written to {args.png}")
 
 
 def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
@@ -187,7 +180,7 @@ def _bench_rows(args: argparse.Namespace, build: Callable[[], tuple],
     of that job, whose rank 0 hands its rows back as JSON)."""
     if args.nproc:
         forwarded = _without_option(args.argv[1:], "--nproc")  # the words after "bench"
-        forwarded = _without_option(_without_option(forwarded, "--csv"), "--png")
+        forwarded = _without_option(forwarded, "--csv")
         return bench_under_torchrun(args.nproc, forwarded)
     if not launched():
         _threads_per_stage(args.threads, args.stages)
@@ -261,25 +254,6 @@ def check_output_path(option: str, path: str) -> None:
         raise FxpipeError(f"{option} {path}: there is no folder {folder}; create it first.")
     if not os.access(path if os.path.exists(path) else folder, os.W_OK):
         raise FxpipeError(f"{option} {path}: not writable here; give a path you can write.")
-
-
-def png_path(path: str) -> str:
-    """The file --png writes: `path`, with .png added when it has no extension. Raises
-    FxpipeError without matplotlib or for an extension it cannot write."""
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError as e:
-        raise FxpipeError("--png needs matplotlib: pip install 'fxpipe[plot]'") from e
-
-    stem, extension = os.path.splitext(path)
-    extension = extension.lstrip(".").lower()
-    if not extension:
-        return (stem if path.endswith(".") else path) + ".png"
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if extension not in formats:
-        raise FxpipeError(f"--png {path}: matplotlib cannot write .{extension} files; end the "
-                          f"name with one of {', '.join('.' + f for f in sorted(formats))}.")
-    return path
 
 
 def _threads(text: str) -> str:
@@ -357,8 +331,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: {', '.join(MODELS)}")
     plan.add_argument("--stages", type=at_least_one, required=True, help="pipeline stages")
     plan.add_argument("--partitioner", default="even",
-                      help=f"one of {', '.join(PARTITIONERS)} (available: "
-                           f"{', '.join(available_partitioners())}), or units per stage: 4,6")
+                      help=f"one of {', '.join(PARTITIONERS)}, or units per stage: 4,6")
     plan.add_argument("--batch", type=at_least_one, default=16, help="example mini-batch size")
     plan.add_argument("--micro-batches", type=_micro_batches, default="1",
                       help="a number, or auto")
@@ -391,8 +364,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "processes (one stage each)")
     _threads_option(bench_cmd)
     _model_inputs(bench_cmd)
-    bench_cmd.add_argument("--csv", help="write the table as CSV")
-    bench_cmd.add_argument("--png", help="write a predicted/measured chart (needs matplotlib)")
+    bench_cmd.add_argument("--csv", help="write the table as CSV (benchmarks/plot_bench.py "
+                                         "draws it)")
     bench_cmd.add_argument("--rows-json", help=argparse.SUPPRESS)
     bench_cmd.set_defaults(run=_bench)
     return parser

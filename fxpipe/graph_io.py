@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,11 +13,15 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.errors import FxpipeError
 
-__all__ = ["CallConvention", "placeholders"]
+__all__ = ["CallConvention", "argument_owners"]
 
 
-def placeholders(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "placeholder"]
+def argument_owners(parameters: Sequence[str], args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any]) -> list[str]:
+    """For each leaf of (args, kwargs), the forward() parameter it is passed as (`parameters`
+    in forward()'s order)."""
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    return [parameters[p[1].idx] if p[0].idx == 0 else p[1].key for p, _ in paths]
 
 
 class CallConvention:
@@ -34,7 +38,7 @@ class CallConvention:
         self.out_spec = getattr(gm, "_out_spec", None)
         self.signature = inspect.signature(model.forward)
         self.concrete = dict(concrete or {})
-        self.names = [n.target.lstrip("*") for n in placeholders(gm.graph)]
+        self.names = [n.target.lstrip("*") for n in gm.graph.find_nodes(op="placeholder")]
 
     def argument_of_each_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
                                ) -> list[str]:
@@ -43,12 +47,7 @@ class CallConvention:
         if self.in_spec is None:
             return [name if name in self.signature.parameters else order[i]
                     for i, name in enumerate(self.names)]
-        paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-        owners = []
-        for path, _ in paths:
-            top, key = path[0], path[1]
-            owners.append(order[key.idx] if top.idx == 0 else key.key)
-        return owners
+        return argument_owners(order, args, kwargs)
 
     def unflatten(self, output: Any) -> Any:
         """The model's output structure from what the graph returned."""

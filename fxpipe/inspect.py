@@ -12,10 +12,8 @@ from fxpipe.ir import CommTable, Event, recv, send
 from fxpipe.meta import SHAPE, STAGE
 from fxpipe.units import Unit
 
-__all__ = [
-    "chrome_trace", "format_bytes", "format_graph", "format_sizes", "format_stage_table",
-    "format_table",
-]
+__all__ = ["chrome_trace", "format_bytes", "format_graph", "format_ms", "format_sizes",
+           "format_stage_table", "format_table"]
 
 
 def format_bytes(n: float) -> str:
@@ -60,7 +58,7 @@ def format_stage_table(
         span = f"{start}-{end - 1}" if end - start > 1 else str(start)
         names = (f"{units[start].name} .. {units[end - 1].name}" if end - start > 1
                  else units[start].name)
-        times = ([_ms(stage.f), _ms(stage.b)] if timed else ["-", "-"])
+        times = ([format_ms(stage.f), format_ms(stage.b)] if timed else ["-", "-"])
         rows.append([s, devices[s], span, names, f"{params[s]:,}", *times,
                      format_bytes(stage.memory), _traffic(table.recvs(s)),
                      _traffic(table.sends(s))])
@@ -71,10 +69,10 @@ def format_stage_table(
         lines.append(
             f"fwd/bwd ms: per micro-batch; predicted step ({partition.micro_batches} "
             f"micro-batch{'es' if partition.micro_batches != 1 else ''}, gpipe closed form, "
-            f"which the partitioners score): {_ms(partition.predicted_time)} ms, bubble "
-            f"{partition.bubble:.0%}, slowest forward {_ms(partition.rho_f)} ms, slowest "
-            f"backward {_ms(partition.rho_b)} ms"
-            + (f"; {simulated[0]} as the event simulator runs it: {_ms(simulated[1])} ms"
+            f"which the partitioners score): {format_ms(partition.predicted_time)} ms, bubble "
+            f"{partition.bubble:.0%}, slowest forward {format_ms(partition.rho_f)} ms, slowest "
+            f"backward {format_ms(partition.rho_b)} ms"
+            + (f"; {simulated[0]} as the event simulator runs it: {format_ms(simulated[1])} ms"
                if simulated else "")
             + (f"; links: {link}" if link else "")
         )
@@ -91,7 +89,8 @@ def format_stage_table(
     return "\n".join(lines)
 
 
-def _ms(seconds: float) -> str:
+def format_ms(seconds: float) -> str:
+    """Seconds as milliseconds, two decimals."""
     return f"{seconds * 1e3:.2f}"
 
 

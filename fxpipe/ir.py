@@ -15,19 +15,8 @@ from torch.utils.hooks import RemovableHandle
 from fxpipe.meta import ValueInfo
 from fxpipe.schedules import Action
 
-__all__ = [
-    "CommTable",
-    "Edge",
-    "Event",
-    "Stage",
-    "StageArgs",
-    "StageHook",
-    "StageIO",
-    "ValueRef",
-    "recv",
-    "send",
-    "tied_parameters",
-]
+__all__ = ["CommTable", "Edge", "Event", "Stage", "StageArgs", "StageHook", "StageIO", "ValueRef",
+           "recv", "send", "tied_parameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,14 +158,10 @@ class StageHook(torch.nn.Module):
         for callback in list(self._callbacks.values()):
             callback(self.index)
 
-    def forward(self, *inputs: Any, weights: Mapping[str, torch.Tensor] | None = None
-                ) -> StageArgs:
-        """`weights` substitutes tensors for some of the stage's parameters (a weight version
-        chosen by an asynchronous schedule's consistency policy)."""
+    def forward(self, *inputs: Any) -> StageArgs:
         if not torch.is_grad_enabled():
-            return StageArgs(inputs, dict(weights or {}))
-        chosen = {**self._weights, **(weights or {})}
-        weights = {name: w for name, w in chosen.items() if w.requires_grad}
+            return StageArgs(inputs, {})
+        weights = {name: w for name, w in self._weights.items() if w.requires_grad}
         slots = [i for i, x in enumerate(inputs)
                  if isinstance(x, torch.Tensor) and x.requires_grad]
         tensors = [inputs[i] for i in slots] + list(weights.values())
@@ -206,11 +191,10 @@ def tied_parameters(stages: Sequence[Stage], names: Mapping[int, str]
                     ) -> list[tuple[str, torch.nn.Parameter, list[int]]]:
     """(name, Parameter, the stages using it) for each weight more than one stage uses (a tied
     weight), sorted by name; `names` maps a Parameter's id to its name in the model."""
-    canonical = names
     found: dict[int, tuple[str, torch.nn.Parameter, list[int]]] = {}
     for stage in stages:
         for name, p in stage.module.named_parameters():
-            entry = found.setdefault(id(p), (canonical.get(id(p), name), p, []))
+            entry = found.setdefault(id(p), (names.get(id(p), name), p, []))
             entry[2].append(stage.index)
     return sorted((entry for entry in found.values() if len(entry[2]) > 1),
                   key=lambda entry: entry[0])

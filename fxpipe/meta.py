@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["COMM", "GATHER", "PROFILE", "SHAPE", "SHARD", "STAGE", "SYMBOLIC", "UNIT", "TensorInfo",
+__all__ = ["GATHER", "PROFILE", "SHAPE", "SHARD", "STAGE", "SYMBOLIC", "UNIT", "TensorInfo",
            "ValueInfo"]
 
 SHAPE = "fxpipe.shape"  # ValueInfo: what the node produces (shape pass)
@@ -18,7 +19,6 @@ SYMBOLIC = "fxpipe.symbolic"  # SymbolicCost: FLOPs, bytes and shapes in b, s (s
 SHARD = "fxpipe.shard"  # ShardTag: merged chain, shard and device a node runs on (split_merge pass)
 GATHER = "fxpipe.gather"  # int: merged chain whose pieces a `cat` node gathers (split_merge pass)
 PROFILE = "fxpipe.profile"  # UnitTiming: measured times of the node's unit (profile pass)
-COMM = "fxpipe.comm"  # ValueTransfer: time to send the node's value to a later unit (comm pass)
 
 _DTYPE_ABBREVIATIONS = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -37,10 +37,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorInfo:

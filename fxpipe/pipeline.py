@@ -140,6 +140,7 @@ class CompiledPipeline(torch.nn.Module):
         """The event simulator's timeline of the last run's schedule (or the plan's) with the
         partition's stage costs and the link, and `calibration`'s per-action overheads when
         given (`fxpipe.calibrate`, on micro-batches of compile's example's sizes)."""
+        _check_calibration("predicted_timeline", calibration)
         predicted = self._predicted_sizes()
         if calibration is not None and predicted and list(calibration.sizes) != predicted:
             raise FxpipeError(
@@ -319,20 +320,15 @@ class CompiledPipeline(torch.nn.Module):
         names = {id(p): n for n, p in torch.nn.Module.named_parameters(self)}  # all, unfiltered
         return {name: holders for name, _, holders in tied_parameters(self.stages, names)}
 
+    # Under torchrun, only this rank's share. A tied weight may be held here under its second
+    # name only: filter, then de-duplicate.
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
-        if self.owned is None:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-            return
-        # a tied weight may be held here under its second name only: filter, then de-duplicate
         yield from _owned(super().named_parameters(prefix, recurse, False),
                           self._owns, prefix, remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True):
-        if self.owned is None:
-            yield from super().named_buffers(prefix, recurse, remove_duplicate)
-            return
         yield from _owned(super().named_buffers(prefix, recurse, False), self._owns, prefix,
                           remove_duplicate)
 

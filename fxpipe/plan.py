@@ -13,15 +13,8 @@ import torch
 
 from fxpipe.errors import PlanError
 
-__all__ = [
-    "CONSISTENCY_POLICIES",
-    "COSTS",
-    "DP_SYNCS",
-    "PARTITIONERS",
-    "SCHEDULES",
-    "TRACERS",
-    "Plan",
-]
+__all__ = ["CONSISTENCY_POLICIES", "COSTS", "DP_SYNCS", "PARTITIONERS", "SCHEDULES", "TRACERS",
+           "Plan"]
 
 PARTITIONERS = ("even", "params", "balanced", "ampa", "imd", "csimd", "exact")
 SCHEDULES = ("gpipe", "1f1b", "async-1f1b")

@@ -20,12 +20,8 @@ K = ActionKind
 class Calibration:
     """Per stage, seconds each action took beyond what the partition predicts for it (medians
     over the calibration's steps and micro-batches; below 0 where a stage ran faster than its
-    units timed one by one), and the step's own time outside its actions.
-
-    Compile times each unit on its own, which partitioning needs: the units' relative costs.
-    Inside a step a stage's actions also pay the runtime's own work and share the machine with
-    the other stages (cores, memory bandwidth, Python's interpreter lock), and a step pays for
-    splitting the batch outside its actions; `calibrate` measures these from the timeline.
+    units timed one by one), and the step's own time outside its actions: what a step pays
+    beyond its units' times (docs/cost-model.md, "Calibration").
     """
 
     forward: tuple[float, ...]  # per F action, beyond the stage's predicted forward

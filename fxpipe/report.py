@@ -6,6 +6,7 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
+from fxpipe.inspect import format_ms as _ms
 from fxpipe.inspect import format_table
 from fxpipe.ir import Event
 from fxpipe.schedules import ActionKind
@@ -129,10 +130,6 @@ def _samples(sizes: Sequence[int]) -> str:
     if len(set(sizes)) == 1:
         return f"{sizes[0]} sample{'s' if sizes[0] != 1 else ''} each"
     return f"{', '.join(map(str, sizes))} samples"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
 
 
 def _share(part: float, step: StepTime) -> str:

@@ -157,7 +157,8 @@ def simulate(
     }
     other = {ActionKind.STEP: _per_stage("step", step, n),
              ActionKind.ALLREDUCE: _per_stage("allreduce", allreduce, n)}
-    link = _by_direction("send", send_f, send_b, n)
+    link = {ActionKind.SEND_F: _link("send_f", send_f, n, forward=True),  # by SEND kind
+            ActionKind.SEND_B: _link("send_b", send_b, n, forward=False)}
     extra = _overheads(overhead or {}, n)
 
     def own_time(a: Action) -> float:
@@ -275,14 +276,6 @@ def _times(name: str, value: object) -> np.ndarray:
     if not np.all(np.isfinite(array)) or np.any(array < 0):
         raise ValueError(f"{name} must hold finite non-negative times, got {value!r}")
     return array
-
-
-def _by_direction(name: str, forward: LinkCosts, backward: LinkCosts, n: int
-                  ) -> dict[ActionKind, Callable[[int, int], float]]:
-    """A figure per message, looked up by the kind of its SEND: `name`_f for activations,
-    `name`_b for their gradients."""
-    return {ActionKind.SEND_F: _link(f"{name}_f", forward, n, forward=True),
-            ActionKind.SEND_B: _link(f"{name}_b", backward, n, forward=False)}
 
 
 def _link(name: str, value: LinkCosts, n: int, forward: bool) -> Callable[[int, int], float]:

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.batching import input_dims, resize
 from fxpipe.errors import FxpipeTraceError
-from fxpipe.graph_io import CallConvention
+from fxpipe.graph_io import CallConvention, argument_owners
 from fxpipe.materialize import has_meta_tensors, on_meta
 from fxpipe.plan import Plan
 
@@ -43,19 +43,6 @@ class Traced:
     mode_fixed: bool = False  # the graph fixes train/eval behaviour (export; fx if it reads it)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Failure:
-    frontend: str
-    module: str | None
-    location: str | None
-    message: str
-
-    def describe(self) -> str:
-        where = f"in module {self.module}" if self.module else "in the model"
-        at = f" at {self.location}" if self.location else ""
-        return f"  {self.frontend}: failed {where}{at}: {self.message}"
-
-
 def trace(
     model: torch.nn.Module,
     args: tuple[Any, ...],
@@ -75,7 +62,7 @@ def trace(
         frontends = ("fx", "export")
     else:
         frontends = (plan.tracer,)
-    failures = []
+    failures: list[tuple[str, str]] = []  # (frontend, what went wrong where)
     for frontend in frontends:
         recorder = _ModuleStack(model)
         try:
@@ -91,7 +78,7 @@ def trace(
         except FxpipeTraceError:
             raise
         except Exception as e:  # any failure of a frontend is reported, with its cause
-            failures.append(_describe_failure(frontend, recorder.innermost, e))
+            failures.append((frontend, _failure(recorder.innermost, e)))
             continue
         return traced
     raise FxpipeTraceError(_trace_error_message(model, failures)) from None
@@ -173,9 +160,7 @@ def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphMo
 
 def _whole_positions(model, args, kwargs, whole: Sequence[str]) -> set[int]:
     """Positions, among the leaves of (args, kwargs), of the arguments named in `whole`."""
-    order = list(inspect.signature(model.forward).parameters)
-    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    owners = [order[p[1].idx] if p[0].idx == 0 else p[1].key for p, _ in paths]
+    owners = argument_owners(list(inspect.signature(model.forward).parameters), args, kwargs)
     return {i for i, owner in enumerate(owners) if owner in whole}
 
 
@@ -253,12 +238,14 @@ class _ModuleStack(contextlib.AbstractContextManager):
             self.innermost = self.stack[-1]
 
 
-def _describe_failure(frontend: str, innermost, error: BaseException) -> _Failure:
-    module = None
+def _failure(innermost: tuple[str, str] | None, error: BaseException) -> str:
+    """Where a frontend failed (the innermost module running, the user's line) and why."""
+    where = "in the model"
     if innermost is not None:
         path, cls = innermost
-        module = f"'{path}' ({cls})" if path else f"the top-level {cls}"
-    return _Failure(frontend, module, _user_location(error), _first_lines(error))
+        where = f"in module '{path}' ({cls})" if path else f"in module the top-level {cls}"
+    location = _user_location(error)
+    return f"failed {where}{f' at {location}' if location else ''}: {_first_lines(error)}"
 
 
 def _user_location(error: BaseException) -> str | None:
@@ -280,12 +267,12 @@ def _first_lines(error: BaseException, limit: int = 2) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def _trace_error_message(model: torch.nn.Module, failures: Sequence[_Failure]) -> str:
+def _trace_error_message(model: torch.nn.Module, failures: Sequence[tuple[str, str]]) -> str:
     name = type(model).__name__
-    tried = ", ".join(f.frontend for f in failures)
+    tried = ", ".join(frontend for frontend, _ in failures)
     return "\n".join([
         f"fxpipe could not turn {name} into a graph (tried: {tried}).",
-        *(f.describe() for f in failures),
+        *(f"  {frontend}: {what}" for frontend, what in failures),
         "How to fix it:",
         "  - keep the failing module whole, called as one unit: "
         "Plan(leaf_modules=[TheModuleClass]) or Plan(leaf_modules=['its.qualified.name']);",

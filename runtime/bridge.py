@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe.batching import merge, rows
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import ValueRef
 from fxpipe.runtime.driver import Run
@@ -21,10 +20,10 @@ class Call:
     """One mini-batch's trip through the pipeline: its micro-batches and what comes back."""
 
     def __init__(self, key: int, chunks: list[list[Any]], names: Sequence[str],
-                 sizes: list[int] | None = None) -> None:
+                 sizes: list[int]) -> None:
         self.key = key
         self.feeds = [dict(zip(names, chunk)) for chunk in chunks]
-        self.sizes = sizes if sizes is not None else [rows(chunk) for chunk in chunks]
+        self.sizes = sizes
         self.seq: int | None = None
         self.total = sum(self.sizes)  # samples in the global mini-batch (all pipeline groups)
         self.merged: list[Any] = []
@@ -65,10 +64,8 @@ class Pipelined(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.executor, ctx.call = executor, call
         ctx.set_materialize_grads(False)
-        run = executor.run_forward(call)
-        per_mb = [output_values(executor.output_leaves, run.outputs[mb])
-                  for mb in range(len(call.sizes))]
-        call.merged = pytree.tree_leaves(merge(per_mb, call.sizes))
+        call.merged = pytree.tree_leaves(executor.joined_outputs(executor.run_forward(call),
+                                                                 call.sizes))
         outputs = tuple(x.detach() for x in call.merged if isinstance(x, torch.Tensor))
         ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
         # the graph holding ctx may be freed without a backward: then free the stages' state

@@ -22,8 +22,6 @@ Predictor = Callable[[torch.optim.Optimizer, torch.nn.Parameter, torch.Tensor | 
 class WeightPolicy:
     """`none`: forward and backward read the stage's parameters as they are at that moment."""
 
-    name = "none"
-
     def __init__(self, weights: Mapping[str, torch.nn.Parameter], stage: int, stages: int) -> None:
         self.weights = dict(weights)
         self.stage, self.stages = stage, stages
@@ -78,8 +76,6 @@ class WeightPolicy:
 class StashPolicy(WeightPolicy):
     """`stash`: a copy of the weights per version still needed by an in-flight micro-batch."""
 
-    name = "stash"
-
     def __init__(self, weights, stage, stages) -> None:
         super().__init__(weights, stage, stages)
         self._copies: dict[int, dict[str, torch.Tensor]] = {}
@@ -133,8 +129,6 @@ class TwoBufferPolicy(StashPolicy):
     """`2bw`: new micro-batches use the version before the latest step (kept as a shadow copy),
     forward and backward alike, so at most two versions exist besides in-flight stragglers."""
 
-    name = "2bw"
-
     def __init__(self, weights, stage, stages) -> None:
         super().__init__(weights, stage, stages)
         self._shadow: dict[str, torch.Tensor] | None = None
@@ -152,8 +146,6 @@ class TwoBufferPolicy(StashPolicy):
 class PredictPolicy(WeightPolicy):
     """`predict` (PipeOptim): forward with Ŵ = W − lr·s·ΔW, the weights expected after the s
     steps that land before this micro-batch's backward; the backward reads the current W."""
-
-    name = "predict"
 
     def __init__(self, weights, stage, stages, predictor: Predictor | None = None) -> None:
         super().__init__(weights, stage, stages)

@@ -36,13 +36,10 @@ class ErrorBoard:
                 self.store.compare_set(_ERROR_KEY, "", text)  # the first failure wins
 
     def read(self) -> str | None:
-        if self.store is None:
-            return None
-        try:
-            if self.store.check([_ERROR_KEY]):
-                return self.store.get(_ERROR_KEY).decode()
-        except RuntimeError:
-            return None
+        if self.store is not None:
+            with contextlib.suppress(RuntimeError):  # a gone store: no message to read
+                if self.store.check([_ERROR_KEY]):
+                    return self.store.get(_ERROR_KEY).decode()
         return None
 
 

@@ -101,7 +101,7 @@ class PipelineExecutor:
         if not torch.is_grad_enabled():
             run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
                             self.forward_schedule)
-            return self._merged_outputs(run, call.sizes)
+            return self._model_output(run, call.sizes)
         call.wanted = inputs_wanting_grad(flat_inputs)
         phony = torch.empty(0, requires_grad=True)  # makes autograd call our backward
         results = Pipelined.apply(self, call, phony, *(flat_inputs[i] for i in call.wanted))
@@ -302,7 +302,7 @@ class PipelineExecutor:
         call = self._call(flat_inputs)
         run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
                         self.forward_schedule)
-        return self._merged_outputs(run, call.sizes) if self.last else None
+        return self._model_output(run, call.sizes) if self.last else None
 
     def _run(self, kinds, run: Run, call: Call, schedule: Schedule,
              append: bool = False) -> Run:
@@ -317,9 +317,12 @@ class PipelineExecutor:
         self._trace = (self._trace + events) if append else events
         return run
 
-    def _merged_outputs(self, run: Run, sizes: list[int]) -> Any:
-        per_mb = [output_values(self.output_leaves, run.outputs[mb])
-                  for mb in range(len(sizes))]
-        merged = merge(per_mb, sizes)
-        return self.unflatten(pytree.tree_unflatten(merged, self.output_spec))
+    def joined_outputs(self, run: Run, sizes: list[int]) -> list[Any]:
+        """The model's flat output of a run, its micro-batches' outputs joined."""
+        return merge([output_values(self.output_leaves, run.outputs[mb])
+                      for mb in range(len(sizes))], sizes)
+
+    def _model_output(self, run: Run, sizes: list[int]) -> Any:
+        return self.unflatten(pytree.tree_unflatten(self.joined_outputs(run, sizes),
+                                                    self.output_spec))
 

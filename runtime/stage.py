@@ -101,9 +101,7 @@ class StageRunner:
         return result
 
     def step(self) -> None:
-        """The stage's optimizer step, inside an asynchronous schedule."""
-        if self.policy is None:
-            raise RuntimeError("stage has no optimizer to step")
+        """The stage's optimizer step (its policy's, which says when none is attached)."""
         self.policy.step()
 
     def discard(self, run: Any) -> None:

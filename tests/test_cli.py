@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from hypothesis import given
 
 from fxpipe.bench import BenchRow, against_even
 from fxpipe.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _PROGRESS_BAR = re.compile(r"\[[#.]+\] \d+/\d+ ")
 
@@ -69,11 +72,12 @@ def test_options_that_are_not_numbers_of_the_right_kind_are_refused_by_name(caps
     assert message in err and "Traceback" not in err
 
 
-def test_bench_calibrates_times_every_configuration_and_writes_csv_and_png(capsys, tmp_path):
+def test_bench_calibrates_times_every_configuration_and_writes_csv_the_chart_reads(
+        capsys, tmp_path):
     csv_path, png_path = tmp_path / "rows.csv", tmp_path / "rows.png"
     argv = ["bench", "mlp", "--stages", "2", "--batch", "8", "--micro-batches", "2",
             "--partitioners", "even,csimd", "--schedules", "gpipe,1f1b", "--rounds", "2",
-            "--steps", "2", "--csv", str(csv_path), "--png", str(png_path)]
+            "--steps", "2", "--csv", str(csv_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "mlp: 2 stages, batch 8, micro-batches 2, 2 rounds of 2 steps\n" in out
@@ -91,6 +95,9 @@ def test_bench_calibrates_times_every_configuration_and_writes_csv_and_png(capsy
         assert len(r["memory"].split()) == 2  # bytes per stage
     assert {r["micro_batches"] for r in rows if r["partitioner"] == "even"} == {"2"}
     assert {r["sizes"] for r in rows if r["partitioner"] == "even"} == {"4+5"}
+    plot = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_bench.py"),
+                           str(csv_path), str(png_path)], capture_output=True, text=True)
+    assert plot.returncode == 0, plot.stderr
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -141,6 +148,7 @@ def test_bench_compares_only_partitions_other_than_evens_own(automatic, even_ms)
     assert f"auto{index} ({'+'.join(map(str, sizes))}, p={p}), steps " in line
     assert f"{even_ms / fastest:.2f}x the speed of even" in line
     assert "medians of 5 and 5 steps" in line
+    assert against_even(rows[1:]) == []  # no even row: nothing to compare with
 
 
 def test_demo_reports_user_errors_without_a_traceback():
@@ -201,7 +209,6 @@ def test_plan_needs_an_input_description(capsys):
     (["bench", "mlp", "--partitioners", "even,"], "--partitioners 'even,' has an empty name"),
     (["bench", "mlp", "--csv", "/nonexistent/folder/rows.csv"],
      "--csv /nonexistent/folder/rows.csv: there is no folder /nonexistent/folder"),
-    (["bench", "mlp", "--png", "chart.xyz"], "--png chart.xyz: matplotlib cannot write .xyz"),
     (["plan", "mlp", "--stages", "2", "--json", "/nonexistent/plan.json"],
      "--json /nonexistent/plan.json: there is no folder /nonexistent"),
     (["plan", ":make", "--stages", "2"], "':make' names no module: give MODULE:FACTORY"),
@@ -232,21 +239,10 @@ def test_output_paths_that_cannot_be_written_are_refused_before_any_work(capsys,
     assert f"--csv {tmp_path}: that is a folder" in capsys.readouterr().err
     # a folder this user may not write in (root may write anywhere, so the check is faked)
     monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != str(tmp_path))
-    assert main(["bench", "mlp", "--png", str(tmp_path / "chart.png")]) == 2
+    assert main(["bench", "mlp", "--csv", str(tmp_path / "rows.csv")]) == 2
     err = capsys.readouterr().err
-    assert f"--png {tmp_path / 'chart.png'}: not writable here" in err
+    assert f"--csv {tmp_path / 'rows.csv'}: not writable here" in err
     assert not _PROGRESS_BAR.search(err)
-
-
-def test_a_chart_named_without_an_extension_is_a_png_and_says_so(tmp_path, capsys):
-    from fxpipe.cli import png_path
-
-    assert png_path(str(tmp_path / "chart")) == str(tmp_path / "chart.png")
-    assert png_path(str(tmp_path / "chart.svg")) == str(tmp_path / "chart.svg")
-    assert png_path(str(tmp_path / "chart.")) == str(tmp_path / "chart.png")
-    (tmp_path / "out").mkdir()  # a folder of that name is no matter: the chart is out.png
-    assert main(["bench", "mlp", "--png", str(tmp_path / "out"), "--partitioners", "nope"]) == 2
-    assert "Plan(partitioner='nope') is not known" in capsys.readouterr().err  # a later check
 
 
 def test_a_model_factory_in_the_current_folder_is_found_and_a_model_instance_refused(

@@ -105,11 +105,12 @@ def test_the_pipeline_calls_say_what_they_take_when_given_something_else(trained
     with pytest.raises(FxpipeError, match=re.escape(
             "calibrate() takes the pipeline fxpipe.compile returned, not Linear")):
         fxpipe.calibrate(torch.nn.Linear(2, 2), x, target=x)
-    for call in (trained.report, trained.save_trace, trained.save_timeline):
+    for call in (trained.report, trained.save_trace, trained.save_timeline,
+                 trained.predicted_timeline):
         with pytest.raises(FxpipeError, match=r"\(calibration=...\) takes what "
                                               r"fxpipe.calibrate\(pipe, x, target=y\) returns"):
-            call(*([] if call == trained.report else [tmp_path / "unused"]),
-                 calibration="fast")
+            saves = call in (trained.save_trace, trained.save_timeline)
+            call(*([tmp_path / "unused"] if saves else []), calibration="fast")
     with pytest.raises(FxpipeError, match=re.escape("report(file=...) takes an open text file")):
         trained.report(file=str(tmp_path / "report.txt"))
 

@@ -12,7 +12,7 @@ import torch
 from fxpipe.compiler.assemble import build_local_runtime
 from fxpipe.compiler.distributed import build_rank_runtime
 from fxpipe.compiler.inputs import example_args, units_of
-from fxpipe.compiler.partitioning import available_partitioners, compare_partitioners
+from fxpipe.compiler.partitioning import compare_partitioners
 from fxpipe.compiler.passes import PASSES
 from fxpipe.compiler.replan import Replan, replan
 from fxpipe.compiler.state import Compilation, PassLog, run_passes
@@ -21,10 +21,7 @@ from fxpipe.passes.analysis.profile import ProfileCache, default_cache_dir
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
 
-__all__ = [
-    "PASSES", "PassLog", "Replan", "available_partitioners", "compare_partitioners", "compile",
-    "replan", "units_of",
-]
+__all__ = ["PASSES", "PassLog", "Replan", "compare_partitioners", "compile", "replan", "units_of"]
 
 
 def compile(
@@ -47,10 +44,8 @@ def compile(
     `cache` keeps unit timings on disk (True: ~/.cache/fxpipe/profiles; a path; False: off);
     print(pipe) says where the times came from.
 
-    The passes (`fxpipe.compiler.PASSES`, printed as they run with Plan(dump=True), kept in
-    `pipe.passes`): check the plan, trace, cut units, shapes, profile units, link, partition,
-    rewrite, lower the schedule; the same in one process and under torchrun, where each rank
-    then builds and holds only its own stage.
+    The passes are `fxpipe.compiler.PASSES`, the same in one process and under torchrun (where
+    each rank then holds only its own stage), printed with Plan(dump=True), kept in pipe.passes.
 
     A model built on the meta device (`with torch.device("meta"): model = Net()`) has each
     stage made real only on its own device (under torchrun: only this rank's stage), its

@@ -11,7 +11,7 @@ from fxpipe.compiler.assemble import materialize_stages, model_names
 from fxpipe.compiler.inputs import output_names
 from fxpipe.compiler.state import Compilation
 from fxpipe.cost import Link
-from fxpipe.distributed import RankLayout, rank_device, rank_layout
+from fxpipe.distributed import RankLayout
 from fxpipe.errors import PlanError
 from fxpipe.ir import CommTable, tied_parameters
 from fxpipe.passes.analysis.comm import default_link, measure_rank_link
@@ -23,15 +23,7 @@ from fxpipe.runtime.hooks import GradientSync
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.units import Unit
 
-__all__ = ["LinkGroups", "agree", "build_rank_runtime", "ping_pong", "rank_layout_and_device",
-           "shared_by_rank0"]
-
-
-def rank_layout_and_device(plan: Plan) -> tuple[RankLayout, str]:
-    """This rank's place in the plan (joining torchrun's process group if the script has not)
-    and its stage's device."""
-    layout = rank_layout(plan)
-    return layout, rank_device(plan, layout)
+__all__ = ["LinkGroups", "agree", "build_rank_runtime", "ping_pong"]
 
 
 def agree(layout: RankLayout, plan: Plan, units: Sequence[Unit]) -> None:
@@ -48,12 +40,6 @@ def agree(layout: RankLayout, plan: Plan, units: Sequence[Unit]) -> None:
         )
 
 
-def shared_by_rank0(objects: list[Any]) -> list[Any]:
-    """`objects` as rank 0 has them, on every rank."""
-    torch.distributed.broadcast_object_list(objects, src=0)
-    return objects
-
-
 class LinkGroups:
     """A process group for each direction between two stages, keyed by (sending stage,
     receiving stage), made on first use by every rank in the same order. A gloo connection
@@ -65,12 +51,13 @@ class LinkGroups:
         self.made: dict[tuple[int, int], Any] = {}  # this rank's pipeline's, by stage pair
 
     def get(self, src: int, dst: int) -> Any:
+        """The group of `src` -> `dst` in this rank's pipeline (None where this rank is
+        neither)."""
         if (src, dst) not in self.made:
-            for group in range(self.layout.groups):  # all ranks make all groups' handles
-                ranks = [self.layout.rank_of(src, group), self.layout.rank_of(dst, group)]
-                handle = torch.distributed.new_group(ranks)
-                if group == self.layout.group:
-                    self.made[src, dst] = handle
+            layout = self.layout
+            self.made[src, dst] = _new_groups(
+                [[layout.rank_of(src, g), layout.rank_of(dst, g)] for g in range(layout.groups)],
+                layout.rank)
         return self.made[src, dst]
 
     def of_edges(self, comm: CommTable) -> dict[tuple[int, int], Any]:
@@ -121,17 +108,23 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     )
 
 
+def _new_groups(rank_lists: Sequence[Sequence[int]], rank: int) -> Any:
+    """A process group of each list of ranks, made by every rank in the same order (as
+    torch.distributed requires); the one holding `rank`, or None."""
+    mine = None
+    for ranks in rank_lists:
+        handle = torch.distributed.new_group(list(ranks))
+        if rank in ranks:
+            mine = handle
+    return mine
+
+
 def _pipeline_group(layout: RankLayout) -> Any:
     """This rank's pipeline as a process group (the whole job when there is one pipeline)."""
     if layout.groups == 1:
         return None
-    mine = None
-    for group in range(layout.groups):  # every rank creates every group, in the same order
-        ranks = [layout.rank_of(s, group) for s in range(layout.stages)]
-        handle = torch.distributed.new_group(ranks)
-        if layout.rank in ranks:
-            mine = handle
-    return mine
+    return _new_groups([[layout.rank_of(s, g) for s in range(layout.stages)]
+                        for g in range(layout.groups)], layout.rank)
 
 
 def _data_parallel_group(layout: RankLayout, stage: torch.nn.Module) -> Any:
@@ -139,11 +132,8 @@ def _data_parallel_group(layout: RankLayout, stage: torch.nn.Module) -> Any:
     stage's parameters and buffers start as group 0's (as DistributedDataParallel does)."""
     if layout.groups == 1:
         return None
-    mine = None
-    for s in range(layout.stages):  # every rank creates every group, in the same order
-        handle = torch.distributed.new_group(layout.data_parallel_ranks(s))
-        if s == layout.stage:
-            mine = handle
+    mine = _new_groups([layout.data_parallel_ranks(s) for s in range(layout.stages)],
+                       layout.rank)
     source = layout.data_parallel_ranks(layout.stage)[0]
     with torch.no_grad():
         for tensor in [*stage.parameters(), *stage.buffers()]:
@@ -157,11 +147,10 @@ def _tied_groups(model: torch.nn.Module, stages: Sequence[Any], layout: RankLayo
     copies start equal (broadcast from the first holder) and stay equal (summed gradients)."""
     tied = []
     for _, param, holders in tied_parameters(stages, model_names(model)):
-        for group in range(layout.groups):
-            ranks = [layout.rank_of(s, group) for s in holders]
-            handle = torch.distributed.new_group(ranks)
-            if layout.rank in ranks:
-                with torch.no_grad():
-                    torch.distributed.broadcast(param.data, ranks[0], handle)
-                tied.append((param, handle))
+        handle = _new_groups([[layout.rank_of(s, g) for s in holders]
+                              for g in range(layout.groups)], layout.rank)
+        if handle is not None:  # this rank holds the weight
+            with torch.no_grad():
+                torch.distributed.broadcast(param.data, layout.rank_of(holders[0]), handle)
+            tied.append((param, handle))
     return tied

@@ -14,21 +14,14 @@ from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
 from fxpipe.units import Unit
 
-__all__ = [
-    "PARTITIONERS", "available_partitioners", "choose_partition", "compare_partitioners",
-    "exactly_n_stages",
-]
+__all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "exactly_n_stages"]
 
 
+# the names Plan accepts (plan.PARTITIONERS, the same keys) and the planner each runs
 PARTITIONERS = {
     "even": even, "params": params, "balanced": balanced, "ampa": ampa, "imd": imd,
     "csimd": lambda cost, stages, p=1: csimd(cost, stages, cost.batch, p0=p), "exact": exact,
 }
-
-
-def available_partitioners() -> tuple[str, ...]:
-    """The partitioner names this version of fxpipe can run."""
-    return tuple(PARTITIONERS)
 
 
 def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
@@ -55,11 +48,6 @@ def choose_partition(
     if plan.sizes is not None:  # which cover the units (checked by the units pass)
         bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
         return Partition.evaluate(cost, bounds, p, "given", schedule=plan.schedule)
-    if plan.partitioner not in PARTITIONERS:
-        raise PlanError(
-            f"Plan(partitioner={plan.partitioner!r}) is not available in this version of "
-            f"fxpipe; available: {', '.join(PARTITIONERS)} or a list of units per stage."
-        )
     if plan.micro_batches == "auto" and plan.partitioner != "csimd":
         p = PARTITIONERS["csimd"](cost, plan.stages).micro_batches  # CSIMD's choice of p
     try:

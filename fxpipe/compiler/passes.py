@@ -5,16 +5,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import torch
 from torch import fx
 
 from fxpipe.batching import input_dims
-from fxpipe.compiler.distributed import (
-    LinkGroups,
-    agree,
-    ping_pong,
-    rank_layout_and_device,
-    shared_by_rank0,
-)
+from fxpipe.compiler.distributed import LinkGroups, agree, ping_pong
 from fxpipe.compiler.inputs import (
     check_batched_inputs,
     check_example_runs,
@@ -31,13 +26,13 @@ from fxpipe.compiler.loss import check_target, traced_loss
 from fxpipe.compiler.partitioning import choose_partition
 from fxpipe.compiler.state import Compilation, Pass, ensure
 from fxpipe.cost import CostTable, Link, check_bounds, fit_to_flops
-from fxpipe.distributed import launched
+from fxpipe.distributed import launched, rank_device, rank_layout
 from fxpipe.errors import FxpipeTraceError, PlanError
 from fxpipe.inspect import format_bytes
 from fxpipe.ir import CommTable
 from fxpipe.materialize import check_meta_model, has_meta_tensors
 from fxpipe.meta import SHAPE, SYMBOLIC
-from fxpipe.passes.analysis.comm import annotate_comm, default_link, measure_local_link
+from fxpipe.passes.analysis.comm import default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
     annotate_profile,
@@ -73,8 +68,8 @@ def check(c: Compilation) -> None:
             raise PlanError("Plan(intra_layer=...) splits layers over the devices of one "
                             "process; under torchrun each rank runs one stage on one device. "
                             "Drop intra_layer, or run in one process with Plan(devices=[...]).")
-        c.layout, device = rank_layout_and_device(c.plan)
-        c.devices = [device] * c.plan.stages  # this rank's view: its own stage's device
+        c.layout = rank_layout(c.plan)  # joining torchrun's process group if not yet joined
+        c.devices = [rank_device(c.plan, c.layout)] * c.plan.stages  # its own stage's device
         c.link_groups = LinkGroups(c.layout)
         return
     if c.plan.groups > 1:
@@ -176,7 +171,6 @@ def link(c: Compilation) -> None:
         c.cost = CostTable(zeros, zeros, zeros, zeros, [1.0], None, params[0], names, params[1],
                            source="not measured (Plan(costs='none'))")
         return
-    annotate_comm(c.traced.gm, c.link)
     batch = input_dims(c.flat, c.whole).batch
     c.cost = cost_table(c.profile, c.link, batch, names, params, c.loss_times)
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
@@ -189,7 +183,9 @@ def partition(c: Compilation) -> None:
     if c.distributed:
         chosen = (choose_partition(c.model, c.plan, c.units, c.cost)
                   if c.layout.rank == 0 else None)
-        c.cost, c.link, c.partition = shared_by_rank0([c.cost, c.link, chosen])
+        shared = [c.cost, c.link, chosen]
+        torch.distributed.broadcast_object_list(shared, src=0)  # rank 0's, on every rank
+        c.cost, c.link, c.partition = shared
     else:
         c.partition = choose_partition(c.model, c.plan, c.units, c.cost)
 

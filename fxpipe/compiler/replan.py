@@ -9,6 +9,7 @@ import numpy as np
 from fxpipe.compiler.partitioning import PARTITIONERS
 from fxpipe.cost import Partition
 from fxpipe.errors import FxpipeError
+from fxpipe.passes.partition.ampa import dispersion as ampa_dispersion
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.report import step_time
 
@@ -71,7 +72,7 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
             scale[start:end] = timing.compute / predicted
     cost = dataclasses.replace(pipe.cost, f=pipe.cost.f * scale, b=pipe.cost.b * scale)
     busy = np.array([t.compute for t in measured])
-    dispersion = float(np.abs(busy - busy.mean()).sum() / (len(busy) * busy.mean()))
+    dispersion = ampa_dispersion(busy)
     schedule = pipe.plan.schedule
     current = Partition.evaluate(cost, pipe.partition.bounds, p, pipe.partition.partitioner,
                                  schedule=schedule)

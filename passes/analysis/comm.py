@@ -12,13 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import fx
 
 from fxpipe.cost import Link
-from fxpipe.meta import COMM, SHAPE, UNIT
 
-__all__ = ["ValueTransfer", "annotate_comm", "default_link", "fit_link", "measure_local_link",
-           "measure_rank_link"]
+__all__ = ["default_link", "fit_link", "measure_local_link", "measure_rank_link"]
 
 
 # Defaults by device pair kind. They are rough figures for the common case, to be replaced by a
@@ -32,28 +29,6 @@ _DEFAULTS = {
     ("distributed", "cuda-cuda"): (20e-6, 10e9),  # NCCL
     ("distributed", "cpu-cuda"): (50e-6, 2e9),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueTransfer:
-    """Sending a node's value to a later unit over the stage link, at the example batch."""
-
-    nbytes: int
-    forward: float  # seconds to send the value
-    backward: float  # seconds to send its gradient back (floating tensors only)
-
-
-def annotate_comm(gm: fx.GraphModule, link: Link) -> None:
-    """Write a ValueTransfer under node.meta[COMM] for every node whose value a later unit
-    reads (the values a cut after its unit would send); needs the shape and unit records."""
-    for node in gm.graph.nodes:
-        unit = node.meta.get(UNIT)
-        if unit is None or not any(user.meta.get(UNIT, unit) > unit for user in node.users):
-            continue
-        info = node.meta[SHAPE]
-        grad_bytes = sum(t.nbytes for t in info.tensors if t.dtype.is_floating_point)
-        node.meta[COMM] = ValueTransfer(info.nbytes, float(link.time(info.nbytes)),
-                                        float(link.time(grad_bytes)) if grad_bytes else 0.0)
 
 
 def default_link(src: str, dst: str, distributed: bool = False) -> Link:

@@ -147,8 +147,7 @@ def profile_units(
     saves for backward. Nothing is left on the model (its .grad, buffers and random number
     generators are restored). The times are what partitioning needs, the units' relative
     costs; what a stage costs inside a step beyond its units is calibration's. A profile is
-    cached by what changes it: the stages' code, tensors' shapes and dtypes, the sizes, the
-    device, the machine, torch's version and threads.
+    cached by what changes it (`_cache_key`).
     """
     sizes, warmup = tuple(sorted(set(int(s) for s in sizes))), max(warmup, 1)
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
@@ -252,7 +251,9 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
     saved = [0.0] * units
     env = dict(zip(table.graph_inputs, inputs))
     for run in runs:
-        with _real_units([modules[i] for i in run], device, meta) as real:
+        # a meta model's units: real copies, made together (a tied weight stays one), freed after
+        mine = torch.nn.ModuleList([modules[i] for i in run])
+        with materialized_copy(mine, device) if meta else contextlib.nullcontext(mine) as real:
             for rep in _repetitions(warmup, repeats, min_time):
                 values = dict(env)  # this repetition's, from the runs before on
                 pending = []
@@ -260,9 +261,9 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     io = table.stages[i]
                     args = [_as_input(values[v], needs_grad.get(v, False)) for v in io.inputs]
                     if rep == 0:
-                        with _SavedBytes(module) as counted:
+                        with _saved_storages(module) as counted:
                             outputs, seconds = timer(module, *args)
-                        saved[i] = float(counted.nbytes)
+                        saved[i] = float(sum(counted.values()))
                     else:
                         outputs, seconds = timer(module, *args)
                     wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -318,18 +319,6 @@ def _tensor_bytes(modules: Sequence[torch.nn.Module]) -> list[dict[int, int]]:
             for m in modules]
 
 
-@contextlib.contextmanager
-def _real_units(modules: list[torch.nn.Module], device: str, meta: bool
-                ) -> Iterator[list[torch.nn.Module]]:
-    """The modules themselves, or, of a meta model, real copies of them made together (a
-    weight tied between them stays one weight) and freed on exit."""
-    if not meta:
-        yield modules
-        return
-    with materialized_copy(torch.nn.ModuleList(modules), device) as copies:
-        yield list(copies)
-
-
 def _repetitions(warmup: int, repeats: int, min_time: float) -> Iterator[int]:
     """The repetitions' indices: `warmup` untimed, `repeats` timed, then more timed ones until
     the timed ones have taken `min_time` seconds (at most MOST_REPEATS timed in all)."""
@@ -374,30 +363,20 @@ def _crossing_bytes(table, env, units: int) -> tuple[list[float], list[float]]:
     return crossing, crossing_grad
 
 
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward during a forward (parameters excluded)."""
+@contextlib.contextmanager
+def _saved_storages(module: torch.nn.Module) -> Iterator[dict[int, int]]:
+    """Bytes by storage of what autograd saves for backward meanwhile (parameters excluded)."""
+    params = {p.data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.params = {p.data_ptr() for p in module.parameters()}
-        self.storages: dict[int, int] = {}
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self) -> _SavedBytes:
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.hooks.__exit__(*exc)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield storages
 
 
 def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:

@@ -31,10 +31,6 @@ class CrossSearch:
     visits: tuple[Visit, ...]
 
     @property
-    def micro_batches(self) -> int:
-        return self.partition.micro_batches
-
-    @property
     def time(self) -> float:
         return self.partition.predicted_time
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from fxpipe.cost import CostTable, Partition
 from fxpipe.passes.partition.validate import check_planner_args
 
@@ -12,11 +14,7 @@ def even_bounds(units: int, stages: int) -> tuple[int, ...]:
     """Exclusive stage ends of the even split of `units` into `stages`."""
     base, extra = divmod(units, stages)
     sizes = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
-    ends, total = [], 0
-    for size in sizes:
-        total += size
-        ends.append(total)
-    return tuple(ends)
+    return tuple(itertools.accumulate(sizes))
 
 
 def even(cost: CostTable, stages: int, p: int = 1) -> Partition:

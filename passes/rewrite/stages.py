@@ -44,13 +44,10 @@ def assign_stages(
     Placeholders belong to the first stage and the output to the last; `get_attr` nodes belong
     to no single stage (they are cloned into each stage that reads them).
     """
-    stage_of_unit = []
-    start = 0
-    for stage, end in enumerate(bounds):
-        stage_of_unit += [stage] * (end - start)
-        start = end
-    if start != len(units):
-        raise ValueError(f"bounds end at unit {start}, but the graph has {len(units)} units")
+    stage_of_unit = [s for s, (start, end) in enumerate(zip((0, *bounds), bounds))
+                     for _ in range(start, end)]
+    if len(stage_of_unit) != len(units):
+        raise ValueError(f"bounds {list(bounds)} do not cover the graph's {len(units)} units")
     stage_of: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -142,9 +139,9 @@ def _stage_module(
             if value.op == "get_attr" and value not in env:
                 env[value] = graph.get_attr(value.target)
                 env[value].meta = dict(value.meta)
-                attrs[value.target] = _attr(gm, value.target)
+                attrs[value.target] = operator.attrgetter(value.target)(gm)
         if node.op == "call_module":
-            attrs[node.target] = _attr(gm, node.target)
+            attrs[node.target] = operator.attrgetter(node.target)(gm)
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[by_name[name]] for name in io.outputs))
     return fx.GraphModule(attrs, graph, class_name=f"Stage{io.stage}")
@@ -189,10 +186,8 @@ def _top_level_graph(gm: fx.GraphModule, table: CommTable, devices: Sequence[str
     last = held[-1]
 
     def lookup(node: fx.Node) -> fx.Node:
-        if node.op == "get_attr":  # an output that is a parameter: read it where it lives
-            if node.name not in last:
-                last[node.name] = graph.get_attr(node.target)
-            return last[node.name]
+        if node.op == "get_attr" and node.name not in last:  # an output that is a parameter:
+            last[node.name] = graph.get_attr(node.target)  # read it where it lives
         return last[node.name]
 
     result = graph.output(fx.map_arg(output.args[0], lookup), type_expr=output.type)
@@ -204,13 +199,6 @@ def _comm_node(graph, target, args, kwargs, name, edge: Edge) -> fx.Node:
     node = graph.create_node("call_function", target, args, kwargs, name=name)
     node.meta = {SHAPE: edge.info, STAGE: kwargs["dst"] if target is recv else edge.src}
     return node
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _default(placeholder: fx.Node) -> Any:

@@ -16,7 +16,7 @@ from fxpipe.passes.rewrite.split_merge.layers import Layer, bind
 from fxpipe.passes.rewrite.split_merge.ops import BN_MODULES, channel_op
 from fxpipe.passes.rewrite.split_merge.propagate import Read, Sharding, ShardPlan, merged_chains
 from fxpipe.passes.rewrite.split_merge.records import ShardTag
-from fxpipe.passes.rewrite.split_merge.values import fetch_attr, piece_info
+from fxpipe.passes.rewrite.split_merge.values import piece_info
 
 __all__ = ["Builder"]
 
@@ -140,7 +140,7 @@ class Builder:
         key = ("attr", target)
         if key not in self.cache:
             node = self.graph.get_attr(target)
-            value = fetch_attr(self.gm, target)
+            value = operator.attrgetter(target)(self.gm)
             if isinstance(value, torch.Tensor):
                 node.meta[SHAPE] = ValueInfo.of(value)
             self.cache[key] = node
@@ -159,7 +159,8 @@ class Builder:
                 for v in node.all_input_nodes}
         if node in self.plan.layers:
             piece = self.layer_shard(node, self.plan.layers[node], sharding, tag, args)
-        elif node.op == "call_module" and isinstance(fetch_attr(self.gm, node.target), BN_MODULES):
+        elif node.op == "call_module" and isinstance(self.gm.get_submodule(node.target),
+                                                     BN_MODULES):
             piece = self.batch_norm_shard(node, sharding, tag, args)
         else:
             piece = self.graph.node_copy(node, args.__getitem__)
@@ -183,7 +184,7 @@ class Builder:
     def layer_shard(self, node: fx.Node, layer: Layer, sharding: Sharding, tag: ShardTag,
                     args: Mapping[fx.Node, fx.Node]) -> fx.Node:
         if node.op == "call_module":
-            module = fetch_attr(self.gm, node.target)
+            module = self.gm.get_submodule(node.target)
             weight = self.attr(f"{node.target}.weight")
             bias = self.attr(f"{node.target}.bias") if module.bias is not None else None
             x = args[node.args[0]]
@@ -213,7 +214,7 @@ class Builder:
 
     def batch_norm_shard(self, node: fx.Node, sharding: Sharding, tag: ShardTag,
                          args: Mapping[fx.Node, fx.Node]) -> fx.Node:
-        bn = fetch_attr(self.gm, node.target)
+        bn = self.gm.get_submodule(node.target)
         key = ("bn", node)
         if key not in self.cache:
             state = self.graph.call_function(_batch_norm_state, (self.attr(node.target),))
@@ -263,5 +264,5 @@ def _write_back(home: torch.Tensor, moved: torch.Tensor, _after: Any) -> None:
 def _is_buffer(gm: nn.Module, node: fx.Node) -> bool:
     if node.op != "get_attr":
         return False
-    value = fetch_attr(gm, node.target)
+    value = operator.attrgetter(node.target)(gm)
     return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)

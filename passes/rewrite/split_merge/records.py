@@ -6,14 +6,8 @@ import dataclasses
 
 from torch import fx
 
-__all__ = [
-    "MergedChain",
-    "OverlapCost",
-    "ShardTag",
-    "SplitLayer",
-    "SplitMergeResult",
-    "overlap_cost",
-]
+__all__ = ["MergedChain", "OverlapCost", "ShardTag", "SplitLayer", "SplitMergeResult",
+           "overlap_cost"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from fxpipe.meta import SHAPE, TensorInfo, ValueInfo
 from fxpipe.passes.analysis.shape import record_values
 
-__all__ = ["fetch_attr", "piece_info", "shape_of", "value_infos"]
+__all__ = ["piece_info", "shape_of", "value_infos"]
 
 
 def value_infos(gm: fx.GraphModule, example_inputs: Sequence[Any] | None
@@ -24,7 +25,7 @@ def value_infos(gm: fx.GraphModule, example_inputs: Sequence[Any] | None
     for node in gm.graph.nodes:
         info = node.meta.get(SHAPE)
         if info is None and node.op == "get_attr":
-            info = ValueInfo.of(fetch_attr(gm, node.target))
+            info = ValueInfo.of(operator.attrgetter(node.target)(gm))
         val = node.meta.get("val")
         if info is None and isinstance(val, torch.Tensor) and all(
                 isinstance(s, int) for s in val.shape):
@@ -53,11 +54,3 @@ def piece_info(info: ValueInfo | None, dim: int, size: int) -> ValueInfo | None:
     tensor = info.tensors[0]
     shape = (*tensor.shape[:dim], size, *tensor.shape[dim + 1:])
     return ValueInfo(info.type_name, (TensorInfo(shape, tensor.dtype, tensor.requires_grad),))
-
-
-def fetch_attr(gm: nn.Module, target: str) -> Any:
-    """The module, parameter or buffer at the dotted path `target` of `gm`."""
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
