@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxpipe.cost import check_bounds
 from fxpipe.ir import CommTable, Edge, Stage, StageHook, StageIO, recv, send
 from fxpipe.meta import SHAPE, STAGE, SYMBOLIC, UNIT, ValueInfo
 from fxpipe.units import Unit
@@ -44,10 +45,9 @@ def assign_stages(
     Placeholders belong to the first stage and the output to the last; `get_attr` nodes belong
     to no single stage (they are cloned into each stage that reads them).
     """
+    bounds = check_bounds(bounds, len(units))  # increasing, ending at the last unit
     stage_of_unit = [s for s, (start, end) in enumerate(zip((0, *bounds), bounds))
                      for _ in range(start, end)]
-    if len(stage_of_unit) != len(units):
-        raise ValueError(f"bounds {list(bounds)} do not cover the graph's {len(units)} units")
     stage_of: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":

@@ -106,3 +106,17 @@ def test_stages_own_their_parameters_under_original_names(frontend):
     for stage in pipe.stages:
         for name, param in stage.module.named_parameters():
             assert param is original[name]
+
+
+@pytest.mark.parametrize("bounds", [(3, 2, 7), (3, 2, 8), (5, 3, 8), (3, 7), (0, 8), ()])
+def test_split_stages_refuses_bounds_that_do_not_cut_the_units_in_order(bounds):
+    from fxpipe.passes.rewrite.stages import split_stages
+    from fxpipe.trace import trace
+    from fxpipe.units import cut_units
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(8)))
+    traced = trace(model, (torch.randn(2, 4),), {}, fxpipe.Plan(stages=1))
+    units = cut_units(traced.gm, None, traced.leaf_paths)
+    assert len(units) == 8
+    with pytest.raises(ValueError, match="are not increasing stage ends covering 8 units"):
+        split_stages(traced.gm, units, bounds, ["cpu"] * max(len(bounds), 1))
