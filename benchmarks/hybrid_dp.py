@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import spread
 from torch.nn.parallel import DistributedDataParallel
 
 import fxpipe
@@ -65,10 +66,6 @@ def step_fn(name: str, config, batch: int, micro_batches: int):
         pipe.step(x, y)
         optimizer.step()
     return step
-
-
-def spread(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def main() -> None:

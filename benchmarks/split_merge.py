@@ -14,25 +14,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import median_ms
 from torch import fx
 
 from fxpipe.meta import SHAPE
 from fxpipe.models import VGG, bundled
 from fxpipe.passes.analysis.shape import annotate_shapes
 from fxpipe.passes.rewrite.split_merge import GATHER, outline_shards, overlap_cost, split_merge
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -53,10 +44,10 @@ def main() -> None:
     annotate_shapes(gm, (x,))
 
     # the rewrite itself (shapes already annotated, as in compile())
-    rewrite_ms = {n: _median_ms(lambda n=n: split_merge(gm, None, ["cpu"] * n), args.repeats)
+    rewrite_ms = {n: median_ms(lambda n=n: split_merge(gm, None, ["cpu"] * n), args.repeats)
                   for n in range(1, args.max_devices + 1)}
     results = {n: split_merge(gm, None, ["cpu"] * n) for n in range(1, args.max_devices + 1)}
-    outline_ms = _median_ms(lambda: outline_shards(results[args.max_devices].gm), args.repeats)
+    outline_ms = median_ms(lambda: outline_shards(results[args.max_devices].gm), args.repeats)
 
     variants: dict[str, torch.nn.Module] = {"unsplit": gm}
     for n, result in results.items():
@@ -114,7 +105,7 @@ def main() -> None:
         n = 1 if name == "unsplit" else int(name.split()[0].removeprefix("n="))
         micro = [args.batch // n, *shape[1:]]
         pieces = torch.randn(micro).chunk(max(n, 1), dim=1)
-        t_c = 0.0 if n == 1 else _median_ms(lambda p=pieces: torch.cat(p, 1), 50)
+        t_c = 0.0 if n == 1 else median_ms(lambda p=pieces: torch.cat(p, 1), 50)
         cost = overlap_cost(n, t_fwd / n**2, t_bwd / n**2, t_c)
         ratio = [t / u for t, u in zip(times[name], times["unsplit"])]
         ratio_text = f"{statistics.median(ratio):.3f} ({min(ratio):.2f}-{max(ratio):.2f})"
@@ -128,7 +119,7 @@ def main() -> None:
         if GATHER in node.meta:
             sizes = [p.meta[SHAPE].tensors[0].shape for p in node.args[0]]
             pieces = [torch.randn(size) for size in sizes]
-            gather_ms += _median_ms(lambda p=pieces, d=node.args[1]: torch.cat(p, d), 20)
+            gather_ms += median_ms(lambda p=pieces, d=node.args[1]: torch.cat(p, d), 20)
     print(f"the {len(widest_n.gathers)} gathers of n={args.max_devices} take {gather_ms:.2f} ms "
           "per forward in total; the rest of the extra time is the split layers themselves, "
           "run as n narrower kernels on the same cores (each shard re-reads the whole input, "

@@ -21,16 +21,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import sequential_resnet, spread
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import fxpipe
-from fxpipe.models import ResNet
-
-
-class PoolFlatten(nn.Module):
-    def forward(self, x):
-        return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
 
 
 def mlp_case():
@@ -46,8 +41,7 @@ def mlp_case():
 
 def resnet_case():
     torch.manual_seed(0)
-    net = ResNet()
-    model = nn.Sequential(net.stem, *net.layers, PoolFlatten(), net.fc)
+    model = sequential_resnet()
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 3, 32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen)
     return "resnet", model, x, y, F.cross_entropy, 4
@@ -63,10 +57,6 @@ def timed(fn, repeats: int) -> float:
         dist.barrier()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def spread(values: list[float], fmt: str = ".1f") -> str:
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def main() -> None:
@@ -124,8 +114,8 @@ def main() -> None:
               "calibrated prediction (fxpipe.calibrate, 5 steps, at the start of every round)")
         for name, schedule, sizes, chunks, rounds in rows:
             ours, theirs, predicted = ([r[i] * 1e3 for r in rounds] for i in (1, 0, 2))
-            print(f"{name} {schedule} split {sizes} p={chunks}: torch {spread(theirs)} ms, "
-                  f"fxpipe {spread(ours)} ms, predicted {spread(predicted)} ms")
+            print(f"{name} {schedule} split {sizes} p={chunks}: torch {spread(theirs, '.1f')} ms, "
+                  f"fxpipe {spread(ours, '.1f')} ms, predicted {spread(predicted, '.1f')} ms")
             print(f"    fxpipe / torch {spread([a / b for a, b in zip(ours, theirs)], '.2f')}, "
                   f"fxpipe / predicted {spread([a / b for a, b in zip(ours, predicted)], '.2f')}")
     fxpipe.shutdown()  # every rank is done communicating before any tears gloo down

@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from common import median_ms, sequential_resnet, spread
 from torch import nn
 
 import fxpipe
-from fxpipe.models import MLP, VGG, ResNet
-
-
-class PoolFlatten(nn.Module):
-    def forward(self, x):
-        return torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+from fxpipe.models import MLP, VGG
 
 
 def sequential(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
@@ -43,25 +38,11 @@ def sequential(name: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
         model = MLP((256, 512, 512, 512, 512, 512, 512, 10))
         return model, torch.randn(256, 256), torch.randint(0, 10, (256,))
     if name == "resnet":
-        net = ResNet()
-        model = nn.Sequential(net.stem, *net.layers, PoolFlatten(), net.fc)
+        model = sequential_resnet()
     else:
         net = VGG()
         model = nn.Sequential(*net.features, *net.classifier)
     return model, torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def spread(values: list[float], fmt: str = ".2f") -> str:
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def main() -> None:

@@ -89,12 +89,12 @@ def split_sizes(batch: int, chunks: int) -> list[int]:
     return [base + (i < extra) for i in range(chunks)]
 
 
-def split(flat_inputs: Sequence[Any], chunks: int, whole: Collection[int] = ()
-          ) -> list[list[Any]]:
+def split(flat_inputs: Sequence[Any], chunks: int, whole: Collection[int] = (),
+          batch: int | None = None) -> list[list[Any]]:
     """One list of inputs per micro-batch: every tensor whose dimension 0 is the batch is split
     along it (inside tuples, lists and dicts too); anything else, and the inputs at positions in
-    `whole`, is passed to every micro-batch."""
-    batch = input_dims(flat_inputs, whole).batch
+    `whole`, is passed to every micro-batch. `batch`: the inputs' batch size, if known."""
+    batch = input_dims(flat_inputs, whole).batch if batch is None else batch
     ends = list(itertools.accumulate(split_sizes(batch, chunks)))[:-1]
 
     def pieces(leaf: Any) -> list[Any]:

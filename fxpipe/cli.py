@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -115,9 +116,8 @@ def _plan(args: argparse.Namespace) -> None:
         print()
         print(_comparison(pipe))
     if args.json:
-        chosen = Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__},
-                         "partitioner": list(pipe.partition.sizes),
-                         "micro_batches": pipe.partition.micro_batches})
+        chosen = dataclasses.replace(plan, partitioner=list(pipe.partition.sizes),
+                                     micro_batches=pipe.partition.micro_batches)
         chosen.save(args.json, partitioner_used=pipe.partition.partitioner,
                     predicted_step_seconds=pipe.partition.predicted_time,
                     units=[u.name for u in pipe.units])

@@ -65,6 +65,13 @@ class CommTable:
     def recvs(self, stage: int) -> tuple[Edge, ...]:
         return tuple(e for e in self.edges if e.dst == stage)
 
+    def by_pair(self) -> dict[tuple[int, int], tuple[Edge, ...]]:
+        """The edges by (src, dst): what one message between two stages carries."""
+        pairs: dict[tuple[int, int], list[Edge]] = {}
+        for edge in self.edges:
+            pairs.setdefault((edge.src, edge.dst), []).append(edge)
+        return {pair: tuple(edges) for pair, edges in pairs.items()}
+
     def carries_grad(self) -> dict[str, bool]:
         """Per crossing value: whether a gradient travels back for it in training."""
         return {e.value: bool(e.info.tensors and e.info.tensors[0].requires_grad)

@@ -121,7 +121,8 @@ def _inputs(batch: int, shapes: Sequence[str] | None, dtype: str, high: int) -> 
     return tuple(inputs)
 
 
-def _target_and_loss(name: str, inputs: tuple, batch: int):
+def _target_and_loss(name: str, batch: int):
+    """The target of load_model's inputs (the same seeded draw) and the loss to train with."""
     if ":" not in name:
         spec = bundled(name)
         _, target = spec.batch(batch, torch.Generator().manual_seed(0))
@@ -137,7 +138,7 @@ def bench_build(spec: str, batch: int, shapes: Sequence[str] | None, dtype: str,
     def build():
         torch.manual_seed(0)
         model, inputs = load_model(spec, batch, shapes, dtype, high)
-        target, loss_fn = _target_and_loss(spec, inputs, batch)
+        target, loss_fn = _target_and_loss(spec, batch)
         return model, inputs[0] if len(inputs) == 1 else inputs, target, loss_fn
 
     return build

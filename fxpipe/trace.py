@@ -243,7 +243,7 @@ def _failure(innermost: tuple[str, str] | None, error: BaseException) -> str:
     where = "in the model"
     if innermost is not None:
         path, cls = innermost
-        where = f"in module '{path}' ({cls})" if path else f"in module the top-level {cls}"
+        where = f"in module '{path}' ({cls})" if path else f"in the top-level module {cls}"
     location = _user_location(error)
     return f"failed {where}{f' at {location}' if location else ''}: {_first_lines(error)}"
 

@@ -74,7 +74,8 @@ class DistTransport:
         self.timeout = timeout
         self.rank = rank
         self.board = ErrorBoard()
-        self._forward = {pair: [_slot(e) for e in edges] for pair, edges in _by_pair(comm)}
+        self._forward = {pair: [_slot(e) for e in edges]
+                         for pair, edges in comm.by_pair().items()}
         carries = comm.carries_grad()
         self._backward = {pair: [s for s in slots if s.number is None and s.dtype.is_floating_point
                                  and carries[s.value]]
@@ -176,13 +177,6 @@ class DistTransport:
                 raise PipelineAborted(f"the pipeline stopped because {failure}") from error
             raise FxpipeError(f"rank {self.rank} gave up waiting for {what} after at most "
                               f"{self.timeout:.0f} s: {error}") from error
-
-
-def _by_pair(comm: CommTable):
-    pairs: dict[tuple[int, int], list[Edge]] = {}
-    for edge in comm.edges:
-        pairs.setdefault((edge.src, edge.dst), []).append(edge)
-    return pairs.items()
 
 
 def _slot(edge: Edge) -> _Slot:

@@ -37,7 +37,6 @@ class Run:
     events: list[Event] = dataclasses.field(default_factory=list)
     on_action: Callable[[Action], None] | None = None  # STEP / ALLREDUCE handler
     started: float = 0.0  # wall-clock time (time.time()) the run began: events are relative
-    autocast: list[tuple[str, torch.dtype]] = dataclasses.field(default_factory=list)
 
 
 class Driver:
@@ -54,6 +53,8 @@ class Driver:
         self.runners = dict(runners)
         self.last_stage = len(comm.stages) - 1
         self.comm = comm
+        # per (src, dst): the values one message carries (a gradient travels back for each)
+        self.crossing = {pair: [e.value for e in edges] for pair, edges in comm.by_pair().items()}
         self.transport = transport
         self.pool = (ThreadPoolExecutor(len(runners), thread_name_prefix="fxpipe-stage")
                      if len(runners) > 1 else None)
@@ -64,23 +65,20 @@ class Driver:
         in-flight micro-batches apart from another run's (a forward now, its backward later)."""
         self.transport.reset()
         # thread-local, like grad mode: carried over to the workers
-        run.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
-                        if torch.is_autocast_enabled(kind)]
+        autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                    if torch.is_autocast_enabled(kind)]
         run.started = time.time()
         start = time.perf_counter()
+        walks = [(self._walk, s, programs[s], run, run_id, start, autocast)
+                 for s in self.runners]
         if self.pool is None:
-            outcomes = [_error_of(self._walk, s, programs[s], run, run_id, start)
-                        for s in self.runners]
+            outcomes = [_error_of(*walk) for walk in walks]
         else:
-            futures = [self.pool.submit(self._walk, s, programs[s], run, run_id, start)
-                       for s in self.runners]
-            outcomes = [f.exception() for f in futures]
+            outcomes = [f.exception() for f in [self.pool.submit(*walk) for walk in walks]]
         failures = [(e.stage, e.error) for e in outcomes if e is not None]  # _StageFailed
         if not failures:
             self.transport.flush()
         else:
-            for runner in self.runners.values():
-                runner.discard(run_id)
             self.discard(run_id)
             stage, error = next(((s, e) for s, e in failures
                                  if not isinstance(e, PipelineAborted)), failures[0])
@@ -91,8 +89,8 @@ class Driver:
         run.events.sort(key=lambda e: (e.stage, e.start))
         return run
 
-    def _walk(self, s: int, program: Sequence[Action], run: Run, run_id: Any,
-              start: float) -> None:
+    def _walk(self, s: int, program: Sequence[Action], run: Run, run_id: Any, start: float,
+              autocast: Sequence[tuple[str, torch.dtype]]) -> None:
         """Walk stage s's program in order on this thread, blocking in its receives. A failure
         aborts the transport and is raised as the stage's (_StageFailed)."""
         try:
@@ -100,7 +98,7 @@ class Driver:
             with contextlib.ExitStack() as context:  # undone after, on the caller's thread too
                 context.enter_context(torch.set_grad_enabled(run.grad_enabled))
                 context.enter_context(device_context(self.runners[s].device))
-                for device_type, dtype in run.autocast:
+                for device_type, dtype in autocast:
                     context.enter_context(torch.autocast(device_type, dtype=dtype))
                 # GPipe: post every receive now, as its messages come back to back (over gloo
                 # a receive posted while data arrives on its connection stalls); otherwise
@@ -110,31 +108,30 @@ class Driver:
                     for ahead in (program[i] for i in walk.receives):
                         self.transport.prefetch(ahead.peer, s, _direction(ahead),
                                                 MicroBatchKey(run_id, ahead.mb))
-                for _ in program:
-                    self._advance(walk, run, run_id, start)
+                for i in range(len(program)):
+                    self._advance(walk, i, run, run_id, start)
         except BaseException as error:
             self.transport.abort(error)
             raise _StageFailed(s, error) from error
 
-    def _advance(self, walk: _Walk, run: Run, run_id: Any, start: float) -> None:
-        """Run the stage's next action, recorded, and drop what no later action of it needs."""
-        s, i, state = walk.stage, walk.next, walk.state
+    def _advance(self, walk: _Walk, i: int, run: Run, run_id: Any, start: float) -> None:
+        """Run the stage's action i, recorded, and drop what no later action of it needs."""
+        s, state = walk.stage, walk.state
         action, ahead = walk.program[i], walk.ahead[i]
         if ahead is not None:  # start its transfer during this compute
             self.transport.prefetch(ahead.peer, s, _direction(ahead),
                                     MicroBatchKey(run_id, ahead.mb))
         key = MicroBatchKey(run_id, action.mb)
         began = time.perf_counter()
-        self._execute(s, action, run, key, state)
+        self._execute(walk, action, run, key)
         run.events.append(Event(s, action, began - start, time.perf_counter() - start))
         if walk.last_value_use.get(action.mb) == i:
             state.values.pop(key, None)
         if walk.last_grad_use.get(action.mb) == i:
             state.input_grads.pop(key, None)
-        walk.next += 1
 
-    def _execute(self, s: int, a: Action, run: Run, key: MicroBatchKey,
-                 state: _StageState) -> None:
+    def _execute(self, walk: _Walk, a: Action, run: Run, key: MicroBatchKey) -> None:
+        s, state = walk.stage, walk.state
         runner = self.runners[s]
         if a.kind is K.RECV_F:
             state.values[key].update(self.transport.recv(a.peer, s, "F", key))
@@ -147,23 +144,21 @@ class Driver:
                 self._finish_forward(runner, key, values, run)
         elif a.kind is K.SEND_F:
             values = state.values[key]
-            self.transport.send(s, a.peer, "F", key, {e.value: values[e.value]
-                                                      for e in self.comm.sends(s)
-                                                      if e.dst == a.peer})
+            self.transport.send(s, a.peer, "F", key,
+                                {v: values[v] for v in self.crossing[s, a.peer]})
         elif a.kind is K.RECV_B:
             _accumulate(state.grads[key], self.transport.recv(a.peer, s, "B", key))
         elif a.kind is K.B:
             grads = state.grads.pop(key, {})
             if run.output_grads is not None and s == self.last_stage:
                 _accumulate(grads, run.output_grads[a.mb])
-            state.input_grads[key] = runner.backward(key, grads, last=a == state.last_backward)
+            state.input_grads[key] = runner.backward(key, grads, last=a == walk.last_backward)
             if s == 0:
                 run.input_grads[a.mb] = state.input_grads[key]
         elif a.kind is K.SEND_B:
             grads = state.input_grads[key]
-            self.transport.send(s, a.peer, "B", key, {e.value: grads.get(e.value)
-                                                      for e in self.comm.recvs(s)
-                                                      if e.src == a.peer})
+            self.transport.send(s, a.peer, "B", key,
+                                {v: grads.get(v) for v in self.crossing[a.peer, s]})
         elif a.kind in (K.STEP, K.ALLREDUCE):
             if run.on_action is not None:
                 run.on_action(a)
@@ -181,7 +176,10 @@ class Driver:
             run.losses[key.mb] = loss.detach()
 
     def discard(self, run: Any) -> None:
-        """Forget what the stages hold between actions for `run`."""
+        """Forget what the stages hold for `run`: between actions, and its micro-batches in
+        flight (those whose backward never ran)."""
+        for runner in self.runners.values():
+            runner.discard(run)
         for state in self._state.values():
             for table in (state.values, state.grads, state.input_grads):
                 for key in [key for key in table if key.run == run]:
@@ -212,14 +210,14 @@ class _Walk:
     """One stage's action list in a run, walked an action at a time."""
 
     def __init__(self, stage: int, program: Sequence[Action], state: _StageState) -> None:
-        self.stage, self.program, self.state, self.next = stage, program, state, 0
+        self.stage, self.program, self.state = stage, program, state
         # after these actions, a micro-batch's values / input gradients are no longer needed
         self.last_value_use = {a.mb: i for i, a in enumerate(program)
                                if a.kind in (K.F, K.SEND_F)}
         self.last_grad_use = {a.mb: i for i, a in enumerate(program)
                               if a.kind in (K.B, K.SEND_B)}
         backwards = [a for a in program if a.kind is K.B]
-        state.last_backward = backwards[-1] if backwards else None
+        self.last_backward = backwards[-1] if backwards else None  # its hook's "finishing"
         self.receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
         # per action, the receive to post ahead while it runs: a compute's first one after it
         self.ahead: list[Action | None] = []
@@ -238,7 +236,6 @@ class _StageState:
         self.values: dict[MicroBatchKey, dict[str, Any]] = defaultdict(dict)
         self.grads: dict[MicroBatchKey, dict[str, Any]] = defaultdict(dict)
         self.input_grads: dict[MicroBatchKey, dict[str, Any]] = {}
-        self.last_backward: Action | None = None
 
 
 def _accumulate(into: dict[str, Any], grads: Mapping[str, Any]) -> None:

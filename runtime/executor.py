@@ -68,6 +68,7 @@ class PipelineExecutor:
         self.unflatten = unflatten
         self.model_output = model_output_of(outputs, unflatten)
         self.schedule, self.forward_schedule, self.streamed = schedule, forward_schedule, streamed
+        self.steps_itself = any(a.kind is K.STEP for stage in schedule.actions for a in stage)
         self.micro_batches = schedule.micro_batches
         self.driver = Driver(self.runners, comm, transport)
         self.coordinator = coordinator or Coordinator()
@@ -95,9 +96,9 @@ class PipelineExecutor:
         stages; connected to autograd when gradients are enabled."""
         if not self.everything_here:
             return self._forward_only_distributed(flat_inputs)
-        chunks = split(flat_inputs, self.micro_batches, self.whole)
-        call = Call(next(self._calls), chunks, self.comm.graph_inputs,
-                    split_sizes(input_dims(flat_inputs, self.whole).batch, self.micro_batches))
+        batch = input_dims(flat_inputs, self.whole).batch
+        call = Call(next(self._calls), split(flat_inputs, self.micro_batches, self.whole, batch),
+                    self.comm.graph_inputs, split_sizes(batch, self.micro_batches))
         if not torch.is_grad_enabled():
             run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
                             self.forward_schedule)
@@ -118,7 +119,7 @@ class PipelineExecutor:
         counts with its share of the mini-batch, so the result and the parameters' gradients
         are those of loss_fn on the whole mini-batch. The optimizer step is the caller's.
         """
-        if any(a.kind is K.STEP for stage in self.schedule.actions for a in stage):
+        if self.steps_itself:
             raise FxpipeError(
                 f"schedule={self.schedule.name!r} overlaps mini-batches and steps each stage "
                 "itself: call pipe.attach_optimizer(factory) once, then losses = "
@@ -270,8 +271,6 @@ class PipelineExecutor:
 
     def release(self, run: Any) -> None:
         """Forget a call whose backward will never run (its outputs were freed)."""
-        for runner in self.runners.values():
-            runner.discard(run)
         self.driver.discard(run)
 
     def _call(self, flat_inputs: Sequence[Any] | None) -> Call:
@@ -280,10 +279,13 @@ class PipelineExecutor:
             if flat_inputs is None:
                 raise FxpipeError("the first stage reads the inputs: pass them to "
                                   "pipe.step(x, target) on every rank.")
-            total = input_dims(flat_inputs, self.whole).batch
-            flat_inputs = self.coordinator.shard(list(flat_inputs), self.whole)
-            chunks = split(flat_inputs, self.micro_batches, self.whole)
-            dims = input_dims(flat_inputs, self.whole)
+            listed = list(flat_inputs)
+            dims = input_dims(listed, self.whole)
+            total = dims.batch
+            shard = self.coordinator.shard(listed, self.whole)
+            if shard is not listed:  # this pipeline group's rows of the global batch
+                dims = input_dims(shard, self.whole)
+            chunks = split(shard, self.micro_batches, self.whole, dims.batch)
             sizes, seq = split_sizes(dims.batch, self.micro_batches), dims.seq
         else:
             chunks = [[] for _ in range(self.micro_batches)]

@@ -35,7 +35,7 @@ class StageRunner:
         self.device = torch.device(device)
         self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
         self._in_flight: dict[Any, tuple[list[Any], tuple[Any, ...], list[torch.Tensor]]] = {}
-        self.peak_in_flight = 0  # most micro-batches held at once since the last reset
+        self.peak_in_flight = 0  # most micro-batches held at once so far
         self.policy: WeightPolicy | None = None  # asynchronous schedules: which weights to use
 
     @property
@@ -101,7 +101,7 @@ class StageRunner:
         return result
 
     def step(self) -> None:
-        """The stage's optimizer step (its policy's, which says when none is attached)."""
+        """The stage's optimizer step, by its policy (step_many checks every stage has one)."""
         self.policy.step()
 
     def discard(self, run: Any) -> None:

@@ -500,29 +500,10 @@ def test_one_f_one_b_timeline_alternates_after_warm_up():
     ]
 
 
-# --- stages sharing a host's cores -------------------------------------------------------------
-
-
-def _spans(timeline) -> list[tuple[int, str, float, float]]:
-    return sorted((e.stage, str(e.action), e.start, e.end) for e in timeline.events)
-
-
 def test_an_allreduce_and_an_optimizer_step_take_their_stages_time():
     schedule = add_step(add_communication(gpipe(2, 1)), allreduce=True)
     assert simulate(schedule, 1.0, 1.0, allreduce=2.0).makespan == 6.0
     assert simulate(schedule, 1.0, 1.0, step=1.0).makespan == 5.0
-
-
-def _switched(order: list[Action]) -> list[Action]:
-    """The computes of `order` (one thread's, in the order it ran them) that follow a compute
-    of the other kind, forward against backward; the first follows the last step's backward."""
-    forward_last, switched = False, []
-    for a in order:
-        if a.kind.is_compute:
-            if (a.kind is F) != forward_last:
-                switched.append(a)
-            forward_last = a.kind is F
-    return switched
 
 
 @given(schedules(), st.integers(0, 2**32 - 1), st.data())

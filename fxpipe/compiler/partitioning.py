@@ -29,15 +29,12 @@ def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
     only when the table was timed at several micro-batch sizes: micro_batches='auto')."""
     plan = pipe.plan
     results = {}
-    for name, partitioner in PARTITIONERS.items():
+    for name in PARTITIONERS:
         if plan.costs == "none" and name in TIMED_PARTITIONERS:
             continue
         if name == "csimd" and len(pipe.cost.sizes) == 1:
             continue  # timed at one micro-batch size only: nothing to choose p from
-        chosen = partitioner(pipe.cost, plan.stages, pipe.partition.micro_batches)
-        bounds = exactly_n_stages(chosen.bounds, plan.stages, pipe.cost, chosen.micro_batches)
-        results[name] = Partition.evaluate(pipe.cost, bounds, chosen.micro_batches,
-                                           name, schedule=plan.schedule)
+        results[name] = _run(name, pipe.cost, plan, pipe.partition.micro_batches)
     return results
 
 
@@ -51,13 +48,17 @@ def choose_partition(
     if plan.micro_batches == "auto" and plan.partitioner != "csimd":
         p = PARTITIONERS["csimd"](cost, plan.stages).micro_batches  # CSIMD's choice of p
     try:
-        chosen = PARTITIONERS[plan.partitioner](cost, plan.stages, p)
+        return _run(plan.partitioner, cost, plan, p)
     except ValueError as error:  # the planner cannot work with this model's costs
         raise PlanError(f"Plan(partitioner={plan.partitioner!r}) cannot partition "
                         f"{type(model).__name__}: {error}.") from error
+
+
+def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
+    """Partitioner `name`'s partition into exactly the plan's stages, scored for its schedule."""
+    chosen = PARTITIONERS[name](cost, plan.stages, p)
     bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
-    return Partition.evaluate(cost, bounds, chosen.micro_batches, chosen.partitioner,
-                              schedule=plan.schedule)
+    return Partition.evaluate(cost, bounds, chosen.micro_batches, name, schedule=plan.schedule)
 
 
 def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 from torch import fx
 
-from fxpipe.batching import input_dims
 from fxpipe.compiler.distributed import LinkGroups, agree, ping_pong
 from fxpipe.compiler.inputs import (
     check_batched_inputs,
@@ -25,7 +24,7 @@ from fxpipe.compiler.intra_layer import split_heavy_layers
 from fxpipe.compiler.loss import check_target, traced_loss
 from fxpipe.compiler.partitioning import choose_partition
 from fxpipe.compiler.state import Compilation, Pass, ensure
-from fxpipe.cost import CostTable, Link, check_bounds, fit_to_flops
+from fxpipe.cost import CostTable, Link, fit_to_flops
 from fxpipe.distributed import launched, rank_device, rank_layout
 from fxpipe.errors import FxpipeTraceError, PlanError
 from fxpipe.inspect import format_bytes
@@ -44,7 +43,7 @@ from fxpipe.passes.analysis.profile import (
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
-from fxpipe.schedules import check_communication, lower
+from fxpipe.schedules import lower
 from fxpipe.trace import trace
 from fxpipe.units import cut_units, unit_parameters
 
@@ -99,7 +98,7 @@ def cut(c: Compilation) -> None:
     check_stage_sizes(c.model, c.plan, c.units)
     c.whole = whole_positions(c.traced, c.plan, c.args, c.kwargs)
     if c.plan.costs != "none":  # the example's micro-batches are timed
-        check_micro_batch_count(c.plan, input_dims(c.flat, c.whole).batch)
+        check_micro_batch_count(c.plan, c.batch)
     check_batched_inputs(c.traced, c.plan, c.args, c.kwargs, c.whole)
     c.loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, c.devices[0])
     if c.distributed:
@@ -118,11 +117,10 @@ def profile(c: Compilation) -> None:
     (under torchrun every rank times at once, rank 0's counting)."""
     if c.plan.costs == "none":
         return
-    batch = input_dims(c.flat, c.whole).batch
     device = c.devices[0]
     unit_graph, unit_table = _units_as_stages(c)
     held = 1 / c.plan.stages if c.distributed else c.devices.count(device) / len(c.devices)
-    sizes = profile_sizes(batch, c.plan)
+    sizes = profile_sizes(c.batch, c.plan)
     cache = c.cache if c.layout is None or c.layout.rank == 0 else None
     c.profile = profile_units(unit_graph, unit_table, c.flat, sizes, device, cache=cache,
                               whole=c.whole,
@@ -171,8 +169,7 @@ def link(c: Compilation) -> None:
         c.cost = CostTable(zeros, zeros, zeros, zeros, [1.0], None, params[0], names, params[1],
                            source="not measured (Plan(costs='none'))")
         return
-    batch = input_dims(c.flat, c.whole).batch
-    c.cost = cost_table(c.profile, c.link, batch, names, params, c.loss_times)
+    c.cost = cost_table(c.profile, c.link, c.batch, names, params, c.loss_times)
     if plan.costs == "fit":  # time as α·FLOPs(m) + β per unit, from the symbolic pass
         c.cost = fit_to_flops(c.cost, flops_of_units(c.traced.gm, c.units, c.flat, c.whole),
                               loss=c.loss_times)
@@ -242,22 +239,18 @@ def _profile_made(c: Compilation) -> None:
     if c.profile is None:
         ensure(c.plan.costs == "none", "a profile wherever costs are measured")
         return
-    batch = input_dims(c.flat, c.whole).batch
-    ensure(list(c.profile.sizes) == profile_sizes(batch, c.plan), "the plan's sizes timed")
+    ensure(list(c.profile.sizes) == profile_sizes(c.batch, c.plan), "the plan's sizes timed")
     for table in (c.profile.forward, c.profile.backward, c.profile.activation_bytes):
         ensure(table.shape == (len(c.profile.sizes), len(c.units)), "a row a size, a column a "
                "unit")
         ensure(np.all(np.isfinite(table)) and np.all(table >= 0), "finite, non-negative times")
 
 
-def _costs_valid(c: Compilation) -> None:
+def _costs_valid(c: Compilation) -> None:  # CostTable refuses negative or non-finite times
     ensure(c.cost.units == len(c.units), "the cost table has a column per unit")
-    for table in (c.cost.f, c.cost.b, c.cost.cf, c.cost.cb):
-        ensure(np.all(np.isfinite(table)) and np.all(table >= 0), "finite, non-negative costs")
 
 
-def _partition_valid(c: Compilation) -> None:
-    check_bounds(c.partition.bounds, len(c.units))
+def _partition_valid(c: Compilation) -> None:  # Partition.evaluate checked the bounds
     ensure(len(c.partition.bounds) == c.plan.stages, "one bound per stage")
 
 
@@ -278,7 +271,6 @@ def _schedule_made(c: Compilation) -> None:
         ensure(schedule.stages == c.plan.stages, "a list per stage")
         ensure(schedule.micro_batches == c.partition.micro_batches, "the partition's micro-batches")
         ensure(schedule.lowered or not c.comm.edges, "sends and receives in the lists")
-    check_communication(c.forward_schedule)
 
 
 # --- summaries -------------------------------------------------------------------------------

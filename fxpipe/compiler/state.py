@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
+from fxpipe.batching import input_dims
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.distributed import RankLayout
 from fxpipe.inspect import format_table
@@ -64,6 +65,11 @@ class Compilation:
     schedule: Schedule | None = None  # schedule: a step's, lowered
     forward_schedule: Schedule | None = None  # schedule: the drop-in forward's (flushed)
     streamed: Callable[[int], Schedule] | None = None  # schedule: async over mini-batches
+
+    @property
+    def batch(self) -> int:
+        """The example's batch size (once the units pass has found the inputs given whole)."""
+        return input_dims(self.flat, self.whole).batch
 
     @property
     def distributed(self) -> bool:
