@@ -5,14 +5,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Collection, Sequence
+from math import prod
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import FxpipeError
+from fxpipe.meta import SHAPE
 
-__all__ = ["InputDims", "input_dims", "merge", "resize", "rows", "split", "split_sizes"]
+__all__ = ["InputDims", "batch_norm_of_one", "check_batch_norm", "check_loss", "input_dims",
+           "loss_reduction", "merge", "resize", "rows", "split", "split_sizes"]
 
 
 def rows(tree: Any) -> int:
@@ -82,6 +85,8 @@ def resize(flat_inputs: Sequence[Any], dims: InputDims, batch: int | None = None
 def split_sizes(batch: int, chunks: int) -> list[int]:
     """Sizes of `chunks` micro-batches of a batch of `batch` samples: the first ones one larger
     when it does not divide (torch.tensor_split's rule). Uneven splits are allowed."""
+    if batch == 0:
+        raise FxpipeError("the batch is empty (its inputs have 0 rows); pass at least one sample.")
     if chunks > batch:
         raise FxpipeError(f"cannot split a batch of {batch} samples into {chunks} micro-batches; "
                           f"use micro_batches <= {batch} or a larger batch.")
@@ -133,3 +138,71 @@ def merge(per_micro_batch: Sequence[Any], sizes: Sequence[int]) -> Any:
             )
         merged.append(torch.cat(leaves))
     return pytree.tree_unflatten(merged, spec)
+
+
+def batch_norm_of_one(gm: torch.fx.GraphModule) -> str | None:
+    """A batch norm layer of `gm` that gets one value per channel from a sample (an input of
+    shape (N, C) or (N, C, 1...)), described; it cannot train on a micro-batch of one sample."""
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or (
+                node.op == "call_function" and "batch_norm" in str(node.target)):
+            try:
+                shape = node.args[0].meta[SHAPE].tensors[0].shape
+            except (AttributeError, IndexError, KeyError):  # not a recorded tensor
+                continue
+            if len(shape) >= 2 and prod(shape[2:]) == 1:
+                return f"the batch norm layer {node.target if module else node.name!r}"
+    return None
+
+
+def check_batch_norm(layer: str | None, smallest: int, batch: str, most: int) -> None:
+    """Refuse micro-batches of one sample (`smallest`) to batch norm `layer` in training."""
+    if layer is not None and smallest == 1:
+        raise FxpipeError(
+            f"{layer} cannot train on a micro-batch of one sample: it normalises each channel "
+            f"over the micro-batch, and gets one value per channel from a sample; {batch} "
+            f"makes micro-batches of 1: use micro_batches <= {most}, a larger batch, or eval "
+            "mode.")
+
+
+def check_loss(value: Any) -> torch.Tensor:
+    """A loss_fn's value, refused unless it is one number (a tensor of 0 dimensions)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        got = (f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+        raise FxpipeError(f"Plan(loss_fn=...) must return one number, a 0-d tensor, and returned "
+                          f"{got}; reduce it over the samples: a mean (e.g. "
+                          "nn.MSELoss(reduction='mean')) or a sum (reduction='sum').")
+    return value
+
+
+def loss_reduction(loss_fn: Any, output: Any, target: Any, value: torch.Tensor) -> str | None:
+    """How `loss_fn` reduces over samples, 'mean' or 'sum', from `value`, its loss on (output,
+    target), against its losses on two halves of them (one sample: `value` is the half of the
+    sample twice); None when they cannot tell (all 0). Refuses a loss that is neither, whose
+    micro-batch losses cannot make the mini-batch's."""
+    n = rows([target])
+    with torch.no_grad():
+        if n > 1:
+            sizes, whole = split_sizes(n, 2), float(value)
+            a, b = (float(loss_fn(*half)) for half in split([output, target], 2, batch=n))
+        else:  # a mean gives the loss of the sample, a sum twice that
+            sizes, a, b = [1, 1], float(value), float(value)
+            whole = float(loss_fn(*pytree.tree_map(
+                lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() > 0
+                and t.shape[0] == 1 else t, [output, target])))
+    mean, total = (sizes[0] * a + sizes[1] * b) / sum(sizes), a + b
+    tolerance = (3e-2 if value.dtype in (torch.float16, torch.bfloat16) else 1e-3) * max(
+        abs(whole), abs(a), abs(b))
+    is_mean, is_sum = abs(whole - mean) <= tolerance, abs(whole - total) <= tolerance
+    if is_mean != is_sum:
+        return "mean" if is_mean else "sum"
+    if is_mean:
+        return None
+    raise FxpipeError(
+        f"Plan(loss_fn=...) is neither a mean nor a sum over samples: on {sum(sizes)} samples "
+        f"it gives {whole:.6g}, on {sizes[0]} and {sizes[1]} of them {a:.6g} and {b:.6g}, so "
+        "micro-batches' losses cannot make the mini-batch's. Make it one (e.g. "
+        "reduction='sum', scaled yourself, where a mean would count tokens that ignore_index "
+        "leaves out), or use micro_batches=1 and groups=1.")

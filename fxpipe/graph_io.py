@@ -27,18 +27,26 @@ def argument_owners(parameters: Sequence[str], args: tuple[Any, ...],
 class CallConvention:
     """Turns a call of the model into the graph's placeholder values, and its output back.
 
-    Graphs from torch.export flatten their inputs with a pytree spec. Graphs from torch.fx take
-    one placeholder per parameter of forward(); they are bound through forward()'s signature, so
-    defaults apply and concrete arguments take the value they were traced with.
+    Graphs from torch.export flatten their inputs with a pytree spec, laid out as the example
+    call was. Graphs from torch.fx take one placeholder per parameter of forward(); they are
+    bound through forward()'s signature, so defaults apply and concrete arguments take the
+    value they were traced with. A call is refused where it gives another value to an argument
+    the graph holds fixed: a concrete one, one that export took as a constant or a tracer
+    left out of the graph.
     """
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule,
-                 concrete: Mapping[str, Any] | None = None) -> None:
+                 concrete: Mapping[str, Any] | None = None,
+                 example: tuple[tuple[Any, ...], Mapping[str, Any]] = ((), {})) -> None:
         self.in_spec = getattr(gm, "_in_spec", None)
         self.out_spec = getattr(gm, "_out_spec", None)
         self.signature = inspect.signature(model.forward)
         self.concrete = dict(concrete or {})
         self.names = [n.target.lstrip("*") for n in gm.graph.find_nodes(op="placeholder")]
+        variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                       for p in self.signature.parameters.values())
+        self.layout = None if variadic else (len(example[0]), tuple(example[1]))  # export's
+        self.fixed = self._fixed(*example)
 
     def argument_of_each_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
                                ) -> list[str]:
@@ -55,20 +63,68 @@ class CallConvention:
             return output
         return pytree.tree_unflatten(list(output), self.out_spec)
 
-    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+    def _fixed(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+               ) -> dict[str, tuple[Any, str]]:
+        """forward()'s arguments the graph holds at one value (as a _pattern), and the fix."""
+        parameters = {n: p for n, p in self.signature.parameters.items()
+                      if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         if self.in_spec is not None:
-            return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return {n: (_pattern(bound.arguments[n]), "torch.export fixed it at its value in "
+                        "compile's example; for another value, compile another pipeline with "
+                        f"it in the example (example_kwargs={{{n!r}: ...}})") for n in parameters}
+        inputs = set(self.argument_of_each_input((), {}))
+        fixed = {n: (p.default, f"the tracer left it out of the graph; trace it as an input, "
+                     f"or call with {n}={p.default!r}")
+                 for n, p in parameters.items() if n not in inputs and p.default is not p.empty}
+        fixed.update((n, (_pattern(v), f"Plan(concrete_args={{{n!r}: {v!r}}}) fixed it; compile "
+                      f"another pipeline with concrete_args={{{n!r}: ...}} for that value"))
+                     for n, v in self.concrete.items())
+        return fixed
+
+    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:
             raise FxpipeError(f"the model's forward{self.signature} cannot take this call: {e}"
                               ) from e
+        given = set(bound.arguments)
         bound.apply_defaults()
-        values = {**bound.arguments, **self.concrete}
+        for name, (value, fix) in self.fixed.items():
+            # an omitted concrete argument takes its traced value, not forward()'s default
+            now = _pattern(bound.arguments[name])
+            if (name in given or name not in self.concrete) and not _equal(now, value):
+                default = "" if name in given else " (its default)"
+                raise FxpipeError(f"this call gives forward() argument {name!r} {now!r:.60}"
+                                  f"{default}, but the pipeline's graph holds it at "
+                                  f"{value!r:.60}: {fix}.")
         order = list(self.signature.parameters)
+        if self.in_spec is not None:
+            call = (tuple(args), dict(kwargs))
+            if self.layout is not None:
+                call = (tuple(bound.arguments[n] for n in order[:self.layout[0]]),
+                        {n: bound.arguments[n] for n in self.layout[1]})
+            return list(fx_pytree.tree_flatten_spec(call, self.in_spec))
+        values = {**bound.arguments, **self.concrete}
         flat = []
         for position, name in enumerate(self.names):
             # fx renames a placeholder that clashes with a global (`double` -> `double_1`)
             key = name if name in values else order[position]
             flat.append(values[key])
         return flat
+
+
+_ANY_TENSOR = type("AnyTensor", (), {"__repr__": lambda self: "a tensor"})()
+
+
+def _pattern(value: Any) -> Any:
+    """`value` with each tensor in it standing for any tensor (as an export graph takes it)."""
+    return pytree.tree_map(lambda x: _ANY_TENSOR if isinstance(x, torch.Tensor) else x, value)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a value with no plain truth of equality
+        return False

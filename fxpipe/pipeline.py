@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import os
 import pathlib
 from collections.abc import Callable, Sequence
@@ -12,7 +14,7 @@ import torch
 from torch import fx
 from torch.utils.hooks import RemovableHandle
 
-from fxpipe.batching import split_sizes
+from fxpipe.batching import batch_norm_of_one, check_batch_norm, input_dims, rows, split_sizes
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
@@ -59,7 +61,9 @@ class CompiledPipeline(torch.nn.Module):
             comm=comm, devices=tuple(devices), model_name=type(model).__name__, cost=cost,
             link=link, executor=executor, passes=passes, intra_layer=tuple(splits),
             rank=rank, owned=owned, state_dict_keys=tuple(model.state_dict()),
+            source=model, batch_norm=batch_norm_of_one(traced.gm),
         )
+        self.compiled_parts = self._parts()
 
     @property
     def frontend(self) -> str:
@@ -75,16 +79,17 @@ class CompiledPipeline(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output, computed micro-batch by micro-batch through the pipeline stages;
         `loss.backward()` then runs the pipelined backward."""
-        return self.executor.forward(self.traced.bind(args, kwargs))
+        return self.executor.forward(self._bind(args, kwargs))
 
     def run_sequential(self, *args: Any, **kwargs: Any) -> Any:
         """The PipelineGraph run as an ordinary module, one stage after another: the reference
         every pipelined run is checked against."""
+        self._check_unchanged()
         return self.traced.bind.unflatten(self.graph(*self.traced.bind(args, kwargs)))
 
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """`pipe.step(*inputs, target)`: run the whole schedule on one mini-batch (forward and
-        backward, interleaved as the schedule says) and return the mini-batch's mean loss.
+        backward, interleaved as the schedule says) and return the mini-batch's loss.
         Gradients accumulate in the parameters' .grad; the optimizer step is yours."""
         if self.plan.loss_fn is None:
             raise FxpipeError("pipe.step(x, target) computes the loss inside the pipeline and "
@@ -94,11 +99,8 @@ class CompiledPipeline(torch.nn.Module):
             raise FxpipeError("pipe.step(*inputs, target) needs the target as its last "
                               "positional argument.")
         *inputs, target = args
-        try:
-            flat = self.traced.bind(tuple(inputs), kwargs)
-        except FxpipeError as error:
-            raise FxpipeError(f"{error} (pipe.step takes forward()'s arguments, then the target "
-                              "as its last positional argument: pipe.step(x, target)).") from None
+        flat = self._bind(tuple(inputs), kwargs, "(pipe.step takes forward()'s arguments, then "
+                          "the target as its last positional argument: pipe.step(x, target)).")
         return self.executor.step(flat, target, self.plan.loss_fn)
 
     def attach_optimizer(self, factory: Callable[[list[torch.nn.Parameter]], Any],
@@ -124,7 +126,7 @@ class CompiledPipeline(torch.nn.Module):
         flat = []
         for inputs, target in batches:
             args = inputs if isinstance(inputs, tuple) else (inputs,)
-            flat.append((self.traced.bind(args, {}), target))
+            flat.append((self._bind(args, {}), target))
         return self.executor.step_many(flat, self.plan.loss_fn)
 
     def weight_copies(self) -> list[int]:
@@ -269,6 +271,45 @@ class CompiledPipeline(torch.nn.Module):
                         target._buffers[attr] = own[name]
             self.stage_hook(stage.index).rebind(dict(stage.module.named_parameters()))
         self.executor.rebind_weights()
+        self.compiled_parts = self._parts()
+
+    def _parts(self) -> list[tuple[torch.nn.Module, tuple[str, ...], tuple[Any, ...]]]:
+        """What the stages were built from: the children and parameters of this module and of
+        each of the model's modules."""
+        return [(m, (*m._modules, *m._parameters), (*m._modules.values(),
+                                                    *m._parameters.values()))
+                for m in (self, *self.source.modules())]
+
+    def _check_unchanged(self) -> None:
+        """Refuse to run (or save) a model whose submodules or parameters were replaced since
+        compile (the stages hold the old ones): one pass over the model's modules."""
+        for module, names, then in self.compiled_parts:
+            now = (*module._modules.values(), *module._parameters.values())
+            if len(now) == len(then) and all(map(operator.is_, now, then)):
+                continue
+            name = next(n for n, a, b in itertools.zip_longest(
+                (*module._modules, *module._parameters), now, then) if a is not b) or names[-1]
+            path = next((f"{n}." for n, m in self.source.named_modules() if m is module and n), "")
+            raise FxpipeError(
+                f"{self.model_name}'s {path}{name} changed after compile (replaced, added or "
+                "removed), and the pipeline's stages still run what compile saw; compile again "
+                "after changing the model: pipe = fxpipe.compile(model, plan, ...).")
+
+    def _bind(self, args: tuple, kwargs: dict[str, Any], hint: str = "") -> list[Any]:
+        """A call's inputs as the graph's, refused before any work if the model changed since
+        compile, or if a batch norm layer would train on one sample (`hint` follows a message
+        of the graph's)."""
+        self._check_unchanged()
+        try:
+            flat = self.traced.bind(args, kwargs)
+        except FxpipeError as error:
+            raise FxpipeError(f"{error} {hint}".rstrip()) from None
+        if self.batch_norm is not None and self.training and rows(flat):
+            batch, groups = input_dims(flat, self.executor.whole).batch, self.plan.groups
+            check_batch_norm(self.batch_norm, batch // groups // self.partition.micro_batches,
+                             f"this batch of {batch} (in {groups} pipeline groups)"
+                             if groups > 1 else f"this batch of {batch}", batch // groups // 2)
+        return flat
 
     def print_graph(self, stages: bool = False) -> None:
         """Print the rewritten top-level graph; with `stages=True`, every stage's code too."""
@@ -333,6 +374,7 @@ class CompiledPipeline(torch.nn.Module):
                           remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._check_unchanged()
         state = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", "")
         for key in [k for k in state if not self._owns(k, prefix)]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import pathlib
@@ -85,6 +86,14 @@ class Plan:
         _choice("dp_sync", self.dp_sync, DP_SYNCS)
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise PlanError(f"Plan(loss_fn={self.loss_fn!r}) must be callable(output, target).")
+        try:  # it is called as loss_fn(output, target); a module's signature is its forward's
+            if self.loss_fn is not None:
+                inspect.signature(getattr(self.loss_fn, "forward", self.loss_fn)).bind(1, 2)
+        except TypeError as error:
+            raise PlanError(f"Plan(loss_fn=...) cannot take the model's output and the target "
+                            f"({error}); give loss_fn(output, target).") from None
+        except ValueError:  # no signature to read (some builtins)
+            pass
         if not callable(self.tracer):
             _choice("tracer", self.tracer, TRACERS)
         if isinstance(self.leaf_modules, (str, type)):

@@ -72,7 +72,7 @@ def trace(
             fixed = frontend == "export" or (
                 frontend == "fx" and _reads_training(model, plan, leaf_paths, recorder, gm))
             traced = Traced(gm, frontend, model.training, leaf_paths,
-                            CallConvention(model, gm, concrete), fixed)
+                            CallConvention(model, gm, concrete, (args, kwargs)), fixed)
             if check is not None:
                 check(traced)
         except FxpipeTraceError:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe.batching import input_dims, merge, rows, split, split_sizes
+from fxpipe.batching import check_loss, input_dims, loss_reduction, merge, rows, split, split_sizes
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Event, Stage, StageHook
 from fxpipe.runtime.bridge import (
@@ -112,12 +112,13 @@ class PipelineExecutor:
 
     def step(self, flat_inputs: Sequence[Any] | None, target: Any,
              loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-        """Run the whole schedule on one mini-batch and return its mean loss (detached), on
-        every rank. The first stage reads the inputs, the last stage the target.
+        """Run the whole schedule on one mini-batch and return its loss (detached), on every
+        rank. The first stage reads the inputs, the last stage the target.
 
-        Each micro-batch's loss (loss_fn averages over its samples, as PyTorch's losses do)
-        counts with its share of the mini-batch, so the result and the parameters' gradients
-        are those of loss_fn on the whole mini-batch. The optimizer step is the caller's.
+        Each micro-batch's loss counts with its share of the mini-batch where loss_fn is a mean
+        over samples (as PyTorch's losses are by default), as it is where loss_fn is a sum, so
+        the result and the parameters' gradients are those of loss_fn on the whole mini-batch.
+        The optimizer step is the caller's.
         """
         if self.steps_itself:
             raise FxpipeError(
@@ -166,12 +167,19 @@ class PipelineExecutor:
         targets = (self._targets([self.coordinator.shard(t) for _, t in batches], calls)
                    if self.last else [])
 
+        reductions: dict[int, str] = {}  # per mini-batch: "mean" or "sum", once found
+
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
-            value = loss_fn(self.model_output(outputs), targets[mb])
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                raise FxpipeError("Plan(loss_fn=...) must return a scalar tensor (the mean "
-                                  f"loss of a micro-batch), got {type(value).__name__}.")
-            return value * (call.sizes[mb] / calls[mb // p].total)
+            output, size, total = self.model_output(outputs), call.sizes[mb], calls[mb // p].total
+            value = check_loss(loss_fn(output, targets[mb]))
+            if size == total:  # the whole mini-batch: nothing to combine
+                return value
+            if mb // p not in reductions:  # checked on every mini-batch: losses depend on data
+                found = loss_reduction(loss_fn, output, targets[mb], value)
+                if found is not None:
+                    reductions[mb // p] = found
+            # a mean counts with its share of the samples, a sum as it is
+            return value if reductions.get(mb // p) == "sum" else value * (size / total)
 
         def on_action(action) -> None:
             if action.kind is K.STEP:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 import pytest
@@ -57,6 +58,40 @@ def test_state_dict_round_trips_between_plain_and_compiled(frontend):
     pipe.eval() if frontend == "fx" else None
     other.train(pipe.training)
     torch.testing.assert_close(pipe(x), other(x))
+
+
+def _seven_layers():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                         nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("change, name", [
+    (lambda model, pipe: model.__setitem__(6, nn.Linear(8, 3)), "6"),
+    (lambda model, pipe: setattr(model[0], "weight", nn.Parameter(torch.randn(8, 4))),
+     "0.weight"),
+    (lambda model, pipe: setattr(model[2], "bias", None), "2.bias"),
+    (lambda model, pipe: model.append(nn.ReLU()), "7"),
+    (lambda model, pipe: model.__delitem__(6), "6"),
+    (lambda model, pipe: setattr(pipe, "6", nn.Linear(8, 3)), "6"),
+])
+def test_a_model_changed_after_compile_is_refused_before_any_work(change, name):
+    """The stages hold the submodules and parameters compile saw: a run (or a save) after one
+    is replaced would silently use the old one."""
+    model = _seven_layers()
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, loss_fn=nn.MSELoss(),
+                                             costs="none"), example_inputs=(x,))
+    pipe(x).sum().backward()  # unchanged: runs
+    pipe.zero_grad(set_to_none=True)
+    change(model, pipe)
+    message = (rf"Sequential's {re.escape(name)} changed after compile \(replaced, added or "
+               r"removed\), and the pipeline's stages still run what compile saw; compile "
+               "again after changing the model")
+    for run in (lambda: pipe(x), lambda: pipe.step(x, y), pipe.state_dict,
+                lambda: pipe.run_sequential(x)):
+        with pytest.raises(FxpipeError, match=message):
+            run()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_to_keeps_stages_on_the_models_buffers():
@@ -288,8 +323,8 @@ def test_a_target_of_several_tensors_is_timed_and_trained_as_pipe_step_cuts_it()
     pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=target, cache=False)
     assert sizes and set(sizes) == {(4, 4, 4)}  # timed on micro-batches of 4 rows
     sizes.clear()
-    pipe.step(x, target)
-    assert sizes == [(4, 4, 4)] * 4
+    pipe.step(x, target)  # and on the first micro-batch's halves: is the loss a mean or a sum?
+    assert sizes == [(4, 4, 4), (2, 2, 2), (2, 2, 2)] + [(4, 4, 4)] * 3
 
 
 @pytest.mark.parametrize("plan, target, message", [
@@ -352,3 +387,78 @@ def test_plans_that_do_not_fit_the_model_are_refused_before_any_timing(plan, mes
     monkeypatch.setattr(passes, "profile_units", profile_units)
     with pytest.raises(fxpipe.PlanError, match=message):
         fxpipe.compile(MLP(), plan, example_inputs=(torch.randn(16, 32),), cache=False)
+
+
+def _with_batch_norm():
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _pipe(model, x, **plan):
+    return fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none", **plan),
+                          example_inputs=(x,))
+
+
+_X, _Y = torch.randn(8, 4), torch.randn(8, 3)
+
+
+@pytest.mark.parametrize("run, message", [
+    (lambda model: fxpipe.Plan(stages=2, loss_fn=lambda output: output.sum()),
+     r"Plan\(loss_fn=...\) cannot take the model's output and the target \(too many "
+     r"positional arguments\); give loss_fn\(output, target\)"),
+    (lambda model: fxpipe.compile(model, fxpipe.Plan(
+        stages=2, micro_batches=2, loss_fn=nn.MSELoss(reduction="none")), example_inputs=(_X,),
+        example_target=_Y, cache=False),
+     r"Plan\(loss_fn=...\) must return one number, a 0-d tensor, and returned a tensor of "
+     r"shape \[4, 3\]; reduce it over the samples: a mean \(e.g. "
+     r"nn.MSELoss\(reduction='mean'\)\) or a sum \(reduction='sum'\)"),
+    (lambda model: _pipe(model, _X, micro_batches=2, loss_fn=nn.MSELoss(reduction="none")
+                         ).step(_X, _Y),
+     r"must return one number, a 0-d tensor, and returned a tensor of shape \[4, 3\]"),
+    (lambda model: _pipe(model, _X, micro_batches=2, loss_fn=lambda o, t: (o - t).abs().max()
+                         ).step(_X, _Y),
+     r"Plan\(loss_fn=...\) is neither a mean nor a sum over samples: on 4 samples it gives "
+     r"[\d.]+, on 2 and 2 of them [\d.]+ and [\d.]+, so micro-batches' losses cannot make the "
+     r"mini-batch's. Make it one .*or use micro_batches=1 and groups=1"),
+    (lambda model: _pipe(model, _X, micro_batches=8, loss_fn=lambda o, t: (
+        o - t).square().sum() / len(o) ** 0.5).step(_X, _Y),
+     r"is neither a mean nor a sum over samples: on 2 samples it gives [\d.]+, on 1 and 1 of "
+     r"them"),
+    (lambda model: fxpipe.compile(_with_batch_norm(), fxpipe.Plan(stages=2, micro_batches=8),
+                                  example_inputs=(_X,), cache=False),
+     r"the batch norm layer '1' cannot train on a micro-batch of one sample: it normalises "
+     r"each channel over the micro-batch, and gets one value per channel from a sample; "
+     r"compile's example of 8, timed on micro-batches of \[1\] samples, makes micro-batches "
+     r"of 1: use micro_batches <= 4, a larger batch, or eval mode"),
+    (lambda model: fxpipe.compile(_with_batch_norm(), fxpipe.Plan(stages=2, micro_batches="auto"),
+                                  example_inputs=(_X,), cache=False),
+     r"timed on micro-batches of \[1, 2, 4, 8\] samples, makes micro-batches of 1"),
+    (lambda model: _pipe(_with_batch_norm(), _X, micro_batches=4, loss_fn=nn.MSELoss()
+                         ).step(_X[:5], _Y[:5]),
+     r"the batch norm layer '1' cannot train on a micro-batch of one sample.*; this batch of 5 "
+     r"makes micro-batches of 1: use micro_batches <= 2, a larger batch, or eval mode"),
+    (lambda model: _pipe(_with_batch_norm(), _X, micro_batches=4)(_X[:4]),
+     r"this batch of 4 makes micro-batches of 1: use micro_batches <= 2"),
+    (lambda model: _pipe(model, _X, micro_batches=2)(_X[:0]),
+     r"the batch is empty \(its inputs have 0 rows\); pass at least one sample"),
+    (lambda model: _pipe(model, _X, loss_fn=nn.MSELoss()).step(_X[:0], _Y[:0]),
+     r"the batch is empty \(its inputs have 0 rows\); pass at least one sample"),
+    (lambda model: fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2),
+                                  example_inputs=(_X[:0],), cache=False),
+     r"compile's example batch is empty \(its inputs have 0 rows\); give one mini-batch of "
+     r"samples as the example"),
+])
+def test_mistakes_are_named_with_their_fix_before_any_work(run, message):
+    model = _seven_layers()
+    with pytest.raises(FxpipeError, match=message):
+        run(model)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_batch_norm_layer_with_several_values_per_channel_trains_on_one_sample():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 3))
+    x = torch.randn(4, 3, 8, 8)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=4), example_inputs=(x,),
+                          cache=False)
+    assert pipe.batch_norm is None
+    pipe(x).sum().backward()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -101,3 +103,79 @@ def test_keyword_inputs():
         pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, tracer=tracer), example_inputs=(x,),
                               example_kwargs={"y": y})
         torch.testing.assert_close(pipe(x, y=y), model(x, y=y))
+
+
+class Switched(nn.Module):
+    """A flag that steers control flow (torch.export fixes it at its example value) and a
+    factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x, flag=False, scale=1.0):
+        y = self.a(x)
+        if flag:
+            y = y * 2
+        return self.b(y * scale)
+
+
+def _left_out_scale(model, inputs):
+    """A tracer that leaves `scale` out of the graph (as transformers' tracer does with the
+    arguments it is not given): traced at 1.0, its placeholder and check dropped."""
+    gm = torch.fx.symbolic_trace(model, concrete_args={"flag": False, "scale": 1.0})
+    for node in reversed(gm.graph.nodes):
+        if not node.users and node.op in ("placeholder", "call_function") and node.name != "x":
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+_EXPORT = fxpipe.Plan(stages=2, micro_batches=2, tracer="export", costs="none")
+
+
+@pytest.mark.parametrize("plan, example, args, kwargs, message", [
+    (_EXPORT, {}, (), {"flag": True}, r"argument 'flag' True, but the pipeline's graph holds it "
+     r"at False: torch.export fixed it at its value in compile's example; for another value, "
+     r"compile another pipeline with it in the example \(example_kwargs=\{'flag': ...\}\)"),
+    (_EXPORT, {}, (True,), {}, r"argument 'flag' True, but the pipeline's graph holds it at "
+     "False"),
+    (_EXPORT, {}, (False, 2.0), {}, r"argument 'scale' 2.0, but the pipeline's graph holds it "
+     "at 1.0"),
+    (_EXPORT, {"flag": True}, (), {}, r"argument 'flag' False \(its default\), but the "
+     "pipeline's graph holds it at True"),
+    (_EXPORT, {"flag": True}, (), {"flag": False}, r"argument 'flag' False, but"),
+    (fxpipe.Plan(stages=2, tracer="fx", concrete_args={"flag": True}, costs="none"), {}, (),
+     {"flag": False}, r"argument 'flag' False, but the pipeline's graph holds it at True: "
+     r"Plan\(concrete_args=\{'flag': True\}\) fixed it; compile another pipeline with "
+     r"concrete_args=\{'flag': ...\} for that value"),
+    (fxpipe.Plan(stages=2, tracer=_left_out_scale, costs="none"), {}, (), {"scale": 3.0},
+     r"argument 'scale' 3.0, but the pipeline's graph holds it at 1.0: the tracer left it out "
+     r"of the graph; trace it as an input, or call with scale=1.0"),
+])
+def test_a_call_the_graph_would_ignore_part_of_is_refused(plan, example, args, kwargs,
+                                                          message):
+    """An argument the graph holds at one value is refused at another, naming it, before
+    any work; the value it holds, given or left to its default, runs like the model."""
+    model, x = Switched(), torch.randn(4, 4)
+    pipe = fxpipe.compile(model, dataclasses.replace(plan, loss_fn=nn.MSELoss()),
+                          example_inputs=(x,), example_kwargs=example)
+    with pytest.raises(fxpipe.FxpipeError, match=message):
+        pipe(x, *args, **kwargs)
+    with pytest.raises(fxpipe.FxpipeError, match=message):
+        pipe.step(x, *args, torch.zeros(4, 2), **kwargs)
+    held = {**example, **(plan.concrete_args or {})}
+    torch.testing.assert_close(pipe(x, **held), model(x, **held))
+    torch.testing.assert_close(pipe(x, *[held.get("flag", False)], **{
+        k: v for k, v in held.items() if k != "flag"}), model(x, **held))
+
+
+def test_an_argument_traced_as_an_input_takes_any_value():
+    model, x = Switched(), torch.randn(4, 4)
+    plan = fxpipe.Plan(stages=2, micro_batches=2, tracer="fx",
+                       concrete_args={"flag": False}, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    for scale in (1.0, 2.0, -0.5):
+        torch.testing.assert_close(pipe(x, scale=scale), model(x, scale=scale))
+        torch.testing.assert_close(pipe(x, False, scale), model(x, scale=scale))

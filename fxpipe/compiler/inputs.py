@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxpipe.batching import input_dims, resize
+from fxpipe.batching import check_batch_norm, input_dims, resize
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.ir import ValueRef
 from fxpipe.materialize import has_meta_tensors, on_meta
@@ -109,17 +109,16 @@ def whole_positions(traced: Traced, plan: Plan, args: tuple, kwargs: Mapping[str
     return tuple(i for i, name in enumerate(owners) if name in plan.whole_inputs)
 
 
-def check_batched_inputs(traced: Traced, plan: Plan, args: tuple, kwargs: Mapping[str, Any],
-                         whole: Sequence[int]) -> None:
+def check_batched_inputs(traced: Traced, plan: Plan, flat: Sequence[Any],
+                         arguments: Sequence[str], whole: Sequence[int]) -> None:
     """Inputs whose first dimension equals the batch size are split into micro-batches; one
     that only happens to (a (T, T) mask when T == B) must be named in Plan(whole_inputs=...).
-    Run the graph on half the batch: the outputs must shrink in their first dimension only."""
+    Run the graph on half the batch: the outputs must shrink in their first dimension only.
+    `flat`: the example as graph inputs; `arguments`: the forward() argument of each."""
     if plan.micro_batches == 1 and plan.groups == 1:
         return  # nothing is split
-    flat = traced.bind(args, kwargs)
     owners, leaves, whole_leaves = [], [], []
-    for i, (name, value) in enumerate(zip(traced.bind.argument_of_each_input(args, kwargs),
-                                          flat)):
+    for i, (name, value) in enumerate(zip(arguments, flat)):
         for leaf in pytree.tree_leaves(value):  # fx graphs take nested arguments whole
             if i in whole:
                 whole_leaves.append(len(leaves))
@@ -189,8 +188,18 @@ def check_stage_sizes(model: torch.nn.Module, plan: Plan, units: Sequence[Unit])
         )
 
 
-def check_micro_batch_count(plan: Plan, batch: int) -> None:
-    """Every micro-batch of the example, which the units are timed on, holds a sample."""
+def check_micro_batch_count(plan: Plan, batch: int, timed: Sequence[int] = (),
+                            batch_norm: str | None = None) -> None:
+    """Every micro-batch of the example, which the units are timed on (`timed`: their sizes),
+    holds a sample, and two if a batch norm layer in training gets one value per channel from
+    a sample (`batch_norm`, described)."""
+    if batch == 0:
+        raise PlanError("compile's example batch is empty (its inputs have 0 rows); give one "
+                        "mini-batch of samples as the example.")
+    split = batch // plan.micro_batches if isinstance(plan.micro_batches, int) else batch
+    check_batch_norm(batch_norm, min([*timed, split]), f"compile's example of {batch}, timed "
+                     f"on micro-batches of {list(timed)} samples,",
+                     batch // 2 if plan.costs != "fit" else batch // 4)
     if isinstance(plan.micro_batches, int) and plan.micro_batches > batch:
         raise PlanError(
             f"Plan(micro_batches={plan.micro_batches}) splits the example batch of {batch} "

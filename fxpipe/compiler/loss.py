@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fxpipe.batching import input_dims, resize, rows
+from fxpipe.batching import check_loss, input_dims, resize, rows
 from fxpipe.compiler.inputs import output_names
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
@@ -62,5 +62,5 @@ def traced_loss(traced: Any, plan: Plan, target: Any, flat: Any, whole: Any, dev
     model_output = model_output_of(output_names(traced.gm), traced.bind.unflatten)
 
     def loss(outputs: Mapping[str, Any], size: int) -> torch.Tensor:
-        return loss_fn(model_output(outputs), resize([target], dims, size)[0])
+        return check_loss(loss_fn(model_output(outputs), resize([target], dims, size)[0]))
     return loss

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import fx
 
+from fxpipe.batching import batch_norm_of_one
 from fxpipe.compiler.distributed import LinkGroups, agree, ping_pong
 from fxpipe.compiler.inputs import (
     check_batched_inputs,
@@ -98,8 +99,10 @@ def cut(c: Compilation) -> None:
     check_stage_sizes(c.model, c.plan, c.units)
     c.whole = whole_positions(c.traced, c.plan, c.args, c.kwargs)
     if c.plan.costs != "none":  # the example's micro-batches are timed
-        check_micro_batch_count(c.plan, c.batch)
-    check_batched_inputs(c.traced, c.plan, c.args, c.kwargs, c.whole)
+        check_micro_batch_count(c.plan, c.batch, profile_sizes(c.batch, c.plan),
+                                batch_norm_of_one(c.traced.gm) if c.model.training else None)
+    check_batched_inputs(c.traced, c.plan, c.flat,
+                         c.traced.bind.argument_of_each_input(c.args, c.kwargs), c.whole)
     c.loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, c.devices[0])
     if c.distributed:
         agree(c.layout, c.plan, c.units)

@@ -85,6 +85,54 @@ def test_step_returns_the_mini_batch_mean_loss_with_uneven_micro_batches():
     torch.testing.assert_close(pipe.step(x, y), F.cross_entropy(model(x), y))
 
 
+_LOSSES = {  # per-sample means and sums, as pipe.step must combine them
+    "mse mean": (nn.MSELoss(), "float"),
+    "mse sum": (nn.MSELoss(reduction="sum"), "float"),
+    "cross-entropy mean": (F.cross_entropy, "class"),
+    "cross-entropy sum": (lambda out, t: F.cross_entropy(out, t, reduction="sum"), "class"),
+    "sum of per-sample means": (lambda out, t: (out - t).square().mean(1).sum(), "float"),
+}
+
+
+@settings(max_examples=16)
+@given(loss=st.sampled_from(sorted(_LOSSES)), stages=st.integers(1, 3),
+       micro_batches=st.integers(1, 4), batch=st.integers(4, 7),
+       schedule=st.sampled_from(["gpipe", "1f1b"]))
+def test_step_gives_the_plain_loss_and_gradients_for_mean_and_sum_losses(
+        loss, stages, micro_batches, batch, schedule):
+    """Micro-batches of any sizes (uneven, and of one sample): a mean loss counts with its
+    share of the samples, a sum as it is, so pipe.step equals the loss on the whole batch."""
+    loss_fn, kind = _LOSSES[loss]
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(batch, 5, dtype=torch.float64)
+    y = (torch.randn(batch, 3, dtype=torch.float64) if kind == "float"
+         else torch.randint(0, 3, (batch,)))
+    plan = fxpipe.Plan(stages=stages, micro_batches=micro_batches, schedule=schedule,
+                       loss_fn=loss_fn, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    value = pipe.step(x, y)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(value, expected.detach(), rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_any_loss_counts_as_it_is_on_a_whole_batch():
+    """One micro-batch: nothing to combine, so a loss that is neither a mean nor a sum over
+    samples is fine."""
+    model = Net().double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+
+    def worst(out, t):
+        return (out - t).square().sum(1).max()
+
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, loss_fn=worst, costs="none"),
+                          example_inputs=(x,))
+    torch.testing.assert_close(pipe.step(x, y), worst(model(x), y))
+
+
 def test_tied_gpt_trains_like_the_plain_model():
     model = GPT(layers=2).double()
     reference = copy.deepcopy(model)
