@@ -303,7 +303,9 @@ class CompiledPipeline(torch.nn.Module):
         try:
             flat = self.traced.bind(args, kwargs)
         except FxpipeError as error:
-            raise FxpipeError(f"{error} {hint}".rstrip()) from None
+            if hint:
+                raise FxpipeError(f"{error} {hint}") from None
+            raise
         if self.batch_norm is not None and self.training and rows(flat):
             batch, groups = input_dims(flat, self.executor.whole).batch, self.plan.groups
             check_batch_norm(self.batch_norm, batch // groups // self.partition.micro_batches,
