@@ -80,6 +80,7 @@ class PipelineExecutor:
         self.trace_origin = 0.0  # wall-clock time (time.time()) of the trace's zero
         self.last_schedule: Schedule | None = None  # what the last run executed
         self.last_sizes: list[int] | None = None  # and its micro-batches' sizes (samples)
+        self.loss_reduction: str | None = None  # "mean" or "sum": loss_fn's, once found
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -167,19 +168,15 @@ class PipelineExecutor:
         targets = (self._targets([self.coordinator.shard(t) for _, t in batches], calls)
                    if self.last else [])
 
-        reductions: dict[int, str] = {}  # per mini-batch: "mean" or "sum", once found
-
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
             output, size, total = self.model_output(outputs), call.sizes[mb], calls[mb // p].total
             value = check_loss(loss_fn(output, targets[mb]))
             if size == total:  # the whole mini-batch: nothing to combine
                 return value
-            if mb // p not in reductions:  # checked on every mini-batch: losses depend on data
-                found = loss_reduction(loss_fn, output, targets[mb], value)
-                if found is not None:
-                    reductions[mb // p] = found
+            if self.loss_reduction is None:  # found once: the check costs loss_fn calls and a sync
+                self.loss_reduction = loss_reduction(loss_fn, output, targets[mb], value)
             # a mean counts with its share of the samples, a sum as it is
-            return value if reductions.get(mb // p) == "sum" else value * (size / total)
+            return value if self.loss_reduction == "sum" else value * (size / total)
 
         def on_action(action) -> None:
             if action.kind is K.STEP:
