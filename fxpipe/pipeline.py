@@ -378,8 +378,8 @@ class CompiledPipeline(torch.nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self._check_unchanged()
         state = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", "")
-        for key in [k for k in state if not self._owns(k, prefix)]:
+        prefix = kwargs.get("prefix", "")  # "m." (a parent's destination holds its own keys)
+        for key in [k for k in state if k.startswith(prefix) and not self._owns(k, prefix)]:
             del state[key]
         return state
 
@@ -403,6 +403,7 @@ class CompiledPipeline(torch.nn.Module):
 
 def _owned(named, owns, prefix: str, remove_duplicate: bool):
     seen: set[int] = set()
+    prefix = prefix + "." if prefix else ""  # named_parameters(prefix="m") names "m.0.weight"
     for name, tensor in named:
         if not owns(name, prefix) or (remove_duplicate and id(tensor) in seen):
             continue

@@ -63,6 +63,9 @@ class Plan:
     # (latency s, bandwidth B/s[, sender's s per tensor]), or "measure"; None: measured
     # between ranks under torchrun (a ping-pong), defaults per device pair kind in one process
     link: tuple[float, ...] | str | None = None
+    # torchrun: seconds a rank waits for another's message before every rank stops; at least
+    # 10 x the longest step so far. None: 300 s until a step has completed, then 30 s
+    timeout: float | None = None
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
     dump: bool = False  # print each compiler pass's result as it completes
@@ -117,6 +120,10 @@ class Plan:
             )
         if self.link is not None:
             self._check_link()
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(
+                self.timeout, (int, float)) or not 0 < self.timeout < float("inf")):
+            raise PlanError(f"Plan(timeout={self.timeout!r}) must be a number of seconds > 0, "
+                            "or None (300 s until a step has completed, then 30 s).")
         if self.intra_layer is not None:
             self._check_intra_layer()
         if isinstance(self.whole_inputs, str):

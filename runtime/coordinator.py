@@ -18,6 +18,7 @@ __all__ = ["Coordinator", "DistCoordinator"]
 
 _LOSS_TAG = 2 ** 31 - 3  # the loss from the last stage's rank
 _TIED_TAG = 2 ** 31 - 4  # a tied weight's gradient from its other holder
+_DIMS_TAG = 2 ** 31 - 5  # the micro-batch sizes from the first stage's rank
 
 
 class Coordinator:
@@ -77,12 +78,14 @@ class DistCoordinator(Coordinator):
     the step ends without a collective that would wait for the idle ranks to wake (a send the
     receiver has not asked for yet also waits for that ask). NCCL keeps the collectives: it
     connects a pair on its first point-to-point call, which blocks until the peer makes one.
+    Point-to-point waits end at the `watchdog`'s deadline (runtime/dist.py), so a stopped rank
+    stops the others in a step's exchanges too.
     """
 
     def __init__(self, ranks: Sequence[int], micro_batches: int, device: str, group: Any = None,
                  tied: Sequence[tuple[torch.nn.Parameter, Any]] = (), *,
                  sync: GradientSync | None = None, data_parallel: Any = None,
-                 group_index: int = 0, groups: int = 1) -> None:
+                 group_index: int = 0, groups: int = 1, watchdog: Any = None) -> None:
         self.ranks = list(ranks)
         self.first, self.last = ranks[0], ranks[-1]
         self.micro_batches = micro_batches
@@ -101,6 +104,7 @@ class DistCoordinator(Coordinator):
         # model built on the meta device has storage only after compile
         self._buffers: dict[int, torch.Tensor] = {}
         self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
+        self._wait = watchdog.wait if watchdog is not None else lambda work, what: work.wait()
 
     def shard(self, batch: Any, whole: Sequence[int] = ()) -> Any:
         """Pipeline group g takes the g-th of G near-equal row slices of the global batch."""
@@ -117,7 +121,15 @@ class DistCoordinator(Coordinator):
         data = torch.empty(self.micro_batches + 2, dtype=torch.int64, device=self.device)
         if sizes is not None:
             data.copy_(torch.tensor([*sizes, -1 if seq is None else seq, total]))
-        dist.broadcast(data, self.first, self.group)
+        if not self._point_to_point:
+            dist.broadcast(data, self.first, self.group)
+        elif sizes is not None:  # the first stage's rank
+            for rank, work in [(rank, dist.isend(data, rank, self.group, _DIMS_TAG))
+                               for rank in self.ranks[1:]]:
+                self._wait(work, f"rank {rank} to start the step")
+        else:
+            self._wait(dist.irecv(data, self.first, self.group, _DIMS_TAG),
+                       f"the step's start on the first stage (rank {self.first})")
         values = data.tolist()
         return values[:-2], None if values[-2] < 0 else values[-2], values[-1]
 
@@ -145,7 +157,7 @@ class DistCoordinator(Coordinator):
             if not self._losses:
                 raise RuntimeError("DistCoordinator.loss before expect(): no receive posted")
             data, work = self._losses.pop(0)
-            work.wait()
+            self._wait(work, f"the loss from the last stage (rank {self.last})")
             return data.cpu()
         data = torch.empty((), dtype=torch.float64, device=self.device)
         if loss is not None:
@@ -153,9 +165,9 @@ class DistCoordinator(Coordinator):
             if self.data_parallel is not None:  # the groups' weighted shares add up
                 dist.all_reduce(data, group=self.data_parallel)
         if self._point_to_point:  # the last stage's rank, into the receives expect posted
-            for work in [dist.isend(data, rank, self.group, _LOSS_TAG)
-                         for rank in self.ranks if rank != self.last]:
-                work.wait()
+            for rank, work in [(rank, dist.isend(data, rank, self.group, _LOSS_TAG))
+                               for rank in self.ranks if rank != self.last]:
+                self._wait(work, f"the loss to reach rank {rank}")
         else:
             dist.broadcast(data, self.last, self.group)
         return data.cpu()
@@ -212,19 +224,20 @@ class DistCoordinator(Coordinator):
         tensor changes only once its send is done (the peer's receive was posted already)."""
         if len(self._gradients) != len(self.tied):
             raise RuntimeError("DistCoordinator: tied gradients summed before expect()")
-        sends = [dist.isend(tensor, peer, group, _TIED_TAG)
+        sends = [(peer, dist.isend(tensor, peer, group, _TIED_TAG))
                  for tensor, (_, group), peer in zip(tensors, self.tied, self._peers)
                  if peer is not None]
         received = []
-        for tensor, (_, group), posted in zip(tensors, self.tied, self._gradients):
+        for tensor, (_, group), posted, peer in zip(tensors, self.tied, self._gradients,
+                                                    self._peers):
             if posted is None:
                 dist.all_reduce(tensor, group=group)
             else:
                 buffer, work = posted
-                work.wait()
+                self._wait(work, f"a tied weight's gradient from rank {peer}")
                 received.append((tensor, buffer))
-        for work in sends:
-            work.wait()
+        for peer, work in sends:
+            self._wait(work, f"a tied weight's gradient to reach rank {peer}")
         for tensor, buffer in received:
             tensor += buffer
         self._gradients = []

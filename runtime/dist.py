@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,9 +17,10 @@ from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Edge
 from fxpipe.runtime.transport import MicroBatchKey, PipelineAborted
 
-__all__ = ["DistTransport", "ErrorBoard"]
+__all__ = ["DistTransport", "ErrorBoard", "Watchdog"]
 
 _ERROR_KEY = "fxpipe/error"
+_NAMES = {"F": "forward", "B": "backward"}
 
 
 class ErrorBoard:
@@ -43,6 +45,63 @@ class ErrorBoard:
         return None
 
 
+class Watchdog:
+    """How long a wait on another rank may last, and what to say when it ends without its
+    message: the first failure another rank posted, a deadline passed, or a lost peer.
+
+    A wait gives up after max(timeout, 10 x the longest run so far), the run timed from
+    prepare() to the end of flush() (a deadline, not a cost: nothing else reads it); timeout
+    None is 300 s until a run has completed (the first one sets up), 30 s after."""
+
+    def __init__(self, timeout: float | None, rank: int, stage: int, board: ErrorBoard,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout, self.rank, self.stage, self.board = timeout, rank, stage, board
+        self.clock = clock
+        self.longest = 0.0  # seconds, the longest completed run
+        self._began: float | None = None
+
+    def deadline(self) -> float:
+        default = 30.0 if self.longest else 300.0
+        return max(default if self.timeout is None else self.timeout, 10 * self.longest)
+
+    def started(self) -> None:
+        self._began = self.clock()
+
+    def finished(self) -> None:
+        if self._began is not None:
+            self.longest = max(self.longest, self.clock() - self._began)
+        self._began = None
+
+    def wait(self, work: Any, what: str) -> None:
+        """Block until `work` completes, at most the deadline; raise what went wrong."""
+        deadline, began = self.deadline(), self.clock()
+        try:
+            work.wait(datetime.timedelta(seconds=deadline))
+        except Exception as error:  # gloo/NCCL report a lost peer or a timeout this way
+            raise self.failure(error, what, self.clock() - began, deadline) from error
+
+    def failure(self, error: BaseException, what: str, waited: float = 0.0,
+                deadline: float | None = None) -> FxpipeError:
+        """The error to raise for an operation on `what` that failed after `waited` s."""
+        posted = self.board.read()
+        if posted is not None:  # a failed peer posted its error, then closed its connections
+            return PipelineAborted(f"the pipeline stopped because {posted}")
+        here = f"rank {self.rank} (stage {self.stage})"
+        if deadline is not None and waited >= 0.99 * deadline:
+            text = (
+                f"{here} waited {waited:.1f} s for {what}, its deadline (Plan(timeout=...), "
+                "or 10 x the longest step so far): that rank, or one it waits for, is stopped "
+                "or stuck. Every rank stops (the others at their own deadline); restart the "
+                "job. If a rank may work alone this long between steps (say, saving a "
+                "checkpoint), give a larger Plan(timeout=seconds).")
+        else:
+            text = (f"{here} lost its connection after {waited:.1f} s of waiting for {what}, "
+                    "and no rank reported an error: a rank exited or was killed "
+                    f"({type(error).__name__}: {error})")
+        self.board.post(text)  # the coordinator's waits are outside the runs the driver posts
+        return FxpipeError(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slot:
     """One value of a message: how to allocate, encode and decode it."""
@@ -59,41 +118,49 @@ class DistTransport:
     Both ends know every message's layout ahead: the values of each (src, dst) edge in table
     order, each tensor's dtype from the shape pass and its shape as an expression of the
     micro-batch size (and sequence length) from the symbolic pass, so an uneven micro-batch needs
-    no handshake. Sends are posted (isend) and completed at the end of a run; receives block. A
-    failing rank posts its error to the job's store, and a peer whose wait ends without its
-    message reads it and stops with that rank's error.
+    no handshake. Sends are posted (isend) and completed at the end of a run; receives block,
+    each at most the watchdog's deadline. A failing rank posts its error to the job's store,
+    and a peer whose wait ends without its message reads it and stops with that rank's error.
     """
 
     def __init__(self, comm: CommTable, ranks: Sequence[int], device: str, *,
                  group: Any = None, links: Mapping[tuple[int, int], Any] | None = None,
-                 timeout: float = 300.0, rank: int = 0) -> None:
+                 timeout: float | None = None, rank: int = 0) -> None:
         self.ranks = list(ranks)  # rank of each stage in this pipeline
         self.device = torch.device(device)
         self.group = group
         self.links = dict(links or {})  # (sending stage, receiving stage) -> its own group
-        self.timeout = timeout
         self.rank = rank
         self.board = ErrorBoard()
+        stage = self.ranks.index(rank) if rank in self.ranks else 0
+        self.watchdog = Watchdog(timeout, rank, stage, self.board)
         self._forward = {pair: [_slot(e) for e in edges]
                          for pair, edges in comm.by_pair().items()}
         carries = comm.carries_grad()
         self._backward = {pair: [s for s in slots if s.number is None and s.dtype.is_floating_point
                                  and carries[s.value]]
                           for pair, slots in self._forward.items()}
-        self._dims: dict[Any, tuple[list[int], int | None]] = {}
-        self._pending: list[Any] = []
+        self._dims: dict[Any, tuple[list[int], int | None]] = {}  # of the run in progress
+        self._pending: list[tuple[Any, str]] = []  # posted sends and what they carry
         self._posted: dict[Any, tuple[list[_Slot], list[torch.Tensor], list[Any]]] = {}
         self._error: BaseException | None = None
 
     def prepare(self, run: Any, sizes: Sequence[int], seq: int | None) -> None:
         """The micro-batch sizes (and sequence length) of `run`, known to every rank."""
-        self._dims[run] = (list(sizes), seq)
+        self._dims = {run: (list(sizes), seq)}  # a run's messages all complete within it
+        self.watchdog.started()
 
     def send(self, src: int, dst: int, direction: str, key: MicroBatchKey,
              values: Mapping[str, Any]) -> None:
+        what = (f"{_NAMES[direction]} micro-batch {key.mb} to reach stage {dst} "
+                f"(rank {self.ranks[dst]})")
         for index, tensor in enumerate(self._encode(src, dst, direction, key, values)):
             tag = _tag(direction, key, index)
-            self._pending.append(dist.isend(tensor, self.ranks[dst], self._group(src, dst), tag))
+            try:
+                work = dist.isend(tensor, self.ranks[dst], self._group(src, dst), tag)
+            except Exception as error:  # a connection a peer closed fails at once
+                raise self.watchdog.failure(error, what) from error
+            self._pending.append((work, what))
 
     def prefetch(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> None:
         """Post the receive of a message the stage will wait for later, so the transfer
@@ -106,7 +173,8 @@ class DistTransport:
         self.prefetch(src, dst, direction, key)
         slots, received, works = self._posted.pop((src, dst, direction, key))
         for work in works:
-            self._wait(work, f"{direction} micro-batch {key.mb} from stage {src}")
+            self._wait(work, f"{_NAMES[direction]} micro-batch {key.mb} from stage {src} "
+                             f"(rank {self.ranks[src]})")
         return {slot.value: buffer.item() if slot.number else buffer
                 for slot, buffer in zip(slots, received)}
 
@@ -123,8 +191,9 @@ class DistTransport:
     def flush(self) -> None:
         """Complete every posted send (their buffers may then be reused)."""
         pending, self._pending = self._pending, []
-        for work in pending:
-            self._wait(work, "a send")
+        for work, what in pending:
+            self._wait(work, what)
+        self.watchdog.finished()
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -165,18 +234,9 @@ class DistTransport:
         return sizes[key.mb], seq if seq is not None else 0
 
     def _wait(self, work: Any, what: str) -> None:
-        """Block until `work` completes. A peer that failed has posted its error and closed its
-        connections, which ends the wait; report that rank's error rather than our own."""
         if self._error is not None:
             raise PipelineAborted(f"stopped before waiting for {what}: {self._error}")
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
-        except Exception as error:  # gloo/NCCL report a lost peer or a timeout this way
-            failure = self.board.read()
-            if failure is not None:
-                raise PipelineAborted(f"the pipeline stopped because {failure}") from error
-            raise FxpipeError(f"rank {self.rank} gave up waiting for {what} after at most "
-                              f"{self.timeout:.0f} s: {error}") from error
+        self.watchdog.wait(work, what)
 
 
 def _slot(edge: Edge) -> _Slot:

@@ -24,6 +24,8 @@ from fxpipe import Plan, PlanError
     ({"stages": 2, "tracer": "jit"}, r"Plan\(tracer='jit'\) is not known"),
     ({"stages": 2, "leaf_modules": [3]}, r"give nn.Module classes or qualified module names"),
     ({"stages": 2, "loss_fn": "mse"}, r"must be callable\(output, target\)"),
+    ({"stages": 2, "timeout": 0}, r"Plan\(timeout=0\) must be a number of seconds > 0"),
+    ({"stages": 2, "timeout": "1m"}, r"Plan\(timeout='1m'\) must be a number of seconds"),
     ({"stages": 2, "micro_batches": "auto", "costs": "none"},
      r"chooses the count from measured times, but costs='none' measures nothing"),
     ({"stages": 2, "partitioner": "csimd", "micro_batches": 4},

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fxpipe.compiler.assemble import build_local_runtime
-from fxpipe.compiler.distributed import build_rank_runtime
+from fxpipe.compiler.distributed import build_rank_runtime, owned_names
 from fxpipe.compiler.inputs import example_args, units_of
 from fxpipe.compiler.partitioning import compare_partitioners
 from fxpipe.compiler.passes import PASSES
@@ -64,8 +64,7 @@ def compile(
     log = run_passes(PASSES, c)
     if c.distributed:
         executor, rank = build_rank_runtime(c), c.layout.rank
-        module = c.graph.get_submodule(f"stage{c.layout.stage}").module
-        owned = frozenset(n for n, _ in [*module.named_parameters(), *module.named_buffers()])
+        owned = owned_names(c.model, c.graph.get_submodule(f"stage{c.layout.stage}").module)
     else:
         executor, owned, rank = build_local_runtime(c), None, None
     return CompiledPipeline(

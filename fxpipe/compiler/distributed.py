@@ -23,7 +23,7 @@ from fxpipe.runtime.hooks import GradientSync
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.units import Unit
 
-__all__ = ["LinkGroups", "agree", "build_rank_runtime", "ping_pong"]
+__all__ = ["LinkGroups", "agree", "build_rank_runtime", "owned_names", "ping_pong"]
 
 
 def agree(layout: RankLayout, plan: Plan, units: Sequence[Unit]) -> None:
@@ -91,7 +91,8 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     runner = StageRunner(stage, hook, c.comm.stages[layout.stage], device,
                          c.comm.carries_grad())
     transport = DistTransport(c.comm, layout.pipeline_ranks, device, group=pipeline,
-                              links=c.link_groups.of_edges(c.comm), rank=layout.rank)
+                              links=c.link_groups.of_edges(c.comm), rank=layout.rank,
+                              timeout=c.plan.timeout)
     data_parallel = _data_parallel_group(layout, stage)
     sync = None
     if data_parallel is not None:
@@ -101,11 +102,21 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     coordinator = DistCoordinator(layout.pipeline_ranks, c.partition.micro_batches, device,
                                   pipeline, _tied_groups(c.model, stages, layout), sync=sync,
                                   data_parallel=data_parallel, group_index=layout.group,
-                                  groups=layout.groups)
+                                  groups=layout.groups, watchdog=transport.watchdog)
     return PipelineExecutor(
         {layout.stage: runner}, c.comm, transport, output_names(c.cut_from), c.schedule,
         c.forward_schedule, c.streamed, c.traced.bind.unflatten, coordinator, c.whole,
     )
+
+
+def owned_names(model: torch.nn.Module, stage: torch.nn.Module) -> frozenset[str]:
+    """Every name in the model of a tensor this rank's stage holds: the model's state dict
+    lists a tied weight under each of its names, a stage (an exported one) under one."""
+    held = {id(t) for t in [*stage.parameters(), *stage.buffers()]}
+    named = [*stage.named_parameters(), *stage.named_buffers(),
+             *model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    return frozenset(name for name, tensor in named if id(tensor) in held)
 
 
 def _new_groups(rank_lists: Sequence[Sequence[int]], rank: int) -> Any:

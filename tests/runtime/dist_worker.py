@@ -43,6 +43,24 @@ class SkipNet(nn.Module):
         return self.out(h + self.skip(x))
 
 
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight (as GPT-2's wte and lm_head), on
+    two stages; an exported stage knows the weight under one of its two names. No stage uses
+    `spare`."""
+
+    def __init__(self, vocab: int = 11, width: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mid = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+        self.spare = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x)) * self.scale))
+
+
 def tokens_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -283,28 +301,88 @@ def global_batches(data):
 
 
 def fail(out):
-    """Stage 1 raises during the step: every rank must stop with that error, none may hang."""
+    """Stage 1 raises during the step: every rank must stop with that error, none may hang
+    (rank 0 waits for stage 1 until its deadline, then reads the error rank 1 posted)."""
     model, data, loss_fn = build("skipnet")
     plan = fxpipe.Plan(stages=2, micro_batches=2, loss_fn=loss_fn, costs="none",
-                       partitioner=[3, 4])
+                       partitioner=[3, 4], timeout=2)
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
     if dist.get_rank() == 1:
         def explode(module, inputs):
             raise ValueError("injected failure on stage 1")
         model.layers[3].register_forward_pre_hook(explode)
-    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         pipe.step(*data[0])
     except Exception as error:
-        print(f"rank {rank} stopped: {type(error).__name__}: {error}", flush=True)
-        # torchrun kills the other ranks as soon as one exits with an error, which could cut
-        # a slower rank short before it prints; so each rank closes its connections (what
-        # exiting does, and what wakes its peers) but exits only once every rank has reported
+        _stop(error)
+
+
+def stall(out):
+    """Rank 1 stands still in the second step's first forward, as a stopped process would,
+    until every other rank has given up; then it goes on (as after SIGCONT). Every rank must
+    stop within a few deadlines, saying which stage and micro-batch it waited for."""
+    model, data, loss_fn = build("skipnet")
+    plan = fxpipe.Plan(stages=3, micro_batches=2, schedule="1f1b", loss_fn=loss_fn,
+                       costs="none", timeout=2)
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+    pipe.step(*data[0])  # a step that completes: the deadline is now max(2 s, 10 x its time)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 1:
         store = dist.distributed_c10d._get_default_store()
-        dist.destroy_process_group()
-        store.set(f"stopped/{rank}", "1")
-        store.wait([f"stopped/{r}" for r in range(world)], datetime.timedelta(seconds=60))
-        sys.exit(3)
+        others = [f"stopped/{r}" for r in range(world) if r != rank]
+
+        def stand_still(module, inputs):
+            store.wait(others, datetime.timedelta(seconds=60))
+        for module in model.modules():  # this rank runs only its stage's
+            module.register_forward_pre_hook(stand_still)
+    try:
+        pipe.step(*data[1])
+    except Exception as error:
+        _stop(error)
+
+
+def _stop(error: Exception) -> None:
+    """Report the error, then exit with 3 once every rank has reported."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    print(f"rank {rank} stopped: {type(error).__name__}: {error}", flush=True)
+    # torchrun kills the other ranks as soon as one exits with an error, which could cut
+    # a slower rank short before it prints; so each rank closes its connections (what
+    # exiting does) but exits only once every rank has reported
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    store.set(f"stopped/{rank}", "1")
+    store.wait([f"stopped/{r}" for r in range(world)], datetime.timedelta(seconds=60))
+    sys.exit(3)
+
+
+def names(out):
+    """A model whose embedding and output layer share a weight, traced by export and by fx:
+    the state dict gathered from both ranks, the names under a prefix, a parent module's
+    state dict, and how many runs' micro-batch sizes the transport holds after 1 and 3 steps."""
+    for tracer in ("export", "fx"):
+        torch.manual_seed(0)
+        model = Tied().double()
+        data = [(torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))) for _ in range(3)]
+        plan = fxpipe.Plan(stages=2, micro_batches=2, loss_fn=tokens_loss, costs="none",
+                           tracer=tracer)
+        pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+        state = fxpipe.gather_state_dict(pipe)
+        parent = nn.Module()
+        parent.first, parent.m, parent.last = nn.Linear(2, 2), pipe, nn.Linear(2, 2)
+        share = {"names": [n for n, _ in pipe.named_parameters()],
+                 "buffers": [n for n, _ in pipe.named_buffers()],
+                 "prefixed": [n for n, _ in pipe.named_parameters(prefix="m")],
+                 "prefixed_buffers": [n for n, _ in pipe.named_buffers(prefix="m")],
+                 "parent": list(parent.state_dict()), "own": list(pipe.state_dict())}
+        sizes = []
+        for x, y in data:
+            pipe.step(x, y)
+            sizes.append(len(pipe.executor.transport._dims))
+        share["sizes"] = sizes
+        shares: list = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, share)
+        if dist.get_rank() == 0:
+            torch.save({"state": state, "shares": shares}, f"{out}.{tracer}")
 
 
 def _gloo_threads() -> int:
@@ -334,8 +412,8 @@ def leave(out):
 def main() -> None:
     torch.set_num_threads(1)
     scenario, out = sys.argv[1], sys.argv[2]
-    if scenario == "fail":
-        fail(out)
+    if scenario in ("fail", "stall", "names"):
+        {"fail": fail, "stall": stall, "names": names}[scenario](out)
     elif scenario.startswith("hybrid:"):  # hybrid:MODE:MODEL
         hybrid(*scenario.split(":")[1:], out)
     elif scenario == "leave":

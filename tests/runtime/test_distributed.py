@@ -83,13 +83,75 @@ def test_training_across_ranks_matches_one_process(ranks, scenarios, tmp_path):
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
-    result = torchrun(2, "fail", tmp_path / "unused", timeout=120)
+    """Rank 0 waits for the failed stage until Plan(timeout=2) passes, not for the process
+    group's 300 s or the failed rank's exit (subprocess.TimeoutExpired fails the test)."""
+    result = torchrun(2, "fail", tmp_path / "unused", timeout=60)
     assert result.returncode != 0
     lines = [line for line in result.stdout.splitlines() if "stopped:" in line]
     assert any(line.startswith("rank 1 stopped: RuntimeError: stage 1 failed: ValueError: "
                                "injected failure on stage 1") for line in lines), result.stdout
     assert any(line.startswith("rank 0 stopped:") and "rank 1 failed: ValueError: injected "
                "failure on stage 1" in line for line in lines), result.stdout
+
+
+def test_a_rank_that_stops_making_progress_stops_every_rank(tmp_path):
+    """Rank 1 of 3 stands still mid-step: ranks 0 and 2 give up at their deadline
+    (Plan(timeout=2)), rank 1 when it goes on, all well before the process group's 300 s,
+    each saying which stage and micro-batch was waited for and on which rank."""
+    result = torchrun(3, "stall", tmp_path / "unused", timeout=60)
+    assert result.returncode != 0
+    stopped = {int(line.split()[1]): line for line in result.stdout.splitlines()
+               if line.startswith("rank ") and " stopped: " in line}
+    assert sorted(stopped) == [0, 1, 2], result.stdout + result.stderr[-3000:]
+    for line in stopped.values():  # its own deadline, or the first one reported
+        assert "micro-batch 0 from stage 1 (rank 1)" in line, line
+        assert "Plan(timeout=...)" in line, line
+    waited = {0: "rank 0 (stage 0) waited", 2: "rank 2 (stage 2) waited"}
+    assert any(text in line for line in stopped.values() for text in waited.values())
+    assert "PipelineAborted: the pipeline stopped because rank" in stopped[1], stopped[1]
+
+
+@pytest.fixture(scope="module")
+def tied_run(tmp_path_factory):
+    """One torchrun of the `names` scenario (2 ranks), for the tests below."""
+    out = tmp_path_factory.mktemp("names") / "result"
+    result = torchrun(2, "names", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {tracer: torch.load(f"{out}.{tracer}") for tracer in ("export", "fx")}
+
+
+@pytest.mark.parametrize("tracer", ["export", "fx"])
+def test_gather_state_dict_holds_every_name_of_a_tied_weight(tied_run, tracer):
+    """A weight two stages share has two names in the model's state dict; an exported stage
+    knows it under one; a weight no stage uses, none. The gathered state dict is still the
+    plain model's, key for key."""
+    gathered = tied_run[tracer]["state"]
+    torch.manual_seed(0)
+    plain = dist_worker.Tied().double()
+    expected = plain.state_dict()
+    assert list(gathered) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(gathered[key], value, rtol=0, atol=0, msg=key)
+    plain.load_state_dict(gathered, strict=True)
+    for share in tied_run[tracer]["shares"]:  # each rank's own share holds both names
+        assert {"emb.weight", "head.weight"} <= set(share["own"]), share["own"]
+
+
+@pytest.mark.parametrize("tracer", ["export", "fx"])
+def test_names_under_a_prefix_are_this_ranks_share(tied_run, tracer):
+    """named_parameters(prefix="m") names what named_parameters() does, prefixed; a parent
+    module's state dict keeps its own entries and this rank's share of the pipeline's."""
+    for share in tied_run[tracer]["shares"]:
+        assert share["names"] and share["prefixed"] == [f"m.{n}" for n in share["names"]]
+        assert share["prefixed_buffers"] == [f"m.{n}" for n in share["buffers"]]
+        assert share["parent"] == (["first.weight", "first.bias"]
+                                   + [f"m.{k}" for k in share["own"]]
+                                   + ["last.weight", "last.bias"])
+
+
+def test_the_transport_holds_the_sizes_of_one_run_only(tied_run):
+    for share in tied_run["export"]["shares"]:
+        assert share["sizes"] == [1, 1, 1]
 
 
 def test_shutdown_leaves_no_gloo_thread_behind(tmp_path):
