@@ -23,6 +23,7 @@ from fxpipe.errors import FxpipeTraceError
 from fxpipe.graph_io import CallConvention, argument_owners
 from fxpipe.materialize import has_meta_tensors, on_meta
 from fxpipe.plan import Plan
+from fxpipe.stacks import unstacked
 
 __all__ = ["Traced", "trace"]
 
@@ -56,6 +57,7 @@ def trace(
     fails it counts as failed, so `tracer="auto"` moves on to the next frontend.
     """
     leaf_paths = _leaf_paths(model, plan.leaf_modules)
+    model = model if callable(plan.tracer) else unstacked(model, leaf_paths)
     if callable(plan.tracer):
         frontends: Sequence[str] = ("custom",)
     elif plan.tracer == "auto":

@@ -10,10 +10,12 @@ import torch
 from torch import fx
 
 from fxpipe.meta import UNIT
+from fxpipe.stacks import RNNLayer
 
 __all__ = ["Unit", "cut_units", "module_key", "unit_parameters"]
 
 _OPAQUE_OPS = ("placeholder", "get_attr", "output")  # not owned by any one unit
+_RNN_LAYER = f"{RNNLayer.__module__}.{RNNLayer.__qualname__}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,8 @@ def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
 
 
 def _is_torch_leaf(qualified_type: str) -> bool:
+    if qualified_type == _RNN_LAYER:  # traced through (its weights keep their names), one unit
+        return True
     if not qualified_type.startswith(("torch.nn.", "torch.ao.nn.")):
         return False
     return not qualified_type.endswith((".Sequential", ".ModuleList", ".ModuleDict"))

@@ -244,3 +244,18 @@ def test_drawing_the_timeline_leaves_matplotlibs_backend_as_it_was(trained, tmp_
     before = matplotlib.get_backend()
     trained.save_timeline(tmp_path / "t.png")
     assert matplotlib.get_backend() == before
+
+
+@pytest.mark.parametrize("partitioner", ["imd", "csimd"])
+def test_replan_proposes_as_many_stages_as_the_plan_has(partitioner):
+    # with links this dear, imd and csimd alone would put everything in one stage
+    model = MLP((16, 32, 32, 32, 10))
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    plan = fxpipe.Plan(stages=2, partitioner=partitioner, loss_fn=F.cross_entropy,
+                       micro_batches=2 if partitioner == "imd" else "auto")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe.step(x, y)
+    dear = torch.ones(pipe.cost.cf.shape).numpy()
+    vars(pipe)["cost"] = dataclasses.replace(pipe.cost, cf=dear, cb=dear)
+    result = fxpipe.replan(pipe, threshold=0.0)
+    assert len(result.proposed.bounds) == len(result.plan_sizes) == 2

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from fxpipe.cost import CostTable, Partition
 from fxpipe.errors import PlanError
 from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
+from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
 from fxpipe.units import Unit
@@ -65,17 +65,10 @@ def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int
                      ) -> tuple[int, ...]:
     """IMD and cross-search may use fewer stages than asked when more would only add links;
     the plan has a device or rank per stage, so split the slowest stages until there are
-    `stages` (each split at the unit that best halves its time)."""
-    bounds = list(bounds)
-    if len(bounds) >= stages:
-        return tuple(bounds)
-    f, b, _, _ = cost.at(p)
-    time = f + b
+    `stages` (each where it best halves its time)."""
+    bounds, (f, b, _, _) = list(bounds), cost.at(p)
     while len(bounds) < stages:
-        starts = [0, *bounds[:-1]]
-        splittable = [(time[a:z].sum(), a, z) for a, z in zip(starts, bounds) if z - a > 1]
-        _, start, end = max(splittable)
-        halves = np.cumsum(time[start:end])
-        cut = start + 1 + int(np.argmin(np.abs(halves[:-1] - halves[-1] / 2)))
-        bounds = sorted([*bounds, cut])
+        _, start, end = max(((f + b)[a:z].sum(), a, z)
+                            for a, z in zip([0, *bounds], bounds) if z - a > 1)
+        bounds = sorted([*bounds, start + minmax_bounds((f + b)[start:end], 2)[0]])
     return tuple(bounds)

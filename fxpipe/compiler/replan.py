@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from fxpipe.compiler.partitioning import PARTITIONERS
+from fxpipe.compiler.partitioning import PARTITIONERS, exactly_n_stages
 from fxpipe.cost import Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.passes.partition.ampa import dispersion as ampa_dispersion
@@ -80,8 +80,9 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
                            and pipe.plan.partitioner != "even" else "balanced")
     proposed = current
     if dispersion > threshold:
-        found = PARTITIONERS[name](cost, pipe.plan.stages, p)
-        found = Partition.evaluate(cost, found.bounds, p, name, schedule=schedule)
+        found = PARTITIONERS[name](cost, pipe.plan.stages, p)  # imd, csimd: maybe fewer stages
+        bounds = exactly_n_stages(found.bounds, pipe.plan.stages, cost, p)
+        found = Partition.evaluate(cost, bounds, p, name, schedule=schedule)
         if found.predicted_time < current.predicted_time:
             proposed = found
     result = Replan(current, proposed, dispersion, threshold)

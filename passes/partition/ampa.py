@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition, step_times
+from fxpipe.passes.partition.balanced import settle
 from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.validate import check_planner_args
 
@@ -73,7 +74,7 @@ def ampa(
     times = np.array([step_times(cost, tuple(v), [p])[0] for v in visited])
     fastest = [v for v, t in zip(visited, times) if t <= times.min() * (1 + 1e-12)]
     best = min(fastest, key=lambda v: _stage_sums(real, v).max())  # ties: the balanced one
-    return Partition.evaluate(cost, tuple(best), p, "ampa")
+    return settle(cost, Partition.evaluate(cost, tuple(best), p, "ampa"), "time", stages)
 
 
 def _stage_sums(prefix: np.ndarray, ends: np.ndarray) -> np.ndarray:

@@ -1,15 +1,45 @@
-"""`balanced`: the exact min-max partition of per-unit time f + b (torchgpipe's balance_by_time)."""
+"""`balanced`: the exact min-max partition of per-unit time f + b (torchgpipe's balance_by_time),
+and how every planner breaks ties: towards balance."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.validate import check_planner_args
 
-__all__ = ["balanced", "minmax_bounds"]
+__all__ = ["OBJECTIVES", "TIE", "balanced", "minmax_bounds", "settle"]
+
+OBJECTIVES: dict[str, Callable[[Partition], float]] = {
+    "time": lambda part: part.predicted_time,  # T(λ, p) of ALGORITHMS §1
+    "rho": lambda part: part.rho_f + part.rho_b,  # IMD's objective (ALGORITHMS §3)
+    "compute": lambda part: max(s.f + s.b for s in part.stages),  # balanced's objective
+    "params": lambda part: max(s.params for s in part.stages),  # params' objective
+}
+
+# Scores this close (relative) are ties: float rounding, never a difference in the costs. Each
+# planner stays optimal for the costs it is given; steadying measured costs is the profile's.
+TIE = 1e-12
+
+
+def settle(cost: CostTable, part: Partition, objective: str, stages: int) -> Partition:
+    """A planner's `part`, or the most balanced partition that ties with it on `objective`, the
+    same on every call: of `part`, the even split and the min-max split of f + b into
+    `stages`, those scoring as `part` does (within TIE), then of those the ones with the least
+    largest stage f + b, then the most stages, the fewest units in the largest stage, the most
+    in the smallest, the smallest bounds (the larger stages last, as in `even`). Identical
+    units so get the even split from every planner."""
+    p, score = part.micro_batches, OBJECTIVES[objective]
+    f, b, _, _ = cost.at(p)
+    tries = [part, *(Partition.evaluate(cost, bounds, p, part.partitioner) for bounds in
+                     (even_bounds(cost.units, stages), minmax_bounds(f + b, stages)))]
+    tries = [t for t in tries if abs(score(t) - score(part)) <= TIE * abs(score(part))]
+    least = min(OBJECTIVES["compute"](t) for t in tries)
+    tries = [t for t in tries if OBJECTIVES["compute"](t) <= least + TIE * abs(least)]
+    return min(tries, key=lambda t: (-len(t.sizes), max(t.sizes), -min(t.sizes), t.bounds))
 
 
 def minmax_bounds(weights: Sequence[float] | np.ndarray, stages: int) -> tuple[int, ...]:
@@ -83,4 +113,5 @@ def balanced(cost: CostTable, stages: int, p: int = 1) -> Partition:
     """
     check_planner_args(cost, stages, p)
     f, b, _, _ = cost.at(p)
-    return Partition.evaluate(cost, minmax_bounds(f + b, stages), p, "balanced")
+    part = Partition.evaluate(cost, minmax_bounds(f + b, stages), p, "balanced")
+    return settle(cost, part, "compute", stages)

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from fxpipe.cost import CostTable, Partition, step_times
+from fxpipe.passes.partition.balanced import settle
 from fxpipe.passes.partition.imd import imd
 from fxpipe.passes.partition.odpa import divisors, odpa
 from fxpipe.passes.partition.validate import check_planner_args
@@ -107,4 +108,5 @@ def csimd(
     best partition changes with p; completing it with IMD at every candidate p (milliseconds
     for hundreds of units) puts it within IMD's bound of the optimum whenever links are free.
     """
-    return cross_search(cost, stages, batch, p0, candidates, eta, sweep=True).partition
+    found = cross_search(cost, stages, batch, p0, candidates, eta, sweep=True).partition
+    return settle(cost, found, "time", stages)

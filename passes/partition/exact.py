@@ -8,19 +8,12 @@ from collections.abc import Callable
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition
-from fxpipe.passes.partition.balanced import minmax_bounds
+from fxpipe.passes.partition.balanced import OBJECTIVES, minmax_bounds, settle
 from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.imd import Packing, window_min
 from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["OBJECTIVES", "brute_force", "exact"]
-
-OBJECTIVES: dict[str, Callable[[Partition], float]] = {
-    "time": lambda part: part.predicted_time,  # T(λ, p) of ALGORITHMS §1
-    "rho": lambda part: part.rho_f + part.rho_b,  # IMD's objective (ALGORITHMS §3)
-    "compute": lambda part: max(s.f + s.b for s in part.stages),  # balanced's objective
-    "params": lambda part: max(s.params for s in part.stages),  # params' objective
-}
 
 _MAX_UNITS = 3000  # O(K²) candidate caps: beyond this, exact is the wrong tool
 _PAIR_BUDGET = 1 << 22  # floats per DP batch (pairs × units × table levels)
@@ -49,7 +42,7 @@ def exact(cost: CostTable, stages: int, p: int = 1, objective: str = "time",
                          f"use imd or csimd, which scale linearly in K")
     pack = Packing.of(cost, p)
     search = _PairSearch(pack, stages, at_most, objective, p)
-    return Partition.evaluate(cost, search.run(), p, "exact")
+    return settle(cost, Partition.evaluate(cost, search.run(), p, "exact"), objective, stages)
 
 
 class _PairSearch:

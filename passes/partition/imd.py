@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.passes.partition.balanced import settle
 from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["Packing", "imd", "masp", "window_min"]
@@ -178,7 +179,7 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
         else:
             d_hi = d_mid
             best = min(best, found, key=lambda x: x[:2])
-    return Partition.evaluate(cost, best[2], p, "imd")
+    return settle(cost, Partition.evaluate(cost, best[2], p, "imd"), "rho", stages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fxpipe.cost import CostTable, Partition
-from fxpipe.passes.partition.balanced import minmax_bounds
+from fxpipe.passes.partition.balanced import minmax_bounds, settle
 from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["params"]
@@ -17,4 +17,5 @@ def params(cost: CostTable, stages: int, p: int = 1) -> Partition:
             "the cost table holds no parameter counts (all zero), so 'params' has nothing to "
             "balance; build it with CostTable.from_arrays(..., params=...) or use 'even'"
         )
-    return Partition.evaluate(cost, minmax_bounds(cost.params, stages), p, "params")
+    part = Partition.evaluate(cost, minmax_bounds(cost.params, stages), p, "params")
+    return settle(cost, part, "params", stages)

@@ -29,3 +29,10 @@ def test_imd_on_a_table_of_zeros():
     # the default ε = 1e-4·D_max is 0 here, which the eps check used to reject
     cost = CostTable.from_arrays([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     assert imd(cost, 2).rho_f == 0.0
+
+
+def test_exact_gives_a_tie_of_every_partition_to_the_even_split():
+    # at one micro-batch without links every partition has the same T, and the traceback's
+    # last-start rule returned 38 + 1 + 1 + 1
+    cost = CostTable.from_arrays([1.0] * 41, [2.0] * 41)
+    assert exact(cost, 4, p=1).sizes == (10, 10, 10, 11)
