@@ -161,7 +161,7 @@ class PredictPolicy(WeightPolicy):
         """s for micro-batch `mb`: the STEPs the stage takes between its forward and its
         backward in the schedule being run, weight_version(B) - weight_version(F). PipeOptim's
         N - stage - 1 holds for one micro-batch per update only; with p micro-batches per
-        update the forward of most is 0 or 1 update behind its backward."""
+        update it is at most ceil((N - stage - 1) / p)."""
         if self.schedule is None:
             return 0  # no schedule followed yet: nothing known to land in between
         version = self.schedule.weight_version
