@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import FxpipeError
+from fxpipe.schedules import Action, B, F, Schedule
 
 __all__ = ["POLICIES", "Predictor", "WeightPolicy", "make_policy", "predicted_update"]
 
@@ -32,6 +33,11 @@ class WeightPolicy:
         self.history: collections.deque[tuple[Any, int, int]] = collections.deque(maxlen=4096)
         self.last_grads: dict[str, torch.Tensor] = {}  # gradients of the latest step
         self.peak_copies = 0  # most weight copies held at once
+        self.schedule: Schedule | None = None  # what the current run executes (follow)
+
+    def follow(self, schedule: Schedule) -> None:
+        """The schedule the next run executes (the one whose micro-batches `key.mb` numbers)."""
+        self.schedule = schedule
 
     def forward_weights(self, key: Any) -> dict[str, torch.Tensor] | None:
         """The weights the forward of `key` runs with (None: the parameters themselves)."""
@@ -150,12 +156,22 @@ class PredictPolicy(WeightPolicy):
     def __init__(self, weights, stage, stages, predictor: Predictor | None = None) -> None:
         super().__init__(weights, stage, stages)
         self.predictor = predictor
-        self.steps_ahead = stages - stage - 1
+
+    def updates_ahead(self, mb: int) -> int:
+        """s for micro-batch `mb`: the STEPs the stage takes between its forward and its
+        backward in the schedule being run, weight_version(B) - weight_version(F). PipeOptim's
+        N - stage - 1 holds for one micro-batch per update only; with p micro-batches per
+        update it is at most ceil((N - stage - 1) / p)."""
+        if self.schedule is None:
+            return 0  # no schedule followed yet: nothing known to land in between
+        version = self.schedule.weight_version
+        return version(Action(self.stage, B, mb)) - version(Action(self.stage, F, mb))
 
     def forward_weights(self, key: Any) -> dict[str, torch.Tensor] | None:
         self.forward_versions[key] = self.version
-        if self.steps_ahead == 0 or self.optimizer is None or self.version == 0:
-            return None  # the last stage, or nothing to predict from yet
+        ahead = self.updates_ahead(key.mb)
+        if ahead == 0 or self.optimizer is None or self.version == 0:
+            return None  # no step lands before the backward, or nothing to predict from yet
         self.peak_copies = 1  # Ŵ exists while the forward runs; the backward reads W
         predicted = {}
         for group in self.optimizer.param_groups:
@@ -166,9 +182,8 @@ class PredictPolicy(WeightPolicy):
                 with torch.no_grad():
                     predictor = self.predictor or predicted_update
                     update = predictor(self.optimizer, param, self.last_grads.get(name))
-                    ahead = param - group["lr"] * self.steps_ahead * update
-                # differentiable in W (gradients land on the parameter), valued Ŵ
-                predicted[name] = param + (ahead - param).detach()
+                    shift = group["lr"] * ahead * update
+                predicted[name] = param - shift  # valued Ŵ, differentiable in W
         return predicted
 
     def _name_of(self, param: torch.nn.Parameter) -> str | None:
@@ -254,8 +269,10 @@ def make_policy(name: str, weights: Mapping[str, torch.nn.Parameter], stage: int
         none     forward with the current weights; backward with whatever is current then
         stash    backward with exactly the weights its forward used (PipeDream weight stashing)
         2bw      forward and backward with the version before the latest step (PipeDream-2BW)
-        predict  forward with the weights predicted s steps ahead, s = N - stage - 1, from the
-                 optimizer's own state; backward with the current weights (PipeOptim)
+        predict  forward with the weights predicted s steps ahead, s the steps the schedule
+                 lands between the micro-batch's forward and backward on the stage (N - stage - 1
+                 with one micro-batch per update), from the optimizer's own state; backward with
+                 the current weights (PipeOptim)
 
     Weights never change in place for a forward: a policy hands the stage substitute tensors
     and `saved_tensors_hooks` choose what the backward reads; copies live per weight version

@@ -314,6 +314,9 @@ class PipelineExecutor:
     def _run(self, kinds, run: Run, call: Call, schedule: Schedule,
              append: bool = False) -> Run:
         self.last_schedule, self.last_sizes = schedule, list(call.sizes)
+        for runner in self.runners.values():
+            if runner.policy is not None:  # the weight versions it meets, by micro-batch
+                runner.policy.follow(schedule)
         programs = [[a for a in stage if kinds is None or a.kind in kinds]
                     for stage in schedule.actions]
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0

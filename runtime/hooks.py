@@ -24,9 +24,10 @@ class GradientSync:
     Stage s of every pipeline replica forms a data-parallel group. `delayed` (GroPipe) starts
     `all_reduce(async_op=True)` of the stage's gradient buckets as it finishes its last
     micro-batch's backward, overlapping earlier stages' backward, and waits only before the
-    optimizer step; `naive` waits for the whole pipeline's backward, then reduces. Buckets hold
-    at most `bucket_bytes` (DDP's 25 MiB). Each group's loss is weighted by its share of the
-    global mini-batch, so the all-reduce sums.
+    optimizer step; `naive` waits for the whole pipeline's backward, then reduces. Both run the
+    same all-reduces, one per bucket; delayed starts them earlier and skips the barrier. Buckets
+    hold at most `bucket_bytes` (DDP's 25 MiB). Each group's loss is weighted by its share of
+    the global mini-batch, so the all-reduce sums.
     """
 
     def __init__(self, stage: int, params: Sequence[torch.nn.Parameter], group: Any,

@@ -13,7 +13,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe.runtime.consistency import PredictPolicy, predicted_update
-from fxpipe.schedules import ActionKind, build
+from fxpipe.runtime.transport import MicroBatchKey
+from fxpipe.schedules import Action, ActionKind, build, chain, lower
 
 
 def _optimizer_after_steps(kind, steps, grad, **options):
@@ -237,12 +238,94 @@ def test_predicted_weights_are_computed_beside_the_parameters_not_in_them():
     pipe, model = _async_pipe("predict")
     pipe.step_many(_data(3))
     runner = pipe.executor.runners[0]
-    assert isinstance(runner.policy, PredictPolicy) and runner.policy.steps_ahead == 2
+    assert isinstance(runner.policy, PredictPolicy)
+    ahead = [mb for mb in range(6) if runner.policy.updates_ahead(mb) > 0]
+    assert ahead  # some forward on stage 0 meets a step before its backward
     before = [p.detach().clone() for p in model.parameters()]
-    predicted = runner.policy.forward_weights(("probe", 0))
+    predicted = runner.policy.forward_weights(MicroBatchKey("probe", ahead[0]))
     assert predicted is not None
     assert any(not torch.equal(predicted[n], w) for n, w in runner.policy.weights.items())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@settings(max_examples=30)
+@given(stages=st.integers(1, 6), micro_batches=st.integers(1, 5), updates=st.integers(1, 5))
+def test_prediction_looks_as_many_updates_ahead_as_the_schedule_lands(stages, micro_batches,
+                                                                       updates):
+    """Each stage's policy, walked through its list of the streamed schedule (F, B, STEP as the
+    runtime runs them), predicts F(mb) exactly weight_version(B(mb)) - weight_version(F(mb))
+    updates ahead: with ΔW = 1 and lr = 1, Ŵ = W - s."""
+    schedule = lower("async-1f1b", stages, micro_batches, chain(stages), minibatches=updates)
+    version = schedule.weight_version
+    for s in range(stages):
+        weight = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        policy = PredictPolicy({"w": weight}, s, stages,
+                               predictor=lambda opt, param, grad: torch.ones_like(param))
+        policy.optimizer = torch.optim.SGD([weight], lr=1.0)
+        policy.step()  # an earlier run's step: there is optimizer state to predict from
+        policy.follow(schedule)
+        for a in schedule[s]:
+            key = MicroBatchKey("run", a.mb)
+            if a.kind is ActionKind.F:
+                gap = version(Action(s, ActionKind.B, a.mb)) - version(a)
+                assert policy.updates_ahead(a.mb) == gap
+                predicted = policy.forward_weights(key)
+                used = 0.0 if predicted is None else (weight - predicted["w"]).item()
+                assert used == gap, (s, a)
+            elif a.kind is ActionKind.B:
+                policy.after_backward(key)
+            elif a.kind is ActionKind.STEP:
+                policy.step()
+        # the versions the policy met at run time are the schedule's (one step before it ran)
+        assert all(1 + version(Action(s, ActionKind.F, mb)) == forward
+                   and 1 + version(Action(s, ActionKind.B, mb)) == backward
+                   for (_, mb), forward, backward in policy.history)
+
+
+def test_streamed_run_predicts_the_updates_that_land_before_each_backward():
+    """In a real run, every micro-batch's prediction looked exactly as far ahead as the stage's
+    own history says the weights moved between its forward and its backward."""
+    pipe, _ = _async_pipe("predict", stages=3, micro_batches=3)
+    pipe.step_many(_data(2))
+    pipe.step_many(_data(4))
+    gaps = set()
+    for runner in pipe.executor.runners.values():
+        policy = runner.policy
+        for (_, mb), forward, backward in list(policy.history)[-12:]:  # the second run's
+            assert policy.updates_ahead(mb) == backward - forward
+            gaps.add(backward - forward)
+    assert gaps == {0, 1}  # 3 micro-batches per update: never N - stage - 1 = 2 ahead
+
+
+def _regression_losses(schedule, consistency, stages, micro_batches, momentum, steps=8):
+    """Per-step losses of a linear chain fitting one fixed batch (the loss falls every step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(stages)]).double()
+    gen = torch.Generator().manual_seed(3)
+    x, y = (torch.randn(2 * micro_batches, 4, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    plan = fxpipe.Plan(stages=stages, schedule=schedule, consistency=consistency,
+                       micro_batches=micro_batches, loss_fn=F.mse_loss, costs="none",
+                       partitioner="even")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.1, momentum=momentum))
+    return [loss.item() for loss in pipe.step_many([(x, y)] * steps)]
+
+
+@pytest.mark.parametrize("stages, micro_batches, momentum", [(4, 3, 0.0), (3, 4, 0.9)])
+def test_predict_with_several_micro_batches_per_update_does_not_overshoot(stages, micro_batches,
+                                                                          momentum):
+    """With p >= N - 1 micro-batches per update the forwards are 0-1 updates stale. Predicting
+    N - stage - 1 updates ahead ran the forwards on weights past GPipe's, so the loss fell
+    below GPipe's curve at every step; predicting what the schedule lands tracks GPipe closer
+    than no prediction does, from neither side."""
+    gpipe = _regression_losses("gpipe", "none", stages, micro_batches, momentum)
+    stale = _regression_losses("async-1f1b", "none", stages, micro_batches, momentum)
+    predict = _regression_losses("async-1f1b", "predict", stages, micro_batches, momentum)
+    gap = [a - b for a, b in zip(predict, gpipe)]
+    stale_gap = sum(abs(a - b) for a, b in zip(stale, gpipe)) / len(gpipe)
+    assert sum(abs(g) for g in gap) / len(gap) < stale_gap
+    assert sum(gap) / len(gap) > -0.25 * stale_gap  # not below GPipe's curve
 
 
 @settings(max_examples=6)
