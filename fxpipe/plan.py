@@ -80,6 +80,11 @@ class Plan:
         if self.devices is not None:
             self._check_devices()
         _positive_int("groups", self.groups)
+        if self.groups > 1 and self.schedule == "async-1f1b":  # its in-run steps would not wait
+            raise PlanError(  # for the groups' all-reduce, so each replica would drift apart
+                "Plan(groups>1) cannot run schedule='async-1f1b': its optimizer steps inside the "
+                "run would use gradients not yet averaged over the groups; use groups=1, or "
+                "schedule='1f1b' or 'gpipe'.")
         _choice("consistency", self.consistency, CONSISTENCY_POLICIES)
         if self.consistency != "none" and self.schedule != "async-1f1b":
             raise PlanError(

@@ -30,6 +30,8 @@ from fxpipe import Plan, PlanError
      r"chooses the count from measured times, but costs='none' measures nothing"),
     ({"stages": 2, "partitioner": "csimd", "micro_batches": 4},
      r"chooses the micro-batch count itself, so micro_batches=4 would be ignored"),
+    ({"stages": 2, "groups": 2, "schedule": "async-1f1b"},
+     r"cannot run schedule='async-1f1b'.*use groups=1"),
     ({"stages": 2, "dump": "yes"}, r"Plan\(dump='yes'\) must be True or False"),
 ])
 def test_bad_plans_say_what_to_change(kwargs, message):
