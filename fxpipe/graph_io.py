@@ -57,12 +57,8 @@ class CallConvention:
 
     def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         if self.in_spec is not None:
-            return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise FxpipeError(f"the model's forward{self.signature} cannot take this call: {e}"
-                              ) from e
+            return list(fx_pytree.tree_flatten_spec(self._as_traced(args, kwargs), self.in_spec))
+        bound = self._bind(args, kwargs)
         bound.apply_defaults()
         values = {**bound.arguments, **self.concrete}
         order = list(self.signature.parameters)
@@ -72,3 +68,31 @@ class CallConvention:
             key = name if name in values else order[position]
             flat.append(values[key])
         return flat
+
+    def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> inspect.BoundArguments:
+        try:
+            return self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise FxpipeError(f"the model's forward{self.signature} cannot take this call: {e}"
+                              ) from e
+
+    def _as_traced(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple:
+        """The call laid out as the exported example's (model(x, labels=y) fits a graph
+        traced from model(input_ids=x, labels=y)); an argument the graph lacks is refused."""
+        params = self.signature.parameters
+        if any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+            return tuple(args), dict(kwargs)
+        values = {}  # by name, those **kwargs took too
+        for name, value in self._bind(args, kwargs).arguments.items():
+            values.update(value if params[name].kind is params[name].VAR_KEYWORD
+                          else {name: value})
+        n = self.in_spec.child(0).num_children
+        traced = [*list(params)[:n], *self.in_spec.child(1).context]
+        missing = [name for name in traced if name not in values]
+        extra = [name for name, value in values.items() if name not in traced
+                 and (name not in params or value is not params[name].default)]
+        if missing or extra:
+            raise FxpipeError(f"this call {f'lacks {missing}' if missing else f'adds {extra}'}, "
+                              f"and the pipeline was compiled from an example passing {traced}: "
+                              "pass the same arguments, or compile from an example that does.")
+        return tuple(values[k] for k in traced[:n]), {k: values[k] for k in traced[n:]}
