@@ -85,28 +85,38 @@ def bench(build: Build, stages: int, micro_batches: int | str, partitioners: Seq
     loss_fn), fresh each time."""
     plans = bench_plans(stages, micro_batches, partitioners, schedules)
     check_stage_count_of(build, stages)
-    total, done = len(plans) * (rounds + 1), 0
+    total, done, started, estimate = len(plans) * (rounds + 1), 0, clock(), ""
     configurations = []
     for (partitioner, schedule), plan in plans.items():
         done += 1
         if progress:
-            _progress(done, total, f"compiling {partitioner}/{schedule}")
+            _progress(done, total, f"compiling {partitioner}/{schedule}{estimate}")
         model, x, y, loss_fn = build()
         plan = dataclasses.replace(plan, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         calibration = calibrate(pipe, x, target=y, steps=calibration_steps)
         configurations.append(_Configuration(partitioner, schedule, pipe, x, y, calibration))
+        if len(configurations) == 1:  # the first configuration's times stand for each one's
+            step = pipe.predicted_timeline(calibration).makespan + calibration.step
+            estimate = _estimate(clock() - started, step, len(plans), rounds * (warmup + steps))
     for number in range(1, rounds + 1):
         for configuration in configurations:
             done += 1
             if progress:
-                _progress(done, total, f"round {number}/{rounds} {configuration.name}")
+                _progress(done, total, f"round {number}/{rounds} {configuration.name}{estimate}")
             configuration.run_round(steps, warmup, clock)
     if progress:
         _progress(total + 1, total, "done")
         if not launched():  # a bar of its own line ends with it
             print(file=sys.stderr)
     return [configuration.row(stages) for configuration in configurations]
+
+
+def _estimate(first: float, step: float, configurations: int, steps: int) -> str:
+    """The benchmark's whole time, for the progress bar, from the first configuration's:
+    `first` seconds to compile and calibrate, then `steps` steps of `step` seconds."""
+    seconds = configurations * (first + steps * step)
+    return f" (all: about {f'{seconds / 60:.0f} min' if seconds >= 90 else f'{seconds:.0f} s'})"
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ DESCRIPTION = ("`demo` trains a bundled model through a compiled pipeline on the
 
 
 _TIMED_STEPS = 10  # steps the demo times after calibrating
+_ONE_PER_STAGE = "default: one per stage (up to the batch), as Plan's"
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -142,7 +143,7 @@ def _bench(args: argparse.Namespace) -> None:
     if args.nproc is not None and args.nproc != args.stages:
         raise FxpipeError(f"--nproc {args.nproc} runs one stage per process: give --stages "
                           f"{args.nproc}, or --nproc {args.stages}.")
-    if micro_batches != "auto" and args.batch < micro_batches:
+    if isinstance(micro_batches, int) and args.batch < micro_batches:
         raise FxpipeError(f"--batch {args.batch} cannot fill --micro-batches {micro_batches} "
                           f"(each needs a sample at least): give --batch {micro_batches} or "
                           f"more, or fewer micro-batches.")
@@ -158,7 +159,8 @@ def _bench(args: argparse.Namespace) -> None:
     if rows is None:  # a rank under torchrun: rank 0 of the job reports
         return
     title = (f"{args.model}: {args.stages} stages, batch {args.batch}, micro-batches "
-             f"{args.micro_batches}, {rows[0].rounds} rounds of {args.steps} steps"
+             f"{args.micro_batches or 'one per stage'}, {rows[0].rounds} rounds of "
+             f"{args.steps} steps"
              + (f", {args.nproc} processes under torchrun" if args.nproc else ""))
     print(title)
     print(format_rows(rows))
@@ -223,7 +225,9 @@ def _comparison(pipe) -> str:
             + format_table(header, rows))
 
 
-def _partitioner(text: str) -> str | list[int]:
+def _partitioner(text: str | None) -> str | list[int] | None:
+    if text is None:  # Plan's default
+        return None
     if "," in text or text.isdigit():
         try:
             return [int(part) for part in text.split(",")]
@@ -315,8 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--stages", type=at_least_one, default=2, help="pipeline stages")
     demo.add_argument("--partitioner", default="balanced",
                       help="how to split the model into stages")
-    demo.add_argument("--micro-batches", type=at_least_one, default=4,
-                      help="micro-batches per step")
+    demo.add_argument("--micro-batches", type=_micro_batches,
+                      help=f"micro-batches per step, or auto; {_ONE_PER_STAGE}")
     demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
                       help="the pipeline schedule")
     demo.add_argument("--batch", type=at_least_one, default=32, help="mini-batch size")
@@ -330,11 +334,12 @@ def _parser() -> argparse.ArgumentParser:
                                **shown)
     plan.add_argument("model", help=f"MODULE:FACTORY, or a bundled model: {', '.join(MODELS)}")
     plan.add_argument("--stages", type=at_least_one, required=True, help="pipeline stages")
-    plan.add_argument("--partitioner", default="even",
-                      help=f"one of {', '.join(PARTITIONERS)}, or units per stage: 4,6")
+    plan.add_argument("--partitioner",
+                      help=f"one of {', '.join(PARTITIONERS)}, or units per stage: 4,6 "
+                           "(default: balanced, as Plan's)")
     plan.add_argument("--batch", type=at_least_one, default=16, help="example mini-batch size")
-    plan.add_argument("--micro-batches", type=_micro_batches, default="1",
-                      help="a number, or auto")
+    plan.add_argument("--micro-batches", type=_micro_batches,
+                      help=f"a number, or auto; {_ONE_PER_STAGE}")
     plan.add_argument("--schedule", default="gpipe", help="the pipeline schedule")
     plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
     _model_inputs(plan)
@@ -348,8 +353,8 @@ def _parser() -> argparse.ArgumentParser:
                                          f"{', '.join(MODELS)}")
     bench_cmd.add_argument("--stages", type=at_least_one, default=2, help="pipeline stages")
     bench_cmd.add_argument("--batch", type=at_least_one, default=32, help="mini-batch size")
-    bench_cmd.add_argument("--micro-batches", type=_micro_batches, default="4",
-                           help="a number, or auto")
+    bench_cmd.add_argument("--micro-batches", type=_micro_batches,
+                           help=f"a number, or auto; {_ONE_PER_STAGE}")
     bench_cmd.add_argument("--partitioners", default="even,params,balanced,ampa,imd,csimd",
                            help="the partitioners to compare, comma-separated")
     bench_cmd.add_argument("--schedules", default="gpipe,1f1b",

@@ -43,9 +43,6 @@ class CallConvention:
         self.signature = inspect.signature(model.forward)
         self.concrete = dict(concrete or {})
         self.names = [n.target.lstrip("*") for n in gm.graph.find_nodes(op="placeholder")]
-        variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                       for p in self.signature.parameters.values())
-        self.layout = None if variadic else (len(example[0]), tuple(example[1]))  # export's
         self.fixed = self._fixed(*example)
 
     def argument_of_each_input(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -84,11 +81,7 @@ class CallConvention:
         return fixed
 
     def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise FxpipeError(f"the model's forward{self.signature} cannot take this call: {e}"
-                              ) from e
+        bound = self._bind(args, kwargs)
         given = set(bound.arguments)
         bound.apply_defaults()
         for name, (value, fix) in self.fixed.items():
@@ -101,10 +94,7 @@ class CallConvention:
                                   f"{value!r:.60}: {fix}.")
         order = list(self.signature.parameters)
         if self.in_spec is not None:
-            call = (tuple(args), dict(kwargs))
-            if self.layout is not None:
-                call = (tuple(bound.arguments[n] for n in order[:self.layout[0]]),
-                        {n: bound.arguments[n] for n in self.layout[1]})
+            call = self._as_traced(args, kwargs, bound.arguments)
             return list(fx_pytree.tree_flatten_spec(call, self.in_spec))
         values = {**bound.arguments, **self.concrete}
         flat = []
@@ -113,6 +103,36 @@ class CallConvention:
             key = name if name in values else order[position]
             flat.append(values[key])
         return flat
+
+    def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> inspect.BoundArguments:
+        try:
+            return self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise FxpipeError(f"the model's forward{self.signature} cannot take this call: {e}"
+                              ) from e
+
+    def _as_traced(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                   arguments: Mapping[str, Any]) -> tuple:
+        """The call (`arguments`: bound, defaults applied) laid out as the exported example's
+        (model(x, labels=y) fits a graph traced from model(input_ids=x, labels=y)); an argument
+        the graph lacks is refused."""
+        params = self.signature.parameters
+        if any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+            return tuple(args), dict(kwargs)
+        values = {}  # by name, those **kwargs took too
+        for name, value in arguments.items():
+            values.update(value if params[name].kind is params[name].VAR_KEYWORD
+                          else {name: value})
+        n = self.in_spec.child(0).num_children
+        traced = [*list(params)[:n], *self.in_spec.child(1).context]
+        missing = [name for name in traced if name not in values]
+        extra = [name for name, value in values.items() if name not in traced
+                 and (name not in params or value is not params[name].default)]
+        if missing or extra:
+            raise FxpipeError(f"this call {f'lacks {missing}' if missing else f'adds {extra}'}, "
+                              f"and the pipeline was compiled from an example passing {traced}: "
+                              "pass the same arguments, or compile from an example that does.")
+        return tuple(values[k] for k in traced[:n]), {k: values[k] for k in traced[n:]}
 
 
 _ANY_TENSOR = type("AnyTensor", (), {"__repr__": lambda self: "a tensor"})()

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fxpipe.errors import FxpipeError
 from fxpipe.models import MODELS, BundledModel, bundled
@@ -127,8 +128,11 @@ def _target_and_loss(name: str, batch: int):
         spec = bundled(name)
         _, target = spec.batch(batch, torch.Generator().manual_seed(0))
         return target, spec.loss_fn
-    # a model of the user's: no labels, so train it to shrink its outputs (a stand-in loss)
-    return torch.zeros(batch), lambda output, _: output.float().square().mean()
+    # a model of the user's: no labels, so train it to shrink its outputs (a stand-in loss;
+    # the output may be a structure, such as a HuggingFace model's)
+    return torch.zeros(batch), lambda output, _: sum(
+        t.float().square().mean() for t in pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def bench_build(spec: str, batch: int, shapes: Sequence[str] | None, dtype: str,

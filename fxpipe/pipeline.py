@@ -45,7 +45,8 @@ class CompiledPipeline(torch.nn.Module):
                  units: Sequence[Unit], partition: Partition, graph: fx.GraphModule,
                  comm: CommTable, devices: Sequence[str], cost: CostTable, link: Link,
                  executor: Any, passes: Sequence[Any] = (), splits: Sequence[Any] = (),
-                 rank: int | None = None, owned: frozenset[str] | None = None) -> None:
+                 rank: int | None = None, owned: frozenset[str] | None = None,
+                 retrace: Callable[[bool], CompiledPipeline] | None = None) -> None:
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -62,6 +63,7 @@ class CompiledPipeline(torch.nn.Module):
             link=link, executor=executor, passes=passes, intra_layer=tuple(splits),
             rank=rank, owned=owned, state_dict_keys=tuple(model.state_dict()),
             source=model, batch_norm=batch_norm_of_one(traced.gm),
+            retrace=retrace, twin=None,  # the pipeline traced in the other mode, once asked for
         )
         self.compiled_parts = self._parts()
 
@@ -79,6 +81,8 @@ class CompiledPipeline(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output, computed micro-batch by micro-batch through the pipeline stages;
         `loss.backward()` then runs the pipelined backward."""
+        if self._twin_runs():
+            return self.twin(*args, **kwargs)
         return self.executor.forward(self._bind(args, kwargs))
 
     def run_sequential(self, *args: Any, **kwargs: Any) -> Any:
@@ -91,6 +95,8 @@ class CompiledPipeline(torch.nn.Module):
         """`pipe.step(*inputs, target)`: run the whole schedule on one mini-batch (forward and
         backward, interleaved as the schedule says) and return the mini-batch's loss.
         Gradients accumulate in the parameters' .grad; the optimizer step is yours."""
+        if self._twin_runs():
+            return self.twin.step(*args, **kwargs)
         if self.plan.loss_fn is None:
             raise FxpipeError("pipe.step(x, target) computes the loss inside the pipeline and "
                               "needs Plan(loss_fn=...), e.g. loss_fn=torch.nn.functional."
@@ -236,8 +242,14 @@ class CompiledPipeline(torch.nn.Module):
         return self.stage_hook(stage).register(callback)
 
     def train(self, mode: bool = True) -> CompiledPipeline:
+        """A graph that fixed the mode it was traced in (torch.export's; fx's if forward()
+        reads self.training) runs the other mode through a second pipeline, traced from the
+        model in that mode when first asked for, with the same stages and parameters."""
         traced = vars(self).get("traced")
-        if traced is not None and traced.mode_fixed and mode != traced.training:
+        other = traced is not None and traced.mode_fixed and mode != traced.training
+        if other and self.twin is None and self.retrace is not None:
+            vars(self)["twin"] = self.retrace(mode)
+        elif other and self.twin is None:  # under torchrun, or with intra_layer
             modes = {True: "training", False: "eval"}
             how = ("torch.export fixes BatchNorm and dropout behaviour in the graph"
                    if traced.frontend == "export" else
@@ -245,10 +257,13 @@ class CompiledPipeline(torch.nn.Module):
                    "constant")
             raise FxpipeError(
                 f"this pipeline was traced in {modes[traced.training]} mode and {how}; "
-                f"compile a second pipeline from the model in {modes[mode]} mode "
-                f"(model.train({mode}) first)."
+                f"under torchrun or with intra_layer, compile a second pipeline from the model "
+                f"in {modes[mode]} mode yourself (model.train({mode}) first)."
             )
         return super().train(mode)
+
+    def _twin_runs(self) -> bool:
+        return self.twin is not None and self.training != self.traced.training
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -271,7 +286,10 @@ class CompiledPipeline(torch.nn.Module):
                         target._buffers[attr] = own[name]
             self.stage_hook(stage.index).rebind(dict(stage.module.named_parameters()))
         self.executor.rebind_weights()
+        if self.twin is not None:  # its stages hold the same tensors
+            self.twin._relink()
         self.compiled_parts = self._parts()
+
 
     def _parts(self) -> list[tuple[torch.nn.Module, tuple[str, ...], tuple[Any, ...]]]:
         """What the stages were built from: the children and parameters of this module and of
@@ -326,10 +344,11 @@ class CompiledPipeline(torch.nn.Module):
         return "\n".join(parts)
 
     def __repr__(self) -> str:
-        partition = self.partition
+        partition, p = self.partition, self.partition.micro_batches
         title = (f"CompiledPipeline({self.model_name}): traced with {self.frontend}, "
                  f"{len(self.units)} units in {self.plan.stages} stages, "
-                 f"partition {partition.partitioner} ({' + '.join(map(str, partition.sizes))})")
+                 f"partition {partition.partitioner} ({' + '.join(map(str, partition.sizes))}), "
+                 f"{p} micro-batch{'es' if p > 1 else ''}")
         params = [sum(p.numel() for p in s.module.parameters()) for s in self.stages]
         timed = self.plan.costs != "none"
         simulated = ((self.executor.latest_schedule.name, self.predicted_timeline().makespan)

@@ -49,7 +49,7 @@ class Plan:
     stages: int
     partitioner: str | Sequence[int] | None = None  # balanced; ampa with groups; even sans costs
     schedule: str = "gpipe"
-    micro_batches: int | str = 1
+    micro_batches: int | str | None = None  # None: one per stage (up to the batch), at compile
     devices: Sequence[str] | None = None
     groups: int = 1
     consistency: str = "none"
@@ -74,7 +74,7 @@ class Plan:
         _positive_int("stages", self.stages)
         self._check_partitioner()
         _choice("schedule", self.schedule, SCHEDULES)
-        if self.micro_batches != "auto":
+        if self.micro_batches not in (None, "auto"):
             _positive_int("micro_batches", self.micro_batches)
         self._check_micro_batch_choice()
         if self.devices is not None:
@@ -140,7 +140,7 @@ class Plan:
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""
         if self.partitioner == "csimd":
-            if self.micro_batches not in (1, "auto"):
+            if self.micro_batches not in (None, "auto"):
                 raise PlanError(
                     f"Plan(partitioner='csimd') chooses the micro-batch count itself, so "
                     f"micro_batches={self.micro_batches} would be ignored; drop micro_batches "
@@ -305,6 +305,14 @@ class Plan:
         if isinstance(data.get("link"), list):
             data["link"] = tuple(data["link"])
         return cls(**{**data, **overrides})
+
+    def for_batch(self, batch: int) -> Plan:
+        """The plan with the default micro-batch count chosen for an example `batch`: one per
+        stage, which fills the pipeline, as far as each group's share of the batch allows."""
+        if self.micro_batches is not None:
+            return self
+        return dataclasses.replace(
+            self, micro_batches=max(1, min(self.stages, batch // self.groups)))
 
     @property
     def sizes(self) -> tuple[int, ...] | None:

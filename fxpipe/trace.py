@@ -68,7 +68,7 @@ def trace(
     for frontend in frontends:
         recorder = _ModuleStack(model)
         try:
-            with recorder:
+            with recorder, _without_cache(model):
                 gm = _FRONTENDS[frontend](model, args, kwargs, plan, leaf_paths, recorder)
             concrete = plan.concrete_args if frontend == "fx" else None
             fixed = frontend == "export" or (
@@ -84,6 +84,21 @@ def trace(
             continue
         return traced
     raise FxpipeTraceError(_trace_error_message(model, failures)) from None
+
+
+@contextlib.contextmanager
+def _without_cache(model: torch.nn.Module):
+    """A HuggingFace model whose config has use_cache on returns a key/value cache object,
+    which is no graph output and of no use to a pipeline: it is traced with the cache off."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def _leaf_paths(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> tuple[str, ...]:
@@ -143,7 +158,7 @@ def _reads_training(model, plan, leaf_paths, recorder, gm) -> bool:
 
 
 def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule:
-    args, kwargs = _at_least_two_rows(model, args, kwargs, plan.whole_inputs)
+    args, kwargs = _at_least_two_rows(model, *_unaliased(args, kwargs), plan.whole_inputs)
     if has_meta_tensors(model):  # export runs the model on fake tensors of the inputs' device
         args, kwargs = on_meta((tuple(args), dict(kwargs)))
     exported = torch.export.export(
@@ -158,6 +173,18 @@ def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphMo
             delattr(gm, "_guards_fn")
     gm.recompile()
     return gm
+
+
+def _unaliased(args, kwargs):
+    """torch.export makes one graph input of a tensor passed twice (input_ids as labels): a
+    copy stands for each repeat."""
+    seen: set[int] = set()
+
+    def copy(x: Any) -> Any:
+        again = isinstance(x, torch.Tensor) and id(x) in seen
+        seen.add(id(x))
+        return x.clone() if again else x
+    return pytree.tree_map(copy, (tuple(args), dict(kwargs)))
 
 
 def _whole_positions(model, args, kwargs, whole: Sequence[str]) -> set[int]:
@@ -283,4 +310,7 @@ def _trace_error_message(model: torch.nn.Module, failures: Sequence[tuple[str, s
         "or Plan(tracer='fx');",
         "  - bring your own tracer: Plan(tracer=lambda model, inputs: my_trace(model)) returning "
         "a torch.fx.GraphModule (e.g. transformers.utils.fx.symbolic_trace).",
+        *(["  - the model returns a key/value cache, which a pipeline cannot pass on: call it "
+           "with use_cache=False (example_kwargs={'use_cache': False})."]
+          if any("Cache" in what for _, what in failures) else []),
     ])

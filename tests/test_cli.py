@@ -185,7 +185,8 @@ def test_plan_prints_the_stage_table_compares_and_writes_json(capsys, tmp_path):
 
     path = tmp_path / "plan.json"
     assert main(["plan", "fxpipe.models:MLP", "--stages", "3", "--input-shape", "32",
-                 "--batch", "8", "--micro-batches", "2", "--compare", "--json", str(path)]) == 0
+                 "--batch", "8", "--micro-batches", "2", "--partitioner", "even", "--compare",
+                 "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "CompiledPipeline(MLP)" in out and "predicted step (2 micro-batches" in out
     assert "partitioners compared" in out
@@ -205,7 +206,8 @@ def test_plan_needs_an_input_description(capsys):
      "run without --nproc does"),
     (["bench", "mlp", "--schedules", "gpipe,async-1f1b"], "async-1f1b trains only through "
      "pipe.step_many"),
-    (["bench", "mlp", "--batch", "3"], "--batch 3 cannot fill --micro-batches 4"),
+    (["bench", "mlp", "--batch", "3", "--micro-batches", "4"],
+     "--batch 3 cannot fill --micro-batches 4"),
     (["bench", "mlp", "--partitioners", "even,"], "--partitioners 'even,' has an empty name"),
     (["bench", "mlp", "--csv", "/nonexistent/folder/rows.csv"],
      "--csv /nonexistent/folder/rows.csv: there is no folder /nonexistent/folder"),
@@ -357,3 +359,57 @@ def test_every_option_says_what_it_is_for(command, capsys):
         assert "(default: 2)" in text
     if command != "plan":
         assert "torch.set_num_threads" in text  # --threads
+
+
+@pytest.mark.parametrize("options, partition", [
+    (["--partitioner", "csimd"], "partition csimd"),
+    (["--micro-batches", "auto"], "partition balanced"),
+])
+def test_demo_lets_the_planner_choose_the_micro_batch_count(capsys, options, partition):
+    assert main(["demo", "--model", "mlp", "--steps", "1", "--batch", "8", *options]) == 0
+    assert partition in capsys.readouterr().out.splitlines()[0]
+
+
+def test_plan_defaults_to_what_plan_defaults_to(capsys):
+    from fxpipe import Plan
+
+    assert main(["plan", "mlp", "--stages", "2", "--batch", "8"]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    default = Plan(stages=2)
+    assert f"partition {default.partitioner} (" in title
+    assert title.endswith(", 2 micro-batches")  # one per stage, chosen from the batch of 8
+
+
+def test_bench_trains_a_factorys_model_whose_output_is_a_structure(capsys, tmp_path, monkeypatch):
+    """Such as a HuggingFace model's output: the stand-in loss reads every float tensor in it."""
+    (tmp_path / "fxpipe_cli_dict.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)\n"
+        "    def forward(self, x):\n"
+        "        h = self.a(x)\n"
+        "        return {'hidden': h, 'logits': self.b(h), 'ids': x.argmax(-1)}\n"
+        "def make():\n    return Net()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "fxpipe_cli_dict", raising=False)
+    assert main(["bench", "fxpipe_cli_dict:make", "--input-shape", "4", "--batch", "4",
+                 "--partitioners", "even", "--schedules", "gpipe", "--rounds", "1",
+                 "--steps", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "fxpipe_cli_dict:make: 2 stages, batch 4, micro-batches one per stage" in captured.out
+    assert re.search(r"round 1/1 even/gpipe \(all: about \d+ (s|min)\)", captured.err)
+
+
+@pytest.mark.parametrize("first, step, configurations, steps, shown", [
+    (2.0, 0.1, 12, 35, " (all: about 66 s)"),  # 12 x (2 + 35 x 0.1)
+    (8.0, 0.5, 12, 35, " (all: about 5 min)"),  # 12 x 25.5 = 306 s
+    (1.0, 0.0, 1, 7, " (all: about 1 s)"),
+])
+def test_the_bench_estimates_its_time_from_its_first_configuration(first, step,
+                                                                   configurations, steps, shown):
+    from fxpipe.bench import _estimate
+
+    assert _estimate(first, step, configurations, steps) == shown

@@ -44,7 +44,9 @@ def test_parameters_are_the_models_own_objects_and_names():
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_state_dict_round_trips_between_plain_and_compiled(frontend):
     model, other = ResNet(), ResNet()
-    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, tracer=frontend),
+    # one micro-batch: the export graph is in training mode, where BatchNorm's statistics are
+    # a micro-batch's
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, tracer=frontend, micro_batches=1),
                           example_inputs=(torch.randn(2, 3, 32, 32),))
     assert pipe.state_dict().keys() == model.state_dict().keys()
     other.load_state_dict(pipe.state_dict())
@@ -184,13 +186,16 @@ def test_missing_example_inputs():
         fxpipe.compile(MLP(), fxpipe.Plan(stages=2))
 
 
-def test_export_pipeline_refuses_a_mode_it_was_not_traced_in():
-    pipe = fxpipe.compile(ResNet(), fxpipe.Plan(stages=2, tracer="export"),
-                          example_inputs=(torch.randn(2, 3, 32, 32),))
-    pipe.train()  # same mode: fine
-    with pytest.raises(fxpipe.FxpipeError, match=r"traced in training mode and torch.export "
-                                                 r"fixes BatchNorm and dropout"):
-        pipe.eval()
+def test_export_pipeline_runs_the_other_mode_through_the_model_traced_in_it():
+    model = ResNet()
+    x = torch.randn(2, 3, 32, 32)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, tracer="export", costs="none"),
+                          example_inputs=(x,))
+    pipe.train()  # same mode: the graph as traced
+    pipe(x)  # BatchNorm's running statistics move, in the model's own buffers
+    pipe.eval()
+    torch.testing.assert_close(pipe(x), model.eval()(x))
+    assert pipe.twin.partition.sizes == pipe.partition.sizes  # the same stages
 
 
 def test_print_shows_stage_table_and_graph_with_send_recv_and_hooks():
@@ -462,3 +467,20 @@ def test_a_batch_norm_layer_with_several_values_per_channel_trains_on_one_sample
                           cache=False)
     assert pipe.batch_norm is None
     pipe(x).sum().backward()
+
+
+@pytest.mark.parametrize("stages, batch, expected", [(3, 8, 3), (3, 2, 2), (2, 1, 1)])
+def test_by_default_compile_splits_one_micro_batch_per_stage_up_to_the_batch(
+        capsys, stages, batch, expected):
+    model = MLP()
+    x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=stages, costs="none", dump=True,
+                                             loss_fn=F.cross_entropy), example_inputs=(x,))
+    assert pipe.plan.micro_batches == pipe.partition.micro_batches == expected
+    dumped = capsys.readouterr().out
+    assert f"{expected} micro-batches" in dumped  # the partition pass's line
+    assert f"), {expected} micro-batch" in repr(pipe).splitlines()[0]
+    pipe.step(x, y)
+    forwards = [e.action.mb for e in pipe.last_trace() if e.stage == 0
+                and e.action.kind is fxpipe.schedules.ActionKind.F]
+    assert sorted(forwards) == list(range(expected))  # the schedule ran that many

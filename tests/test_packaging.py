@@ -31,6 +31,30 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_test_extra_installs_every_package_a_test_would_skip_without():
+    """CI installs the test extra, so no test is skipped there for a missing package."""
+    tomllib = pytest.importorskip("tomllib")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["test"]
+    installed = {re.match(r"[\w.-]+", requirement).group() for requirement in extra}
+    wanted = {name for path in (ROOT / "tests").rglob("*.py") if path != pathlib.Path(__file__)
+              for name in re.findall(r"importorskip\(\s*[\"'](\w+)", path.read_text())}
+    assert wanted - {"tomllib"} <= installed  # tomllib: the standard library's, from 3.11
+
+
+def test_a_skip_says_why_in_the_quiet_output(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "test_skipping.py").write_text(
+        "import pytest\npytest.importorskip('fxpipe_nosuch', reason='fxpipe_nosuch is needed')\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
+                             str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert "1 skipped" in result.stdout
+    assert "fxpipe_nosuch is needed" in result.stdout
+
+
 def _imports(path: pathlib.Path) -> set[str]:
     """The fxpipe modules a source file imports."""
     import ast

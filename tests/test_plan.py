@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from fxpipe import Plan, PlanError
 
@@ -32,6 +34,8 @@ from fxpipe import Plan, PlanError
      r"chooses the micro-batch count itself, so micro_batches=4 would be ignored"),
     ({"stages": 2, "groups": 2, "schedule": "async-1f1b"},
      r"cannot run schedule='async-1f1b'.*use groups=1"),
+    ({"stages": 2, "partitioner": "csimd", "micro_batches": 1},
+     r"chooses the micro-batch count itself, so micro_batches=1 would be ignored"),
     ({"stages": 2, "dump": "yes"}, r"Plan\(dump='yes'\) must be True or False"),
 ])
 def test_bad_plans_say_what_to_change(kwargs, message):
@@ -56,6 +60,22 @@ def test_single_values_where_lists_go_are_read_as_one_item():
 
 def test_csimd_chooses_the_micro_batch_count():
     assert Plan(stages=2, partitioner="csimd").micro_batches == "auto"
+
+
+@settings(max_examples=40, deadline=None)
+@given(stages=st.integers(1, 8), batch=st.integers(1, 40), groups=st.integers(1, 3),
+       given_count=st.one_of(st.none(), st.integers(1, 8)))
+def test_the_default_micro_batch_count_fills_the_pipeline_as_far_as_the_batch_allows(
+        stages, batch, groups, given_count):
+    plan = Plan(stages=stages, groups=groups, micro_batches=given_count).for_batch(batch)
+    p = plan.micro_batches
+    if given_count is not None:
+        assert p == given_count  # the user's count is kept as given
+    else:
+        assert 1 <= p <= stages
+        assert p * groups <= batch or p == 1  # every group's micro-batches hold a sample each
+        assert p == stages or (p + 1) * groups > batch  # fewer than one per stage: batch too small
+    assert Plan(stages=stages).micro_batches is None  # chosen at compile, from the example
 
 
 def test_save_and_load_round_trip(tmp_path):

@@ -10,14 +10,16 @@ import torch
 
 import fxpipe
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: pip install -e '.[test]' has it")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _gpt2():
+def _gpt2(**config):
+    dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # outputs comparable
     config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, bos_token_id=0,
+        eos_token_id=0, **{**dropout, **config},  # use_cache at the config's default: on
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -44,8 +46,84 @@ def test_hf_model_compiles_through_export_and_matches(build, stages):
     torch.testing.assert_close(out.logits, expected.logits, rtol=1e-10, atol=1e-12)
     out.logits.square().mean().backward()
     expected.logits.square().mean().backward()
+    _same_gradients(pipe, reference)
+
+
+def _same_gradients(pipe, reference):
     for (name, p), q in zip(pipe.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-12, msg=name)
+
+
+def test_gpt2_with_its_default_config_compiles_with_the_cache_off_while_tracing():
+    model = _gpt2().double()
+    assert model.config.use_cache  # its default: forward returns a DynamicCache
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"),
+                          example_inputs=(torch.randint(0, 128, (4, 12)),))
+    assert model.config.use_cache  # as the user left it
+    idx = torch.randint(0, 128, (4, 12))
+    torch.testing.assert_close(pipe(idx).logits, model(idx).logits, rtol=1e-10, atol=1e-12)
+
+
+def test_a_cache_asked_for_in_the_call_is_refused_with_use_cache_false_as_the_fix():
+    idx = torch.randint(0, 128, (4, 12))
+    with pytest.raises(fxpipe.FxpipeTraceError, match=r"(?s)DynamicCache.*call it with "
+                                                      r"use_cache=False"):
+        fxpipe.compile(_gpt2(), fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,),
+                       example_kwargs={"use_cache": True})
+
+
+def test_labels_give_the_plain_models_loss_and_gradients_in_one_micro_batch():
+    model = _gpt2().double()
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 128, (4, 12))  # passed as input_ids and as labels: one tensor twice
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=1, costs="none"),
+                          example_kwargs={"input_ids": idx, "labels": idx})
+    ours, theirs = pipe(idx, labels=idx), reference(idx, labels=idx)  # positional input_ids
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-10, atol=1e-12)
+    ours.loss.backward()
+    theirs.loss.backward()
+    _same_gradients(pipe, reference)
+
+
+@pytest.mark.parametrize("call, message", [
+    ({}, r"this call gives forward\(\) argument 'labels' None \(its default\), but the "
+         r"pipeline's graph holds it at a tensor: torch.export fixed it .*example_kwargs="),
+    ({"labels": 0, "attention_mask": 0}, r"gives forward\(\) argument 'attention_mask' a "
+                                         r"tensor, but the pipeline's graph holds it at None"),
+])
+def test_a_call_unlike_the_exported_example_is_refused_by_argument(call, message):
+    idx = torch.randint(0, 128, (4, 12))
+    pipe = fxpipe.compile(_gpt2(), fxpipe.Plan(stages=2, micro_batches=1, costs="none"),
+                          example_inputs=(idx,), example_kwargs={"labels": idx})
+    with pytest.raises(fxpipe.FxpipeError, match=message):
+        pipe(idx, **{name: torch.ones_like(idx) for name in call})
+
+
+def test_labels_split_into_micro_batches_are_refused_at_compile_with_loss_fn_as_the_fix():
+    idx = torch.randint(0, 128, (4, 12))
+    with pytest.raises(fxpipe.PlanError, match=r"model output #0 \(shape \[\]\) has no row per "
+                       r"sample of the example batch of 4, so the outputs of its 2 micro-batches "
+                       r"cannot be joined.*Plan\(loss_fn=...\).*example_target"):
+        fxpipe.compile(_gpt2(), fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,),
+                       example_kwargs={"labels": idx})
+
+
+def test_eval_on_an_exported_model_runs_the_model_traced_in_eval_mode():
+    model = _gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1).double()  # the defaults
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 128, (4, 12))
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none"), example_inputs=(idx,))
+    assert pipe.frontend == "export" and pipe.training
+    pipe.eval()
+    reference.eval()
+    torch.testing.assert_close(pipe(idx).logits, reference(idx).logits, rtol=1e-10,
+                               atol=1e-12)
+    pipe(idx).logits.square().mean().backward()  # the same parameters, in either mode
+    reference(idx).logits.square().mean().backward()
+    _same_gradients(pipe, reference)
+    pipe.train()  # back to the graph traced in training mode: dropout
+    assert not torch.equal(pipe(idx).logits, pipe(idx).logits)
 
 
 

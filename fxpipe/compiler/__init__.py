@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Mapping
@@ -68,10 +69,27 @@ def compile(
     else:
         executor, owned, rank = build_local_runtime(c), None, None
     return CompiledPipeline(
-        model, plan, traced=c.traced, units=c.units, partition=c.partition, graph=c.graph,
+        model, c.plan, traced=c.traced, units=c.units, partition=c.partition, graph=c.graph,
         comm=c.comm, devices=c.devices, cost=c.cost, link=c.link, executor=executor,
         passes=log, splits=c.splits, rank=rank, owned=owned,
+        retrace=None if c.distributed or plan.intra_layer else _retracer(model, c),
     )
+
+
+def _retracer(model: torch.nn.Module, c: Compilation):
+    """compile again from the model in another train/eval mode, for a graph that fixed its
+    mode: the same stages and micro-batch count, nothing timed."""
+    plan = dataclasses.replace(c.plan, partitioner=list(c.partition.sizes), costs="none",
+                               micro_batches=c.partition.micro_batches, dump=False)
+    args, kwargs = c.args, c.kwargs
+
+    def retrace(mode: bool) -> CompiledPipeline:
+        was = model.training
+        try:
+            return compile(model.train(mode), plan, args, kwargs, cache=False)
+        finally:
+            model.train(was)
+    return retrace
 
 
 def _profile_cache(cache: bool | str | os.PathLike) -> ProfileCache | None:

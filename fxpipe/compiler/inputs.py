@@ -21,7 +21,8 @@ from fxpipe.trace import Traced, trace
 from fxpipe.units import Unit, cut_units
 
 __all__ = [
-    "check_batched_inputs", "check_example_runs", "check_micro_batch_count", "check_stage_count",
+    "check_batched_inputs", "check_example_runs", "check_micro_batch_count",
+    "check_per_sample_outputs", "check_stage_count",
     "check_stage_sizes", "check_whole_inputs",
     "example_args", "output_names", "shapes_on", "stage_devices", "units_of",
     "whole_positions",
@@ -207,6 +208,23 @@ def check_micro_batch_count(plan: Plan, batch: int, timed: Sequence[int] = (),
             f"micro-batches, so give a full mini-batch as the example, or micro_batches <= "
             f"{batch}."
         )
+
+
+def check_per_sample_outputs(traced: Traced, plan: Plan, batch: int) -> None:
+    """Split batches' outputs are joined along dimension 0, so each needs a row per sample;
+    a loss the model computes (HuggingFace models given labels=) is a mean over the batch."""
+    output = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    for i, node in enumerate(pytree.tree_leaves(output.args[0])):
+        tensors = node.meta[SHAPE].tensors if isinstance(node, torch.fx.Node) else ()
+        shape = next((t.shape for t in tensors if len(t.shape) == 0 or t.shape[0] != batch),
+                     None)
+        if shape is not None and (plan.micro_batches != 1 or plan.groups != 1):
+            raise PlanError(
+                f"model output #{i} (shape {list(shape)}) has no row per sample of the example "
+                f"batch of {batch}, so the outputs of its {plan.micro_batches} micro-batches "
+                "cannot be joined. A loss the model computes (labels=...) is such an output: "
+                "pass no labels, and train with Plan(loss_fn=...) and pipe.step(x, target) "
+                "(compile(example_target=...) times the loss); or give Plan(micro_batches=1).")
 
 
 def units_of(

@@ -14,6 +14,7 @@ from fxpipe.compiler.inputs import (
     check_batched_inputs,
     check_example_runs,
     check_micro_batch_count,
+    check_per_sample_outputs,
     check_stage_count,
     check_stage_sizes,
     check_whole_inputs,
@@ -98,11 +99,13 @@ def cut(c: Compilation) -> None:
     check_stage_count(c.model, c.plan, c.units)
     check_stage_sizes(c.model, c.plan, c.units)
     c.whole = whole_positions(c.traced, c.plan, c.args, c.kwargs)
+    c.plan = c.plan.for_batch(c.batch)  # the default micro-batch count, from the example
     if c.plan.costs != "none":  # the example's micro-batches are timed
         check_micro_batch_count(c.plan, c.batch, profile_sizes(c.batch, c.plan),
                                 batch_norm_of_one(c.traced.gm) if c.model.training else None)
     check_batched_inputs(c.traced, c.plan, c.flat,
                          c.traced.bind.argument_of_each_input(c.args, c.kwargs), c.whole)
+    check_per_sample_outputs(c.traced, c.plan, c.batch)
     c.loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, c.devices[0])
     if c.distributed:
         agree(c.layout, c.plan, c.units)

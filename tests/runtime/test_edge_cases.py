@@ -188,13 +188,23 @@ class ModeDependent(nn.Module):
         return self.b(h)
 
 
-def test_an_fx_graph_that_read_self_training_refuses_the_other_mode():
+def test_an_fx_graph_that_read_self_training_runs_the_other_mode_traced_in_it():
     model = ModeDependent()
     x = torch.randn(4, 4)
     pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, costs="none", tracer="fx"),
                           example_inputs=(x,))
     torch.testing.assert_close(pipe(x), model(x))
-    with pytest.raises(fxpipe.FxpipeError, match=r"reads self\.training"):
+    pipe.eval()
+    torch.testing.assert_close(pipe(x), model.eval()(x))
+    torch.testing.assert_close(pipe.train()(x), model.train()(x))
+
+
+def test_the_other_mode_of_a_graph_with_split_layers_is_refused_with_the_fix():
+    plan = fxpipe.Plan(stages=2, costs="none", tracer="fx", partitioner=[1, 1],
+                       intra_layer={"layers": ["b"], "shards": 2})
+    pipe = fxpipe.compile(ModeDependent(), plan, example_inputs=(torch.randn(4, 4),))
+    with pytest.raises(fxpipe.FxpipeError, match=r"reads self\.training.*with intra_layer, "
+                                                 r"compile a second pipeline"):
         pipe.eval()
 
 

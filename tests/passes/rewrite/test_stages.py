@@ -25,7 +25,8 @@ def compiled_networks(draw, frontends=("fx", "export")):
                                max_size=stages - 1)))
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, units])]
     reference = copy.deepcopy(model)
-    plan = fxpipe.Plan(stages=stages, partitioner=sizes, tracer=frontend, costs="none")
+    plan = fxpipe.Plan(stages=stages, partitioner=sizes, tracer=frontend, costs="none",
+                       micro_batches=1)  # a network returns a scalar, which only one gives
     return fxpipe.compile(model, plan, example_inputs=inputs), reference, inputs
 
 
@@ -90,7 +91,8 @@ def test_model_input_used_by_a_late_stage_is_sent_from_stage_0():
     model = ResidualNet(4, 3).double()
     x = torch.randn(3, 6, dtype=torch.float64)
     # units by count, not by time: the skip layer must land in the last stage, after stage 1
-    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, partitioner="even"), example_inputs=(x,))
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=3, partitioner="even", micro_batches=1),
+                          example_inputs=(x,))  # one micro-batch: the model returns a scalar
     skips = [e for e in pipe.comm.edges if e.value == "x"]
     assert skips and all(e.src == 0 for e in skips)
     assert any(e.dst == 2 for e in skips)  # past stage 1, which does not use it
