@@ -128,7 +128,8 @@ def test_any_loss_counts_as_it_is_on_a_whole_batch():
     def worst(out, t):
         return (out - t).square().sum(1).max()
 
-    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, loss_fn=worst, costs="none"),
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=1, loss_fn=worst,
+                                             costs="none"),
                           example_inputs=(x,))
     torch.testing.assert_close(pipe.step(x, y), worst(model(x), y))
 
