@@ -359,7 +359,7 @@ class CompiledPipeline(torch.nn.Module):
         table = format_stage_table(title, self.units, partition, self.comm, devices, params,
                                    self.shared_parameters(), timed, self.link, simulated)
         if timed:
-            table += f"\nunit times: {self.cost.source}"
+            table += f"\ncosts: {self.cost.source}"
         if self.plan.schedule == "async-1f1b":
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:

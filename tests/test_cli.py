@@ -26,6 +26,7 @@ def test_demo_prints_stage_table_graph_a_falling_loss_and_the_calibrated_report(
     assert main(["demo", "--steps", "3", "--batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "CompiledPipeline(ResNet): traced with fx" in out
+    assert re.search(r"\ncosts: (measured now on cpu, cached at|from cache) \S+\.json", out)
     assert "send(" in out and "recv(" in out and "hook(" in out
     losses = [float(line.split()[-1]) for line in out.splitlines() if "loss" in line
               and line.strip().startswith("step")]

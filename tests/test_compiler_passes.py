@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import signal
 import threading
 
@@ -95,13 +96,36 @@ def test_the_stages_are_rewritten_once(monkeypatch, costs, splits):
     assert tuple(calls[-1]) == pipe.partition.bounds
 
 
-def test_print_says_where_the_unit_times_came_from(tmp_path):
+def test_print_and_the_pass_log_say_where_the_costs_came_from(tmp_path, monkeypatch):
+    """On a timer that charges every call 1 ms (so the second compile's re-time agrees with
+    the cache): the first compile measured and says where it cached, the second names the
+    cache file it read and what its key holds."""
+    from fxpipe.passes.analysis import profile as profile_module
+
+    monkeypatch.setattr(profile_module, "_timer",
+                        lambda device: lambda fn, *args, **kwargs: (fn(*args, **kwargs), 1e-3))
     x = torch.randn(8, 32)
     first = fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(x,), cache=tmp_path)
     second = fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(x,), cache=tmp_path)
-    assert "unit times: measured on cpu" in repr(first)
-    assert f"unit times: read from the cache {tmp_path}" in repr(second)
+    (path,) = tmp_path.glob("*.json")
+    profiled = {r.name: r.summary for r in first.passes}["profile"]
+    read = {r.name: r.summary for r in second.passes}["profile"]
+    assert f"costs: measured now on cpu, cached at {path}" in repr(first)
+    assert profiled.endswith(f"; costs: measured now on cpu, cached at {path}")
+    threads = torch.get_num_threads()
+    key = (f"(key: cpu on {platform.node()}, {threads} thread{'s' * (threads != 1)}, float32, "
+           f"micro-batch sizes [8], torch {torch.__version__}; its times 1.00x a re-time's)")
+    assert f"costs: from cache {path} {key}" in repr(second)
+    assert read.endswith(f"; costs: from cache {path} {key}")
     assert (second.cost.f == first.cost.f).all()
+
+
+def test_an_unwritable_cache_is_said_not_raised(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder would be")
+    pipe = fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(torch.randn(8, 32),),
+                          cache=blocked)
+    assert "costs: measured now on cpu, not cached: " in repr(pipe)
 
 
 def test_a_cache_that_is_not_a_folder_path_is_refused():

@@ -74,9 +74,27 @@ def test_replan_never_proposes_a_worse_partition(trained):
     result = fxpipe.replan(trained, threshold=0.0)
     assert result.proposed.predicted_time <= result.current.predicted_time
     assert sum(result.plan_sizes) == len(trained.units)
-    # balancing parameters instead of time finds a slower partition of VGG (its parameters sit
-    # in the late layers, its time in the early ones): replan must keep the one that ran
-    by_params = fxpipe.replan(trained, threshold=0.0, partitioner="params")
+
+
+def test_replan_keeps_a_partition_by_time_over_one_by_parameters(monkeypatch):
+    """On a timer that charges a unit 1 ns per value it reads (VGG's time sits in its early
+    layers, its parameters in the late ones), and a run that took what was predicted:
+    balancing parameters instead of time finds a slower partition; replan keeps the one that
+    ran."""
+    from fxpipe.passes.analysis import profile as profile_module
+
+    def timer(device):
+        def timed(fn, *args, **kwargs):
+            values = sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+            return fn(*args, **kwargs), values * 1e-9
+        return timed
+
+    monkeypatch.setattr(profile_module, "_timer", timer)
+    plan = fxpipe.Plan(stages=3, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(VGG(), plan, example_inputs=(torch.randn(16, 3, 32, 32),),
+                          cache=False)
+    monkeypatch.setattr(pipe, "full_trace", lambda what: pipe.predicted_timeline().events)
+    by_params = fxpipe.replan(pipe, threshold=0.0, partitioner="params")
     assert not by_params.changed
     assert by_params.proposed is by_params.current
     assert "keep the current partition" in str(by_params)

@@ -310,10 +310,9 @@ def _show_profile(c: Compilation) -> str:
     f, b = c.profile.forward.sum(axis=1), c.profile.backward.sum(axis=1)
     sizes = ", ".join(f"{s}: {fi * 1e3:.2f} + {bi * 1e3:.2f} ms"
                       for s, fi, bi in zip(c.profile.sizes, f, b))
-    where = (f"read from {c.profile.cached}" if c.profile.cached is not None
-             else f"measured on {c.profile.device}")
     loss = "; loss timed" if c.loss_times is not None else ""
-    return f"units' forward + backward per micro-batch of {sizes}; {where}{loss}"
+    return (f"units' forward + backward per micro-batch of {sizes}{loss}; "
+            f"costs: {c.profile.origin or 'measured on ' + c.profile.device}")
 
 
 def _show_link(c: Compilation) -> str:

@@ -23,8 +23,7 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
     if loss is not None:
         f[:, -1] += loss[0]
         b[:, -1] += loss[1]
-    source = (f"read from the cache {profile.cached}" if profile.cached is not None
-              else f"measured on {profile.device}")
+    source = profile.origin or f"measured on {profile.device}"
     return CostTable(
         f=f,
         b=b,

@@ -27,8 +27,9 @@ from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.units import Unit
 
 __all__ = [
-    "MIN_TIMED", "MOST_REPEATS", "ProfileCache", "UnitProfile", "UnitTiming", "annotate_profile",
-    "default_cache_dir", "model_outputs", "profile_units", "real_bytes", "time_loss",
+    "MIN_TIMED", "MOST_REPEATS", "STALE", "ProfileCache", "UnitProfile", "UnitTiming",
+    "annotate_profile", "default_cache_dir", "model_outputs", "profile_units", "real_bytes",
+    "time_loss",
 ]
 
 _FORMAT = 13  # bump when the cached record changes (or how it is measured)
@@ -37,6 +38,11 @@ MOST_REPEATS = 100  # timed repetitions per micro-batch size at most, whatever m
 # timed a few times give medians that move a lot; more repetitions cost little where each
 # repetition is long anyway
 MIN_TIMED = 0.05
+# a cached profile is measured afresh when a short re-time of its units is off its times by
+# more than this factor either way: a second CPU-bound job on a 2-core machine doubles a
+# timing, which must not discard a good entry; a profile taken under other conditions the key
+# cannot see (a loaded machine, another power mode) is off by far more
+STALE = 3.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,15 +57,17 @@ class UnitProfile:
     activation_bytes: np.ndarray  # (M, K): tensors the unit saves for its backward
     device: str
     cached: pathlib.Path | None = None  # the cache file it was read from, if it was
+    origin: str = ""  # where the times come from, in words: measured now, or which cache entry
 
     def to_json(self) -> dict[str, Any]:
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in arrays.items()
-                if k != "cached"}
+                if k not in ("cached", "origin")}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], path: pathlib.Path) -> UnitProfile:
-        fields = {f.name for f in dataclasses.fields(cls)} - {"cached", "sizes", "device"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"cached", "origin", "sizes",
+                                                               "device"}
         arrays = {k: np.asarray(data[k], dtype=np.float64) for k in fields}
         return cls(tuple(data["sizes"]), device=data["device"], cached=path, **arrays)
 
@@ -106,14 +114,18 @@ class ProfileCache:
         except (OSError, ValueError, KeyError):
             return None
 
-    def put(self, key: str, profile: UnitProfile) -> None:
+    def put(self, key: str, profile: UnitProfile) -> str:
+        """Where the profile went, in words (an unwritable cache only costs a re-measurement
+        next time, so it is said, not raised)."""
+        path = self.directory / f"{key}.json"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = self.directory / f".{key}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(profile.to_json()))
-            tmp.replace(self.directory / f"{key}.json")
-        except OSError:
-            pass  # an unwritable cache only costs a re-measurement next time
+            tmp.replace(path)
+        except OSError as error:
+            return f"not cached: {error}"
+        return f"cached at {path}"
 
 
 def profile_units(
@@ -147,29 +159,43 @@ def profile_units(
     saves for backward. Nothing is left on the model (its .grad, buffers and random number
     generators are restored). The times are what partitioning needs, the units' relative
     costs; what a stage costs inside a step beyond its units is calibration's. A profile is
-    cached by what changes it (`_cache_key`).
+    cached by what changes it (`_cache_key`); a cached one is checked by re-timing the first
+    run's units at the smallest size (a warm-up and 3 repetitions) and measured afresh when
+    its times are more than STALE times off. The profile's `origin` says which happened.
     """
     sizes, warmup = tuple(sorted(set(int(s) for s in sizes))), max(warmup, 1)
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     meta = has_meta_tensors(graph)
     runs = _runs(_tensor_bytes(modules), window) if meta else [range(len(modules))]
-    key = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time, whole,
-                     runs if meta else None)
-    if cache is not None:
-        hit = cache.get(key)
-        if hit is not None:
-            return hit
+    key, signature = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time,
+                                whole, runs if meta else None)
     dims = input_dims(flat_inputs, whole)
-    inputs = [_on(resize(flat_inputs, dims, size), device) for size in sizes]
-    with preserved_state(graph), gradients_set_aside(graph):
-        rows = [_measure(table, modules, values, device, warmup, repeats, min_time, runs, meta)
-                for values in inputs]
+
+    def measure(size: int, untimed: int, timed: int, least: float, which: list[range]):
+        values = _on(resize(flat_inputs, dims, size), device)
+        with preserved_state(graph), gradients_set_aside(graph):
+            return _measure(table, modules, values, device, untimed, timed, least, which, meta)
+
+    stale = ""
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None:
+        # a short re-time of the first run's units at the smallest size, against the cache
+        units = list(runs[0])
+        forward, backward, *_ = measure(sizes[0], 1, 3, 0.0, runs[:1])
+        cached = hit.forward[0, units].sum() + hit.backward[0, units].sum()
+        ratio = (cached + 1e-9) / (sum(forward) + sum(backward) + 1e-9)  # 1 ns: never 0 / 0
+        if 1 / STALE <= ratio <= STALE:
+            return dataclasses.replace(hit, origin=(
+                f"from cache {hit.cached} (key: {_describe(signature)}; its times "
+                f"{ratio:.2f}x a re-time's)"))
+        stale = (f"; the cache's entry had times {ratio:.2g}x a re-time's, more than {STALE:g}x "
+                 "off, so they were measured again")
+    rows = [measure(size, warmup, repeats, min_time, runs) for size in sizes]
     forward, backward, crossing, crossing_grad, saved = (np.array(r, dtype=float)
                                                          for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, device)
-    if cache is not None:
-        cache.put(key, profile)
-    return profile
+    where = cache.put(key, profile) if cache is not None else "not cached"
+    return dataclasses.replace(profile, origin=f"measured now on {device}, {where}{stale}")
 
 
 def time_loss(outputs: Callable[[int], Mapping[str, Any]], sizes: Sequence[int],
@@ -400,20 +426,39 @@ def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:
 
 
 def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time, whole,
-               runs) -> str:
-    """What the timings depend on, hashed: the stages' code, the tensors' shapes and dtypes,
-    the micro-batch sizes, the device, this machine, torch and how the units were timed."""
+               runs) -> tuple[str, dict[str, Any]]:
+    """What the timings depend on, hashed, and unhashed: the stages' code, the tensors' shapes
+    and dtypes, train or eval mode, the micro-batch sizes, the device, this machine and the
+    CPUs this process may use, torch and its settings, and how the units were timed."""
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
+    cuda = torch.device(device).type == "cuda"
     signature = {
         "format": _FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": [platform.node(), platform.machine(), platform.processor(), os.cpu_count()],
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "flags": [torch.backends.mkldnn.enabled, torch.get_float32_matmul_precision(),
+                  torch.are_deterministic_algorithms_enabled()],
         "device": device, "sizes": sizes, "warmup": warmup, "repeats": repeats,
         "min_time": min_time, "whole": list(whole),
         "runs": [(r.start, r.stop) for r in runs] if runs is not None else None,
         "code": [stage.module.code for stage in stages],
+        "training": [m.training for m in graph.modules()],
         "state": [(n, list(t.shape), str(t.dtype), t.requires_grad)
                   for n, t in [*graph.named_parameters(), *graph.named_buffers()]],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
                    for x in pytree.tree_leaves(list(flat_inputs))],
     }
-    return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]
+    key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]
+    return key, signature
+
+
+def _describe(signature: Mapping[str, Any]) -> str:
+    """The key's main parts in words: device, host, threads, dtypes, sizes, torch."""
+    dtypes = {s[2] for s in signature["state"]} | {
+        i[1] for i in signature["inputs"] if isinstance(i, list)}
+    threads = signature["threads"]
+    return (f"{signature['device']} on {signature['machine'][0]}, {threads} thread"
+            f"{'s' * (threads != 1)}, "
+            f"{'/'.join(d.removeprefix('torch.') for d in sorted(dtypes))}, "
+            f"micro-batch sizes {list(signature['sizes'])}, torch {signature['torch']}")

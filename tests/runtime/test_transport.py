@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -17,17 +16,23 @@ STAGES = 4
 
 
 class CountingCondition(threading.Condition):
-    """A condition that counts how often a thread waited on it, and says when one first did."""
+    """A condition that counts how often a thread waited on it and how often it was notified
+    (notify_all notifies through notify), and says when a thread first waited."""
 
     def __init__(self, lock: threading.Lock) -> None:
         super().__init__(lock)
         self.waits = 0
+        self.notified = 0
         self.waiting = threading.Event()
 
     def wait(self, timeout: float | None = None) -> bool:
         self.waits += 1
         self.waiting.set()
         return super().wait(timeout)
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        super().notify(n)
 
 
 def _receive_all(transport: LocalTransport, dst: int, keys: list, got: dict, failed: list
@@ -84,11 +89,11 @@ def test_a_send_wakes_only_the_stage_it_is_for():
     assert waiting.waiting.wait(20)
     for mb in range(20):  # messages for stage 1, which nobody receives: stage 2 sleeps on
         transport.send(0, 1, "F", MicroBatchKey(0, mb), {"value": torch.tensor(mb)})
-        time.sleep(0.005)  # time for a woken stage 2 to look and wait again
+    assert waiting.notified == 0 and receiver.is_alive()  # no send was for stage 2
     transport.send(0, 2, "F", MicroBatchKey(0, 0), {"value": torch.tensor(7)})
     receiver.join(20)
     assert not failed and int(got[0, 2, "F", MicroBatchKey(0, 0)]) == 7
-    assert waiting.waits == 1  # it waited once, and its own message ended the wait
+    assert waiting.notified == 1 and waiting.waits == 1  # its own message ended its one wait
 
 
 @pytest.mark.timeout(60)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import time
+import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.models import GPT, VGG
+from fxpipe.models import GPT, MLP, VGG
 from fxpipe.passes.analysis import profile as profile_module
 from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.costs import cost_table
@@ -29,19 +29,95 @@ def _per_unit(model, x):
     return pipe, graph, table
 
 
-def test_second_compile_reads_the_cache(tmp_path, monkeypatch):
-    model, x = VGG(), torch.randn(8, 3, 32, 32)
-    first = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2),
-                           example_inputs=(x,), cache=tmp_path)
-    measured = []
+@pytest.fixture
+def steady_timer(monkeypatch):
+    """A timer that charges every call 1 ms, whatever the machine does: a re-time always
+    agrees with what was cached on it."""
+    def timer(device):
+        def timed(fn, *args, **kwargs):
+            return fn(*args, **kwargs), 1e-3
+        return timed
+
+    monkeypatch.setattr(profile_module, "_timer", timer)
+
+
+def test_second_compile_reads_the_cache_after_a_short_re_time(tmp_path, monkeypatch,
+                                                               steady_timer):
+    model, x = MLP(), torch.randn(8, 32)
+    plan = fxpipe.Plan(stages=2, micro_batches=2)
+    first = fxpipe.compile(model, plan, example_inputs=(x,), cache=tmp_path)
+    measure, measured = profile_module._measure, []
     monkeypatch.setattr(profile_module, "_measure",
-                        lambda *args: measured.append(args) or pytest.fail("timed again"))
-    second = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2),
-                            example_inputs=(x,), cache=tmp_path)
-    assert list(tmp_path.glob("*.json")) and not measured
+                        lambda *args: measured.append(args[4:7]) or measure(*args))
+    second = fxpipe.compile(model, plan, example_inputs=(x,), cache=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    assert measured == [(1, 3, 0.0)]  # a warm-up and 3 repetitions, not a whole profile
+    assert first.cost.source.startswith(f"measured now on cpu, cached at {path}")
+    assert second.cost.source.startswith(f"from cache {path} (key: cpu on ")
     np.testing.assert_array_equal(first.cost.f, second.cost.f)
     np.testing.assert_array_equal(first.cost.b, second.cost.b)
     np.testing.assert_array_equal(first.cost.activation_bytes, second.cost.activation_bytes)
+
+
+@pytest.mark.parametrize("scale", [0.1, 0.5, 1.0, 2.0, 2.9, 3.1, 10.0])
+def test_a_cache_entry_a_re_time_disagrees_with_is_measured_again(tmp_path, steady_timer,
+                                                                    scale):
+    """A cache entry whose times are `scale` times what the units take now (on a timer that
+    charges every call 1 ms) is kept within STALE times either way, and otherwise measured
+    afresh, the cache file overwritten, and the summary says why."""
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
+    _, graph, table = _per_unit(model, x)
+    cache = profile_module.ProfileCache(tmp_path)
+    fresh = profile_units(graph, table, [x], [2, 8], cache=cache)
+    (path,) = tmp_path.glob("*.json")
+    entry = json.loads(path.read_text())
+    for times in ("forward", "backward"):
+        entry[times] = (np.array(entry[times]) * scale).tolist()
+    path.write_text(json.dumps(entry))
+    again = profile_units(graph, table, [x], [2, 8], cache=cache)
+    kept = 1 / profile_module.STALE <= scale <= profile_module.STALE
+    assert (again.cached == path) == kept
+    np.testing.assert_allclose(again.forward, fresh.forward * (scale if kept else 1))
+    if kept:
+        assert again.origin.startswith(f"from cache {path} (key: ")
+        assert f"its times {scale:.2f}x a re-time's" in again.origin
+    else:
+        assert again.origin.startswith(f"measured now on cpu, cached at {path}; the cache's "
+                                       f"entry had times {scale:.2g}x a re-time's")
+        np.testing.assert_allclose(json.loads(path.read_text())["forward"], fresh.forward)
+
+
+_SPLITS = {}
+
+
+def _key(threads: int, dtype: torch.dtype, batch: int, training: bool, version: str) -> str:
+    """The cache key of a small model's profile in `dtype`, on `batch` samples, in training
+    or eval mode, with `threads` intra-op threads under torch `version` (the split made once
+    per dtype)."""
+    if dtype not in _SPLITS:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 4)).to(dtype)
+        _SPLITS[dtype] = _per_unit(model, torch.randn(2, 8, dtype=dtype))[1]
+    graph = _SPLITS[dtype].train(training)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "get_num_threads", lambda: threads)
+        patch.setattr(torch, "__version__", version)
+        key, _ = profile_module._cache_key(graph, [torch.randn(batch, 8, dtype=dtype)],
+                                           (batch,), "cpu", 1, 5, 0.05, (), None)
+    return key
+
+
+_CONDITIONS = st.tuples(st.integers(1, 3), st.sampled_from([torch.float32, torch.float64]),
+                        st.sampled_from([2, 4, 8]), st.booleans(),
+                        st.sampled_from(["2.13.0", "2.14.0"]))
+
+
+@settings(max_examples=30)
+@given(_CONDITIONS, _CONDITIONS)
+def test_the_cache_key_changes_with_threads_dtype_batch_mode_and_torch(a, b):
+    """Two profiles share a cache entry exactly when their thread count, dtype, batch,
+    train/eval mode and torch version agree (everything else the same)."""
+    assert _key(*a) == _key(*a)
+    assert (_key(*a) == _key(*b)) == (a == b)
 
 
 def test_another_batch_size_or_thread_count_is_timed_afresh(tmp_path, monkeypatch):
@@ -150,7 +226,10 @@ def test_a_meta_model_is_timed_in_the_fewest_runs_within_the_window(units, windo
             assert held([*run, following.start]) > window
 
 
-def test_the_loss_is_timed_on_the_models_outputs_and_counts_in_the_last_unit():
+def test_the_loss_is_timed_on_the_models_outputs_and_counts_in_the_last_unit(monkeypatch):
+    """On a timer that gives each call the seconds of its turn, 1, 2, 3...: the loss's
+    forward and backward alternate, the first run at each size is dropped and the medians of
+    the rest count, in the last unit."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.Sigmoid())
     x = torch.randn(8, 8)
     pipe, graph, table = _per_unit(model, x)
@@ -158,11 +237,18 @@ def test_the_loss_is_timed_on_the_models_outputs_and_counts_in_the_last_unit():
     seen = []
 
     def loss(outputs, size):  # binary cross-entropy takes the model's probabilities only
-        time.sleep(0.01)
         (value,) = outputs.values()
         seen.append((tuple(value.shape), value.requires_grad, size))
         return F.binary_cross_entropy(value, torch.ones_like(value))
 
+    turns = iter(range(1, 1000))
+
+    def timer(device):
+        def timed(fn, *args, **kwargs):
+            return fn(*args, **kwargs), float(next(turns))
+        return timed
+
+    monkeypatch.setattr(profile_module, "_timer", timer)
     outputs = model_outputs(pipe.traced.gm, [x], (), "cpu")
     torch.manual_seed(5)
     expected = torch.rand(3)
@@ -171,7 +257,9 @@ def test_the_loss_is_timed_on_the_models_outputs_and_counts_in_the_last_unit():
     assert torch.equal(torch.rand(3), expected)  # the random number generators as they were
     assert set(seen) == {((2, 4), True, 2), ((4, 4), True, 4)}  # the micro-batch's rows
     torch.testing.assert_close(outputs(2)[table.graph_outputs[0]], model(x[:2]))
-    assert np.all(forward >= 0.01) and np.all(backward > 0)
+    # size 2: turns 1-6, (1, 2) dropped, forwards 3 and 5, backwards 4 and 6; size 4: 7-12
+    np.testing.assert_array_equal(forward, [4, 10])
+    np.testing.assert_array_equal(backward, [5, 11])
     params = (np.zeros(4), np.zeros(4))
     cost = cost_table(profile, default_link("cpu", "cpu"), 8, ["a", "b", "c", "d"], params,
                       (forward, backward))
