@@ -25,6 +25,7 @@ earlier stages' remaining backward.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -154,6 +155,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=24, help="steps per configuration")
     parser.add_argument("--ar-scale", default="1,4",
                         help="simulate the all-reduces these many times longer")
+    parser.add_argument("--save", help="also write every step time (ms) to this JSON file, "
+                        "by model and configuration, to pool several runs")
     args = parser.parse_args()
     scales = [float(s) for s in args.ar_scale.split(",")]
     torch.set_num_threads(1)
@@ -192,6 +195,9 @@ def main() -> None:
                   + "/".join(f"{v:.2f}" for v in sim["forward"]) + " ms, backward "
                   + "/".join(f"{v:.2f}" for v in sim["backward"]) + " ms (stage 0/1/...); "
                   + "all-reduce alone " + "/".join(f"{v:.2f}" for v in reduce_ms) + " ms")
+        if args.save:
+            with open(args.save, "w") as file:
+                json.dump({name: times for name, (times, _, _) in results.items()}, file)
     fxpipe.shutdown()  # every rank is done communicating before any tears gloo down
 
 

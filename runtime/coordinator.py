@@ -45,6 +45,10 @@ class Coordinator:
         mini-batch expected)."""
         return loss
 
+    def start_allreduce(self, stage: int) -> None:
+        """Start `stage`'s gradient all-reduce over its data-parallel group (the schedule's
+        ALLREDUCE action); in one process there is no such group."""
+
     def after_backward(self) -> None:
         """Gradient work once the backward of a mini-batch is complete (tied weights; after
         expect())."""
@@ -207,6 +211,10 @@ class DistCoordinator(Coordinator):
             return []
         events, self.sync.events = self.sync.events, []
         return events
+
+    def start_allreduce(self, stage: int) -> None:
+        if self.sync is not None:  # this rank's stage
+            self.sync.launch()
 
     def after_backward(self) -> None:
         if self.sync is not None:

@@ -181,6 +181,8 @@ class PipelineExecutor:
         def on_action(action) -> None:
             if action.kind is K.STEP:
                 self.runners[action.stage].step()
+            elif action.kind is K.ALLREDUCE:
+                self.coordinator.start_allreduce(action.stage)
 
         self.coordinator.expect(len(batches))  # once the inputs and targets passed their checks
         run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action), call, schedule)

@@ -1,4 +1,4 @@
-"""Stage-backward hooks: GroPipe's delayed asynchronous gradient all-reduce."""
+"""A stage's gradient all-reduce over its data-parallel group: GroPipe's delayed one, or naive."""
 
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
 
 
 class GradientSync:
-    """All-reduces one stage's gradients over its data-parallel group, as its hook fires.
+    """All-reduces one stage's gradients over its data-parallel group.
 
     Stage s of every pipeline replica forms a data-parallel group. `delayed` (GroPipe) starts
-    `all_reduce(async_op=True)` of the stage's gradient buckets as it finishes its last
-    micro-batch's backward, overlapping earlier stages' backward, and waits only before the
-    optimizer step; `naive` waits for the whole pipeline's backward, then reduces. Both run the
-    same all-reduces, one per bucket; delayed starts them earlier and skips the barrier. Buckets
-    hold at most `bucket_bytes` (DDP's 25 MiB). Each group's loss is weighted by its share of
-    the global mini-batch, so the all-reduce sums.
+    `all_reduce(async_op=True)` of the stage's gradient buckets at the schedule's ALLREDUCE
+    action (`launch`), which follows the stage's last action of the mini-batch, its last
+    gradient sent back included, so the earlier stages' backward overlaps it and never waits
+    for it; it is waited for only before the optimizer step. `naive` waits for the whole
+    pipeline's backward, then reduces. Both run the same all-reduces, one per bucket; delayed
+    starts them earlier and skips the barrier. Buckets hold at most `bucket_bytes` (DDP's 25
+    MiB). Each group's loss is weighted by its share of the global mini-batch, so the
+    all-reduce sums.
     """
 
     def __init__(self, stage: int, params: Sequence[torch.nn.Parameter], group: Any,
@@ -38,32 +40,30 @@ class GradientSync:
         self.group, self.pipeline, self.mode = group, pipeline, mode
         self.buckets = _buckets(self.params, bucket_bytes)
         self._pending: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
-        self.events: list[Event] = []  # wall-clock spans of each all-reduce, for the trace
-
-    def on_stage_backward(self, stage: int, last: bool) -> None:
-        """The hook callback: after the last micro-batch's backward, start reducing (delayed).
-        The runner fires the hook once the stage's backward has returned, so the gradients are
-        accumulated in .grad by then."""
-        if last and self.mode == "delayed":
-            self._launch()
+        # wall-clock spans of the stage's time in all-reduces outside the schedule's actions
+        # (the driver times the ALLREDUCE action, delayed's launch): naive's launch and wait,
+        # delayed's wait, for the trace
+        self.events: list[Event] = []
 
     def finish(self) -> None:
         """Before the optimizer step: make this stage's gradients the group's average."""
         if self.mode == "naive":
             dist.barrier(self.pipeline)  # the whole pipeline's backward is done
-            self._launch()
+        start = time.time()
+        if not self._pending:  # naive (delayed launched at its ALLREDUCE action)
+            self.launch()
         for handle, flat, bucket in self._pending:
             handle.wait()
             for param, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 param.grad.copy_(reduced)
         if self._pending:
-            start = self._launched_at
             self.events.append(Event(self.stage, Action(self.stage, ActionKind.ALLREDUCE),
                                      start, time.time()))
         self._pending = []
 
-    def _launch(self) -> None:
-        self._launched_at = time.time()
+    def launch(self) -> None:
+        """Start the all-reduce of every bucket of the stage's gradients (a parameter the
+        step did not reach takes part as zeros, so every group sends the same buckets)."""
         for bucket in self.buckets:
             for param in bucket:
                 if param.grad is None:

@@ -98,7 +98,6 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     if data_parallel is not None:
         sync = GradientSync(layout.stage, list(stage.parameters()), data_parallel,
                             c.plan.dp_sync, pipeline)
-        hook.register(lambda s: sync.on_stage_backward(s, hook.finishing))
     coordinator = DistCoordinator(layout.pipeline_ranks, c.partition.micro_batches, device,
                                   pipeline, _tied_groups(c.model, stages, layout), sync=sync,
                                   data_parallel=data_parallel, group_index=layout.group,

@@ -45,7 +45,7 @@ from fxpipe.passes.analysis.profile import (
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
-from fxpipe.schedules import lower
+from fxpipe.schedules import ActionKind, add_step, lower
 from fxpipe.trace import trace
 from fxpipe.units import cut_units, unit_parameters
 
@@ -209,10 +209,19 @@ def schedule(c: Compilation) -> None:
     n, p = c.plan.stages, c.partition.micro_batches
     edges = sorted({(e.src, e.dst) for e in c.comm.edges})
     c.schedule = lower(c.plan.schedule, n, p, edges)
+    if _delayed_allreduce(c.plan):  # after the stage's last action, its last gradient sent
+        # back included, so no stage waits for its launch; the optimizer step stays the user's
+        c.schedule = add_step(c.schedule, allreduce=True, step=False)
     c.forward_schedule = c.schedule
     if c.plan.schedule == "async-1f1b":  # the drop-in forward handles one mini-batch, flushed
         c.forward_schedule = lower("gpipe", n, p, edges)
         c.streamed = functools.partial(lower, "async-1f1b", n, p, edges)  # (minibatches)
+
+
+def _delayed_allreduce(plan: Plan) -> bool:
+    """Whether each stage's all-reduce over its data-parallel group is a schedule action
+    (GroPipe's delayed one; the naive one runs after the schedule)."""
+    return plan.groups > 1 and plan.dp_sync == "delayed"
 
 
 # --- verifiers: cheap checks of what a pass made (a failure is a bug in fxpipe) --------------
@@ -277,6 +286,9 @@ def _schedule_made(c: Compilation) -> None:
         ensure(schedule.stages == c.plan.stages, "a list per stage")
         ensure(schedule.micro_batches == c.partition.micro_batches, "the partition's micro-batches")
         ensure(schedule.lowered or not c.comm.edges, "sends and receives in the lists")
+    reduces = [[a.kind for a in stage].count(ActionKind.ALLREDUCE) for stage in c.schedule.actions]
+    ensure(reduces == [int(_delayed_allreduce(c.plan))] * c.plan.stages,
+           "an ALLREDUCE a stage exactly where the groups' all-reduce is delayed")
 
 
 # --- summaries -------------------------------------------------------------------------------
@@ -336,7 +348,9 @@ def _show_rewrite(c: Compilation) -> str:
 
 def _show_schedule(c: Compilation) -> str:
     actions = sum(len(stage) for stage in c.schedule.actions)
-    return f"{c.schedule.name}: {actions} actions, sends and receives matched"
+    reduce = (", each stage's all-reduce after its last action" if _delayed_allreduce(c.plan)
+              else "")
+    return f"{c.schedule.name}: {actions} actions, sends and receives matched{reduce}"
 
 
 PASSES = (

@@ -76,10 +76,11 @@ def _check_edges(edges: Iterable[tuple[int, int]], stages: int) -> set[tuple[int
     return checked
 
 
-def add_step(schedule: Schedule, allreduce: bool = False) -> Schedule:
+def add_step(schedule: Schedule, allreduce: bool = False, step: bool = True) -> Schedule:
     """Close every mini-batch on every stage with a STEP (after the stage's last action of that
-    mini-batch), preceded by an ALLREDUCE when `allreduce`; mini-batches already closed stay."""
-    kinds = [ActionKind.ALLREDUCE] * allreduce + [ActionKind.STEP]
+    mini-batch), preceded by an ALLREDUCE when `allreduce`; with `step=False` the ALLREDUCE
+    alone (the optimizer step is the caller's). Mini-batches already closed stay."""
+    kinds = [ActionKind.ALLREDUCE] * allreduce + [ActionKind.STEP] * step
     lists = []
     for s, stage in enumerate(schedule.actions):
         have = {(a.kind, schedule.minibatch(a)) for a in stage if a.kind in _MINIBATCH_KINDS}

@@ -177,8 +177,9 @@ def test_world_size_must_fit_the_plan(tmp_path):
 def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, model, tmp_path):
     """2 groups x 2 stages (4 ranks): every group ends with the same parameters, equal to one
     process training on the whole global batch, weights tied across stages included;
-    GroPipe's delayed all-reduce starts on the last stage before the first stage has finished
-    its backward, the naive one after."""
+    GroPipe's delayed all-reduce is a schedule action on every stage, after the stage's last
+    backward and gradient sent back (then waited for after the run), the naive one starts
+    after the first stage has finished its backward."""
     out = tmp_path / "hybrid.pt"
     result = torchrun(4, f"hybrid:{mode}:{model}", out)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -189,12 +190,16 @@ def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, model,
         for key, value in share["state"].items():
             torch.testing.assert_close(value, state[key], rtol=1e-10, atol=1e-12, msg=key)
     first_stage, last_stage = shares[0], shares[1]  # ranks 0 and 1: group 0's pipeline
-    reduce_start = max(e[2] for e in last_stage["events"] if e[1] == "ALLREDUCE")
+    for share in (first_stage, last_stage):
+        starts = sorted(e[2] for e in share["events"] if e[1] == "ALLREDUCE")
+        if mode == "delayed":  # the action (its launch), then the wait
+            assert len(starts) == 2, share["events"]
+            assert starts[0] >= max(e[3] for e in share["events"] if e[1] in ("B", "SEND_B"))
+        else:
+            assert len(starts) == 1, share["events"]
     backward_end = max(e[3] for e in first_stage["events"] if e[1] == "B")
-    if mode == "delayed":
-        assert reduce_start < backward_end
-    else:
-        assert reduce_start > backward_end
+    if mode == "naive":
+        assert min(e[2] for e in last_stage["events"] if e[1] == "ALLREDUCE") > backward_end
     trace = json.loads(out.with_suffix(".json").read_text())["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
     assert sorted(processes.values()) == ["measured, group 0", "measured, group 1", "predicted"]
