@@ -105,8 +105,9 @@ def test_print_and_the_pass_log_say_where_the_costs_came_from(tmp_path, monkeypa
     monkeypatch.setattr(profile_module, "_timer",
                         lambda device: lambda fn, *args, **kwargs: (fn(*args, **kwargs), 1e-3))
     x = torch.randn(8, 32)
-    first = fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(x,), cache=tmp_path)
-    second = fxpipe.compile(MLP(), fxpipe.Plan(stages=2), example_inputs=(x,), cache=tmp_path)
+    plan = fxpipe.Plan(stages=2, micro_batches=1)
+    first = fxpipe.compile(MLP(), plan, example_inputs=(x,), cache=tmp_path)
+    second = fxpipe.compile(MLP(), plan, example_inputs=(x,), cache=tmp_path)
     (path,) = tmp_path.glob("*.json")
     profiled = {r.name: r.summary for r in first.passes}["profile"]
     read = {r.name: r.summary for r in second.passes}["profile"]
