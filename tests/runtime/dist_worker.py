@@ -332,7 +332,7 @@ def stall(out):
         others = [f"stopped/{r}" for r in range(world) if r != rank]
 
         def stand_still(module, inputs):
-            store.wait(others, datetime.timedelta(seconds=60))
+            store.wait(others, datetime.timedelta(seconds=150))
         for module in model.modules():  # this rank runs only its stage's
             module.register_forward_pre_hook(stand_still)
     try:

@@ -85,7 +85,7 @@ def test_training_across_ranks_matches_one_process(ranks, scenarios, tmp_path):
 def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
     """Rank 0 waits for the failed stage until Plan(timeout=2) passes, not for the process
     group's 300 s or the failed rank's exit (subprocess.TimeoutExpired fails the test)."""
-    result = torchrun(2, "fail", tmp_path / "unused", timeout=60)
+    result = torchrun(2, "fail", tmp_path / "unused", timeout=120)
     assert result.returncode != 0
     lines = [line for line in result.stdout.splitlines() if "stopped:" in line]
     assert any(line.startswith("rank 1 stopped: RuntimeError: stage 1 failed: ValueError: "
@@ -98,7 +98,7 @@ def test_a_rank_that_stops_making_progress_stops_every_rank(tmp_path):
     """Rank 1 of 3 stands still mid-step: ranks 0 and 2 give up at their deadline
     (Plan(timeout=2)), rank 1 when it goes on, all well before the process group's 300 s,
     each saying which stage and micro-batch was waited for and on which rank."""
-    result = torchrun(3, "stall", tmp_path / "unused", timeout=60)
+    result = torchrun(3, "stall", tmp_path / "unused", timeout=170)
     assert result.returncode != 0
     stopped = {int(line.split()[1]): line for line in result.stdout.splitlines()
                if line.startswith("rank ") and " stopped: " in line}
