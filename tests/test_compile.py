@@ -476,3 +476,14 @@ def test_by_default_compile_splits_one_micro_batch_per_stage_up_to_the_batch(
     forwards = [e.action.mb for e in pipe.last_trace() if e.stage == 0
                 and e.action.kind is fxpipe.schedules.ActionKind.F]
     assert sorted(forwards) == list(range(expected))  # the schedule ran that many
+
+
+@pytest.mark.parametrize("batch, expected", [(2, 1), (3, 1), (4, 2), (8, 2)])
+def test_the_default_keeps_two_samples_a_micro_batch_for_a_batch_norm(batch, expected):
+    """A batch norm layer that gets one value per channel from a sample cannot train on one
+    sample, so the default count leaves it two, and the pipeline trains."""
+    x = torch.randn(batch, 4)
+    pipe = fxpipe.compile(_with_batch_norm(), fxpipe.Plan(stages=2), example_inputs=(x,),
+                          cache=False)
+    assert pipe.plan.micro_batches == expected
+    pipe(x).sum().backward()

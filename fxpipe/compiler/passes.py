@@ -99,10 +99,11 @@ def cut(c: Compilation) -> None:
     check_stage_count(c.model, c.plan, c.units)
     check_stage_sizes(c.model, c.plan, c.units)
     c.whole = whole_positions(c.traced, c.plan, c.args, c.kwargs)
-    c.plan = c.plan.for_batch(c.batch)  # the default micro-batch count, from the example
+    batch_norm = batch_norm_of_one(c.traced.gm) if c.model.training else None
+    # the default micro-batch count, from the example (two samples each for a batch norm)
+    c.plan = c.plan.for_batch(c.batch // (2 if batch_norm else 1))
     if c.plan.costs != "none":  # the example's micro-batches are timed
-        check_micro_batch_count(c.plan, c.batch, profile_sizes(c.batch, c.plan),
-                                batch_norm_of_one(c.traced.gm) if c.model.training else None)
+        check_micro_batch_count(c.plan, c.batch, profile_sizes(c.batch, c.plan), batch_norm)
     check_batched_inputs(c.traced, c.plan, c.flat,
                          c.traced.bind.argument_of_each_input(c.args, c.kwargs), c.whole)
     check_per_sample_outputs(c.traced, c.plan, c.batch)
