@@ -18,7 +18,7 @@ from fxpipe.compiler.passes import PASSES
 from fxpipe.compiler.replan import Replan, replan
 from fxpipe.compiler.state import Compilation, PassLog, run_passes
 from fxpipe.errors import FxpipeError
-from fxpipe.passes.analysis.profile import ProfileCache, default_cache_dir
+from fxpipe.passes.analysis.profile_cache import ProfileCache, default_cache_dir
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fxpipe.cost import CostTable, Link
-from fxpipe.passes.analysis.profile import UnitProfile
+from fxpipe.passes.analysis.profile_cache import UnitProfile
 
 __all__ = ["cost_table"]
 

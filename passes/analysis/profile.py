@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
-import os
-import pathlib
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,53 +18,24 @@ from fxpipe.batching import input_dims, resize
 from fxpipe.ir import CommTable
 from fxpipe.materialize import has_meta_tensors, kept_from, materialized_copy
 from fxpipe.meta import PROFILE, SHAPE, ValueInfo
+from fxpipe.passes.analysis.profile_cache import (
+    STALE,
+    ProfileCache,
+    UnitProfile,
+    cache_key,
+    describe_key,
+)
 from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.units import Unit
 
-__all__ = [
-    "MIN_TIMED", "MOST_REPEATS", "STALE", "ProfileCache", "UnitProfile", "UnitTiming",
-    "annotate_profile", "default_cache_dir", "model_outputs", "profile_units", "real_bytes",
-    "time_loss",
-]
+__all__ = ["MIN_TIMED", "MOST_REPEATS", "UnitTiming", "annotate_profile", "model_outputs",
+           "profile_units", "real_bytes", "time_loss"]
 
-_FORMAT = 13  # bump when the cached record changes (or how it is measured)
 MOST_REPEATS = 100  # timed repetitions per micro-batch size at most, whatever min_time asks
 # seconds of timed repetitions per micro-batch size at least: units of tens of microseconds
 # timed a few times give medians that move a lot; more repetitions cost little where each
 # repetition is long anyway
 MIN_TIMED = 0.05
-# a cached profile is measured afresh when a short re-time of its units is off its times by
-# more than this factor either way: a second CPU-bound job on a 2-core machine doubles a
-# timing, which must not discard a good entry; a profile taken under other conditions the key
-# cannot see (a loaded machine, another power mode) is off by far more
-STALE = 3.0
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class UnitProfile:
-    """Measurements per (micro-batch size, unit); times in seconds, sizes in bytes."""
-
-    sizes: tuple[int, ...]  # micro-batch sizes measured, ascending
-    forward: np.ndarray  # (M, K)
-    backward: np.ndarray  # (M, K)
-    boundary_bytes: np.ndarray  # (M, K): values crossing the cut after unit i
-    boundary_grad_bytes: np.ndarray  # (M, K): their gradients (floating values only)
-    activation_bytes: np.ndarray  # (M, K): tensors the unit saves for its backward
-    device: str
-    cached: pathlib.Path | None = None  # the cache file it was read from, if it was
-    origin: str = ""  # where the times come from, in words: measured now, or which cache entry
-
-    def to_json(self) -> dict[str, Any]:
-        arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in arrays.items()
-                if k not in ("cached", "origin")}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any], path: pathlib.Path) -> UnitProfile:
-        fields = {f.name for f in dataclasses.fields(cls)} - {"cached", "origin", "sizes",
-                                                               "device"}
-        arrays = {k: np.asarray(data[k], dtype=np.float64) for k in fields}
-        return cls(tuple(data["sizes"]), device=data["device"], cached=path, **arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,39 +59,6 @@ def annotate_profile(gm: fx.GraphModule, units: Sequence[Unit], profile: UnitPro
                                           profile.activation_bytes)))
         for name in unit.nodes:
             nodes[name].meta[PROFILE] = timing
-
-
-def default_cache_dir() -> pathlib.Path:
-    """~/.cache/fxpipe/profiles (or under $XDG_CACHE_HOME)."""
-    root = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(root) / "fxpipe" / "profiles"
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileCache:
-    """Profiles on disk, one JSON file per key."""
-
-    directory: pathlib.Path
-
-    def get(self, key: str) -> UnitProfile | None:
-        path = self.directory / f"{key}.json"
-        try:
-            return UnitProfile.from_json(json.loads(path.read_text()), path)
-        except (OSError, ValueError, KeyError):
-            return None
-
-    def put(self, key: str, profile: UnitProfile) -> str:
-        """Where the profile went, in words (an unwritable cache only costs a re-measurement
-        next time, so it is said, not raised)."""
-        path = self.directory / f"{key}.json"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".{key}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(profile.to_json()))
-            tmp.replace(path)
-        except OSError as error:
-            return f"not cached: {error}"
-        return f"cached at {path}"
 
 
 def profile_units(
@@ -167,7 +100,7 @@ def profile_units(
     modules = [graph.get_submodule(f"stage{io.stage}").module for io in table.stages]
     meta = has_meta_tensors(graph)
     runs = _runs(_tensor_bytes(modules), window) if meta else [range(len(modules))]
-    key, signature = _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time,
+    key, signature = cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time,
                                 whole, runs if meta else None)
     dims = input_dims(flat_inputs, whole)
 
@@ -186,7 +119,7 @@ def profile_units(
         ratio = (cached + 1e-9) / (sum(forward) + sum(backward) + 1e-9)  # 1 ns: never 0 / 0
         if 1 / STALE <= ratio <= STALE:
             return dataclasses.replace(hit, origin=(
-                f"from cache {hit.cached} (key: {_describe(signature)}; its times "
+                f"from cache {hit.cached} (key: {describe_key(signature)}; its times "
                 f"{ratio:.2f}x a re-time's)"))
         stale = (f"; the cache's entry had times {ratio:.2g}x a re-time's, more than {STALE:g}x "
                  "off, so they were measured again")
@@ -425,40 +358,3 @@ def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:
     return cpu_timed
 
 
-def _cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time, whole,
-               runs) -> tuple[str, dict[str, Any]]:
-    """What the timings depend on, hashed, and unhashed: the stages' code, the tensors' shapes
-    and dtypes, train or eval mode, the micro-batch sizes, the device, this machine and the
-    CPUs this process may use, torch and its settings, and how the units were timed."""
-    stages = [m for name, m in graph.named_children() if name.startswith("stage")]
-    cuda = torch.device(device).type == "cuda"
-    signature = {
-        "format": _FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": [platform.node(), platform.machine(), platform.processor(), os.cpu_count()],
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "gpu": torch.cuda.get_device_name(device) if cuda else None,
-        "flags": [torch.backends.mkldnn.enabled, torch.get_float32_matmul_precision(),
-                  torch.are_deterministic_algorithms_enabled()],
-        "device": device, "sizes": sizes, "warmup": warmup, "repeats": repeats,
-        "min_time": min_time, "whole": list(whole),
-        "runs": [(r.start, r.stop) for r in runs] if runs is not None else None,
-        "code": [stage.module.code for stage in stages],
-        "training": [m.training for m in graph.modules()],
-        "state": [(n, list(t.shape), str(t.dtype), t.requires_grad)
-                  for n, t in [*graph.named_parameters(), *graph.named_buffers()]],
-        "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x)
-                   for x in pytree.tree_leaves(list(flat_inputs))],
-    }
-    key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:32]
-    return key, signature
-
-
-def _describe(signature: Mapping[str, Any]) -> str:
-    """The key's main parts in words: device, host, threads, dtypes, sizes, torch."""
-    dtypes = {s[2] for s in signature["state"]} | {
-        i[1] for i in signature["inputs"] if isinstance(i, list)}
-    threads = signature["threads"]
-    return (f"{signature['device']} on {signature['machine'][0]}, {threads} thread"
-            f"{'s' * (threads != 1)}, "
-            f"{'/'.join(d.removeprefix('torch.') for d in sorted(dtypes))}, "
-            f"micro-batch sizes {list(signature['sizes'])}, torch {signature['torch']}")

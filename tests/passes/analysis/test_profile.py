@@ -15,6 +15,7 @@ from torch import nn
 import fxpipe
 from fxpipe.models import GPT, MLP, VGG
 from fxpipe.passes.analysis import profile as profile_module
+from fxpipe.passes.analysis import profile_cache
 from fxpipe.passes.analysis.comm import default_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import model_outputs, profile_units, time_loss
@@ -67,7 +68,7 @@ def test_a_cache_entry_a_re_time_disagrees_with_is_measured_again(tmp_path, stea
     afresh, the cache file overwritten, and the summary says why."""
     model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
     _, graph, table = _per_unit(model, x)
-    cache = profile_module.ProfileCache(tmp_path)
+    cache = profile_cache.ProfileCache(tmp_path)
     fresh = profile_units(graph, table, [x], [2, 8], cache=cache)
     (path,) = tmp_path.glob("*.json")
     entry = json.loads(path.read_text())
@@ -75,7 +76,7 @@ def test_a_cache_entry_a_re_time_disagrees_with_is_measured_again(tmp_path, stea
         entry[times] = (np.array(entry[times]) * scale).tolist()
     path.write_text(json.dumps(entry))
     again = profile_units(graph, table, [x], [2, 8], cache=cache)
-    kept = 1 / profile_module.STALE <= scale <= profile_module.STALE
+    kept = 1 / profile_cache.STALE <= scale <= profile_cache.STALE
     assert (again.cached == path) == kept
     np.testing.assert_allclose(again.forward, fresh.forward * (scale if kept else 1))
     if kept:
@@ -101,7 +102,7 @@ def _key(threads: int, dtype: torch.dtype, batch: int, training: bool, version: 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "get_num_threads", lambda: threads)
         patch.setattr(torch, "__version__", version)
-        key, _ = profile_module._cache_key(graph, [torch.randn(batch, 8, dtype=dtype)],
+        key, _ = profile_cache.cache_key(graph, [torch.randn(batch, 8, dtype=dtype)],
                                            (batch,), "cpu", 1, 5, 0.05, (), None)
     return key
 
