@@ -15,7 +15,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.meta import SHAPE
 
 __all__ = ["InputDims", "batch_norm_of_one", "check_batch_norm", "check_loss", "input_dims",
-           "loss_reduction", "merge", "resize", "rows", "split", "split_sizes"]
+           "loss_reduction", "loss_weight", "merge", "resize", "rows", "split", "split_sizes"]
 
 
 def rows(tree: Any) -> int:
@@ -177,22 +177,37 @@ def check_loss(value: Any) -> torch.Tensor:
     return value
 
 
+def loss_weight(loss_fn: Any, target: Any) -> torch.Tensor | int:
+    """What a micro-batch's mean loss averages over: its samples, or, for an integer target
+    holding entries the loss ignores (ignore_index: the loss's own, or -100, the default of
+    cross_entropy and nll_loss), its counted entries (a tensor: no device sync)."""
+    ignore = getattr(loss_fn, "ignore_index", None)
+    if ignore is None:
+        ignore = getattr(loss_fn, "keywords", {}).get("ignore_index", -100)  # a partial's
+    if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.dim():
+        return (target != ignore).sum()
+    return rows([target])
+
+
 def loss_reduction(loss_fn: Any, output: Any, target: Any, value: torch.Tensor) -> str | None:
     """How `loss_fn` reduces over samples, 'mean' or 'sum', from `value`, its loss on (output,
     target), against its losses on two halves of them (one sample: `value` is the half of the
-    sample twice); None when they cannot tell (all 0). Refuses a loss that is neither, whose
-    micro-batch losses cannot make the mini-batch's."""
+    sample twice); a mean averages over loss_weight(). None when they cannot tell (all 0).
+    Refuses a loss that is neither, whose micro-batch losses cannot make the mini-batch's."""
     n = rows([target])
     with torch.no_grad():
         if n > 1:
-            sizes, whole = split_sizes(n, 2), float(value)
-            a, b = (float(loss_fn(*half)) for half in split([output, target], 2, batch=n))
+            halves = split([output, target], 2, batch=n)
+            whole = float(value)
+            a, b = (float(loss_fn(*half)) for half in halves)
+            weights = [float(loss_weight(loss_fn, half[1])) for half in halves]
         else:  # a mean gives the loss of the sample, a sum twice that
-            sizes, a, b = [1, 1], float(value), float(value)
+            weights, a, b = [1, 1], float(value), float(value)
             whole = float(loss_fn(*pytree.tree_map(
                 lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() > 0
                 and t.shape[0] == 1 else t, [output, target])))
-    mean, total = (sizes[0] * a + sizes[1] * b) / sum(sizes), a + b
+    mean = (weights[0] * a + weights[1] * b) / max(sum(weights), 1)
+    total = a + b
     tolerance = (3e-2 if value.dtype in (torch.float16, torch.bfloat16) else 1e-3) * max(
         abs(whole), abs(a), abs(b))
     is_mean, is_sum = abs(whole - mean) <= tolerance, abs(whole - total) <= tolerance
@@ -200,9 +215,10 @@ def loss_reduction(loss_fn: Any, output: Any, target: Any, value: torch.Tensor) 
         return "mean" if is_mean else "sum"
     if is_mean:
         return None
+    sizes = [rows([half[1]]) for half in halves] if n > 1 else [1, 1]
     raise FxpipeError(
         f"Plan(loss_fn=...) is neither a mean nor a sum over samples: on {sum(sizes)} samples "
         f"it gives {whole:.6g}, on {sizes[0]} and {sizes[1]} of them {a:.6g} and {b:.6g}, so "
-        "micro-batches' losses cannot make the mini-batch's. Make it one (e.g. "
-        "reduction='sum', scaled yourself, where a mean would count tokens that ignore_index "
-        "leaves out), or use micro_batches=1 and groups=1.")
+        "micro-batches' losses cannot make the mini-batch's. Make it one (a mean over an "
+        "integer target's entries other than ignore_index counts too), or use micro_batches=1 "
+        "and groups=1.")

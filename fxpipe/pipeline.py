@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import operator
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +28,9 @@ from fxpipe.trace import Traced
 from fxpipe.units import Unit
 
 __all__ = ["CompiledPipeline"]
+
+
+_MODES = {True: "training", False: "eval"}
 
 
 class CompiledPipeline(torch.nn.Module):
@@ -88,6 +90,8 @@ class CompiledPipeline(torch.nn.Module):
     def run_sequential(self, *args: Any, **kwargs: Any) -> Any:
         """The PipelineGraph run as an ordinary module, one stage after another: the reference
         every pipelined run is checked against."""
+        if self._twin_runs():
+            return self.twin.run_sequential(*args, **kwargs)
         self._check_unchanged()
         return self.traced.bind.unflatten(self.graph(*self.traced.bind(args, kwargs)))
 
@@ -126,6 +130,12 @@ class CompiledPipeline(torch.nn.Module):
         """Train on `[(inputs, target), ...]` (inputs: a tensor or a tuple of forward()'s
         arguments), stepping each stage's attached optimizer after every mini-batch; under
         async-1f1b the mini-batches overlap with no flush between them. Returns their losses."""
+        if self._twin_runs():  # its optimizers are attached to the pipeline of the other mode
+            raise FxpipeError(
+                f"pipe.step_many runs the graph traced in {_MODES[self.traced.training]} mode, "
+                f"and the pipeline is in {_MODES[self.training]} mode; call pipe.train("
+                f"{self.traced.training}) first, or use pipe.step(x, target) with your own "
+                "optimizer step.")
         if self.plan.loss_fn is None:
             raise FxpipeError("pipe.step_many(...) computes losses inside the pipeline and "
                               "needs Plan(loss_fn=...).")
@@ -250,15 +260,14 @@ class CompiledPipeline(torch.nn.Module):
         if other and self.twin is None and self.retrace is not None:
             vars(self)["twin"] = self.retrace(mode)
         elif other and self.twin is None:  # under torchrun, or with intra_layer
-            modes = {True: "training", False: "eval"}
             how = ("torch.export fixes BatchNorm and dropout behaviour in the graph"
                    if traced.frontend == "export" else
                    "the model's forward() reads self.training, which tracing turned into a "
                    "constant")
             raise FxpipeError(
-                f"this pipeline was traced in {modes[traced.training]} mode and {how}; "
+                f"this pipeline was traced in {_MODES[traced.training]} mode and {how}; "
                 f"under torchrun or with intra_layer, compile a second pipeline from the model "
-                f"in {modes[mode]} mode yourself (model.train({mode}) first)."
+                f"in {_MODES[mode]} mode yourself (model.train({mode}) first)."
             )
         return super().train(mode)
 
@@ -271,7 +280,10 @@ class CompiledPipeline(torch.nn.Module):
         return self
 
     def _relink(self) -> None:
-        """Point the stages at this module's tensors again (`.to()` replaces buffer objects)."""
+        """Point the stages at this module's tensors again (`.to()` replaces buffer objects);
+        a submodule replaced since compile is refused, not hidden."""
+        if hasattr(self, "compiled_parts"):
+            self._check_unchanged(parameters=False, buffers=False)
         own = dict(self.named_parameters(remove_duplicate=False))
         own.update(self.named_buffers(remove_duplicate=False))
         for stage in self.stages:
@@ -290,28 +302,32 @@ class CompiledPipeline(torch.nn.Module):
             self.twin._relink()
         self.compiled_parts = self._parts()
 
-
-    def _parts(self) -> list[tuple[torch.nn.Module, tuple[str, ...], tuple[Any, ...]]]:
-        """What the stages were built from: the children and parameters of this module and of
-        each of the model's modules."""
-        return [(m, (*m._modules, *m._parameters), (*m._modules.values(),
-                                                    *m._parameters.values()))
+    def _parts(self) -> list[tuple[torch.nn.Module, dict, dict, dict]]:
+        """What the stages were built from: the children, parameters and buffers of this module
+        and of each of the model's modules."""
+        return [(m, dict(m._modules), dict(m._parameters), dict(m._buffers))
                 for m in (self, *self.source.modules())]
 
-    def _check_unchanged(self) -> None:
-        """Refuse to run (or save) a model whose submodules or parameters were replaced since
-        compile (the stages hold the old ones): one pass over the model's modules."""
-        for module, names, then in self.compiled_parts:
-            now = (*module._modules.values(), *module._parameters.values())
-            if len(now) == len(then) and all(map(operator.is_, now, then)):
-                continue
-            name = next(n for n, a, b in itertools.zip_longest(
-                (*module._modules, *module._parameters), now, then) if a is not b) or names[-1]
-            path = next((f"{n}." for n, m in self.source.named_modules() if m is module and n), "")
-            raise FxpipeError(
-                f"{self.model_name}'s {path}{name} changed after compile (replaced, added or "
-                "removed), and the pipeline's stages still run what compile saw; compile again "
-                "after changing the model: pipe = fxpipe.compile(model, plan, ...).")
+    def _check_unchanged(self, parameters: bool = True, buffers: bool = True) -> None:
+        """Refuse to run (or save) a model whose submodules or `parameters` were replaced,
+        added or removed since compile (the stages hold the old ones); replaced `buffers` (an
+        assignment, the model's .to()) are taken into the stages. One pass over the modules."""
+        relink = False
+        for module, *then in self.compiled_parts:
+            now = (module._modules, module._parameters, module._buffers)
+            for was, new in list(zip(then, now))[:1 + parameters]:
+                if not _same(was, new):
+                    name = next(n for n in {**was, **new} if was.get(n) is not new.get(n))
+                    path = next((f"{n}." for n, m in self.source.named_modules()
+                                 if m is module and n), "")
+                    raise FxpipeError(
+                        f"{self.model_name}'s {path}{name} changed after compile (replaced, "
+                        "added or removed), and the pipeline's stages still run what compile "
+                        "saw; compile again after changing the model: "
+                        "pipe = fxpipe.compile(model, plan, ...).")
+            relink = relink or (buffers and not _same(then[2], now[2]))
+        if relink:
+            self._relink()
 
     def _bind(self, args: tuple, kwargs: dict[str, Any], hint: str = "") -> list[Any]:
         """A call's inputs as the graph's, refused before any work if the model changed since
@@ -434,3 +450,8 @@ def _check_calibration(method: str, calibration: object) -> None:
     if calibration is not None and not isinstance(calibration, Calibration):
         raise FxpipeError(f"pipe.{method}(calibration=...) takes what fxpipe.calibrate(pipe, "
                           f"x, target=y) returns, not {calibration!r}.")
+
+
+def _same(was: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+    """The same names holding the same objects."""
+    return was.keys() == now.keys() and all(map(operator.is_, was.values(), now.values()))

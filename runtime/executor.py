@@ -10,7 +10,16 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe.batching import check_loss, input_dims, loss_reduction, merge, rows, split, split_sizes
+from fxpipe.batching import (
+    check_loss,
+    input_dims,
+    loss_reduction,
+    loss_weight,
+    merge,
+    rows,
+    split,
+    split_sizes,
+)
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Event, Stage, StageHook
 from fxpipe.runtime.bridge import (
@@ -80,7 +89,7 @@ class PipelineExecutor:
         self.trace_origin = 0.0  # wall-clock time (time.time()) of the trace's zero
         self.last_schedule: Schedule | None = None  # what the last run executed
         self.last_sizes: list[int] | None = None  # and its micro-batches' sizes (samples)
-        self.loss_reduction: str | None = None  # "mean" or "sum": loss_fn's, once found
+        self.loss_reduction: tuple | None = None  # ((loss_fn, its reduction), "mean"/"sum"/None)
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -133,7 +142,7 @@ class PipelineExecutor:
                   loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
         """Train on several mini-batches, stepping every stage's attached optimizer after each:
         asynchronously (no flush between them) where the schedule streams them, else one
-        flushed schedule per mini-batch. Returns each mini-batch's mean loss."""
+        flushed schedule per mini-batch. Returns each mini-batch's loss."""
         missing = [s for s, runner in self.runners.items() if runner.policy is None
                    or runner.policy.optimizer is None]
         if missing:
@@ -169,14 +178,25 @@ class PipelineExecutor:
                    if self.last else [])
 
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
-            output, size, total = self.model_output(outputs), call.sizes[mb], calls[mb // p].total
+            output, first = self.model_output(outputs), mb // p * p
             value = check_loss(loss_fn(output, targets[mb]))
-            if size == total:  # the whole mini-batch: nothing to combine
+            if call.sizes[mb] == calls[mb // p].total:  # the whole mini-batch: nothing to combine
                 return value
-            if self.loss_reduction is None:  # found once: the check costs loss_fn calls and a sync
-                self.loss_reduction = loss_reduction(loss_fn, output, targets[mb], value)
-            # a mean counts with its share of the samples, a sum as it is
-            return value if self.loss_reduction == "sum" else value * (size / total)
+            found = (loss_fn, getattr(loss_fn, "reduction", None))  # what the check holds for
+            if self.loss_reduction is None or self.loss_reduction[0] != found or (
+                    self.loss_reduction[1] is None):
+                # checked once, not every step: it costs loss_fn calls and a device sync
+                self.loss_reduction = (found, loss_reduction(loss_fn, output, targets[mb], value))
+            if self.loss_reduction[1] == "sum":
+                return value
+            # a mean counts with its share of the global mini-batch's samples, or of this
+            # group's counted target entries (times the group's share of the samples)
+            share = call.sizes[mb] / calls[mb // p].total
+            weights = [loss_weight(loss_fn, t) for t in targets[first:first + p]]
+            if isinstance(weights[0], torch.Tensor):
+                share = weights[mb - first].to(value.dtype) / sum(weights) * (
+                    sum(call.sizes[first:first + p]) / calls[mb // p].total)
+            return value * share
 
         def on_action(action) -> None:
             if action.kind is K.STEP:

@@ -96,6 +96,34 @@ def test_a_model_changed_after_compile_is_refused_before_any_work(change, name):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("after", ["to", "double", "load_state_dict"])
+def test_a_replaced_submodule_is_refused_also_after_to_or_a_load(after):
+    """.to() and load_state_dict(assign=True) take the model's tensors into the stages again;
+    a submodule replaced before them is still refused, not hidden."""
+    model = _seven_layers()
+    x = torch.randn(8, 4)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, costs="none"),
+                          example_inputs=(x,))
+    model[2] = nn.Linear(8, 8)
+    with pytest.raises(FxpipeError, match=r"Sequential's 2 changed after compile"):
+        {"to": lambda: pipe.to(torch.float32), "double": pipe.double,
+         "load_state_dict": lambda: pipe.load_state_dict(model.state_dict(), assign=True)
+         }[after]()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_buffer_assigned_after_compile_is_what_the_stages_use(frontend):
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).eval()
+    x = torch.randn(8, 4)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, costs="none",
+                                             tracer=frontend), example_inputs=(x,))
+    model[1].running_mean = torch.randn(8)
+    torch.testing.assert_close(pipe(x), model(x))
+    model.double()  # replaces every buffer
+    x = x.double()
+    torch.testing.assert_close(pipe(x), model(x))
+
+
 def test_to_keeps_stages_on_the_models_buffers():
     model = ResNet()
     pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, tracer="export"),
@@ -195,7 +223,12 @@ def test_export_pipeline_runs_the_other_mode_through_the_model_traced_in_it():
     pipe(x)  # BatchNorm's running statistics move, in the model's own buffers
     pipe.eval()
     torch.testing.assert_close(pipe(x), model.eval()(x))
+    torch.testing.assert_close(pipe.run_sequential(x), model(x))
     assert pipe.twin.partition.sizes == pipe.partition.sizes  # the same stages
+    with pytest.raises(FxpipeError, match=r"pipe.step_many runs the graph traced in training "
+                                          r"mode, and the pipeline is in eval mode; call "
+                                          r"pipe.train\(True\) first, or use pipe.step"):
+        pipe.step_many([(x, torch.randint(0, 10, (2,)))])
 
 
 def test_print_shows_stage_table_and_graph_with_send_recv_and_hooks():

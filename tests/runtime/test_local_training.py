@@ -119,6 +119,56 @@ def test_step_gives_the_plain_loss_and_gradients_for_mean_and_sum_losses(
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def _token_loss(out, t):
+    return F.cross_entropy(out.flatten(0, 1), t.flatten())  # a mean over the counted tokens
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.hidden, self.head = nn.Embedding(7, 6), nn.Linear(6, 6), nn.Linear(6, 7)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(self.embed(x))))
+
+
+@settings(max_examples=12)
+@given(micro_batches=st.integers(2, 4), data=st.data())
+def test_a_token_mean_with_ignored_entries_counts_by_counted_tokens(micro_batches, data):
+    """cross_entropy's mean over the targets other than ignore_index (-100, padding): each
+    micro-batch counts with its share of the counted tokens on every step, also when the
+    first step, which finds the reduction, had no padding at all."""
+    model = _Tokens().double()
+    reference = copy.deepcopy(model)
+    x = torch.randint(0, 7, (6, 5))
+    plan = fxpipe.Plan(stages=2, micro_batches=micro_batches, loss_fn=_token_loss,
+                       costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    for padded in (0, data.draw(st.integers(1, 25)), data.draw(st.integers(1, 25))):
+        y = torch.randint(0, 7, (6, 5))
+        y.view(-1)[torch.randperm(30)[:padded]] = -100
+        model.zero_grad()
+        reference.zero_grad()
+        value = pipe.step(x, y)
+        expected = _token_loss(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(value, expected.detach(), rtol=1e-12, atol=1e-12)
+        for p, q in zip(pipe.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_loss_whose_reduction_changes_is_checked_again():
+    model = Net().double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    loss_fn = nn.MSELoss()
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, loss_fn=loss_fn,
+                                             costs="none"), example_inputs=(x,))
+    pipe.step(x, y)
+    loss_fn.reduction = "sum"
+    torch.testing.assert_close(pipe.step(x, y), loss_fn(model(x), y).detach(), rtol=1e-12,
+                               atol=1e-12)
+
+
 def test_any_loss_counts_as_it_is_on_a_whole_batch():
     """One micro-batch: nothing to combine, so a loss that is neither a mean nor a sum over
     samples is fine."""
