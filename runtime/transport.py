@@ -91,9 +91,9 @@ class LocalTransport:
                 raise PipelineAborted(f"stage {dst} stopped: {self._error}") from self._error
             if not arrived:
                 raise FxpipeError(
-                    f"stage {dst} waited {self.timeout:.0f} s for {direction} micro-batch "
-                    f"{key.mb} from stage {src}; the schedule's sends and receives do not match."
-                )
+                    f"stage {dst} waited {self.timeout:g} s for {direction} micro-batch "
+                    f"{key.mb} from stage {src}: a stage is stuck, or the schedule's sends and "
+                    "receives do not match (Plan(timeout=...) sets how long a stage waits).")
             payload, event = self._messages.pop(message)
         if event is not None:  # CUDA: make the receiver's stream wait for the copy
             torch.cuda.current_stream(self.devices[dst]).wait_event(event)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -229,3 +230,27 @@ def test_load_state_dict_with_assign_trains_the_new_parameters():
     pipe.step(x, torch.randn(4, 2))
     assert all(p.grad is not None for p in pipe.parameters())
     assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_a_stuck_stage_in_one_process_stops_the_step_at_the_plans_timeout():
+    """Stage 1 blocks in its forward: stage 0 waits for its gradient no longer than
+    Plan(timeout=...), and the step raises, naming what was waited for, once the stuck stage
+    returns (a thread cannot be stopped; here it returns when the wait has given up)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    release = threading.Event()
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, timeout=0.5,
+                                             loss_fn=nn.MSELoss(), costs="none"),
+                          example_inputs=(torch.randn(4, 4),))
+    model[2].register_forward_pre_hook(lambda module, inputs: release.wait(60))
+    transport, recv = pipe.executor.transport, pipe.executor.transport.recv
+
+    def recv_then_release(*args):
+        try:
+            return recv(*args)
+        except fxpipe.FxpipeError:
+            release.set()
+            raise
+    transport.recv = recv_then_release
+    with pytest.raises(fxpipe.FxpipeError, match=r"stage 0 waited 0.5 s for B micro-batch \d "
+                                                 r"from stage 1: a stage is stuck"):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 2))

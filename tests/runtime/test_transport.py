@@ -120,6 +120,7 @@ def test_an_abort_wakes_every_waiting_stage_with_the_error():
 @pytest.mark.timeout(30)
 def test_a_receive_that_times_out_names_the_message_it_waited_for():
     transport = LocalTransport(["cpu"] * 2, timeout=0.05)
-    with pytest.raises(FxpipeError, match=r"stage 1 waited 0 s for F micro-batch 3 from stage 0; "
-                                          r"the schedule's sends and receives do not match"):
+    with pytest.raises(FxpipeError, match=r"stage 1 waited 0.05 s for F micro-batch 3 from stage "
+                                          r"0: a stage is stuck, or the schedule's sends and "
+                                          r"receives do not match \(Plan\(timeout=...\)"):
         transport.recv(0, 1, "F", MicroBatchKey(0, 3))
