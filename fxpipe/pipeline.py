@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import operator
 import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from fxpipe.predict import Calibration, predict_step
 from fxpipe.report import format_report, step_time, unlike_prediction_lines
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Timeline
+from fxpipe.snapshot import ModelSnapshot
 from fxpipe.trace import Traced
 from fxpipe.units import Unit
 
@@ -67,7 +67,7 @@ class CompiledPipeline(torch.nn.Module):
             source=model, batch_norm=batch_norm_of_one(traced.gm),
             retrace=retrace, twin=None,  # the pipeline traced in the other mode, once asked for
         )
-        self.compiled_parts = self._parts()
+        self.compiled_parts = ModelSnapshot(self, self.source)
 
     @property
     def frontend(self) -> str:
@@ -300,33 +300,12 @@ class CompiledPipeline(torch.nn.Module):
         self.executor.rebind_weights()
         if self.twin is not None:  # its stages hold the same tensors
             self.twin._relink()
-        self.compiled_parts = self._parts()
-
-    def _parts(self) -> list[tuple[torch.nn.Module, dict, dict, dict]]:
-        """What the stages were built from: the children, parameters and buffers of this module
-        and of each of the model's modules."""
-        return [(m, dict(m._modules), dict(m._parameters), dict(m._buffers))
-                for m in (self, *self.source.modules())]
+        self.compiled_parts = ModelSnapshot(self, self.source)
 
     def _check_unchanged(self, parameters: bool = True, buffers: bool = True) -> None:
-        """Refuse to run (or save) a model whose submodules or `parameters` were replaced,
-        added or removed since compile (the stages hold the old ones); replaced `buffers` (an
-        assignment, the model's .to()) are taken into the stages. One pass over the modules."""
-        relink = False
-        for module, *then in self.compiled_parts:
-            now = (module._modules, module._parameters, module._buffers)
-            for was, new in list(zip(then, now))[:1 + parameters]:
-                if not _same(was, new):
-                    name = next(n for n in {**was, **new} if was.get(n) is not new.get(n))
-                    path = next((f"{n}." for n, m in self.source.named_modules()
-                                 if m is module and n), "")
-                    raise FxpipeError(
-                        f"{self.model_name}'s {path}{name} changed after compile (replaced, "
-                        "added or removed), and the pipeline's stages still run what compile "
-                        "saw; compile again after changing the model: "
-                        "pipe = fxpipe.compile(model, plan, ...).")
-            relink = relink or (buffers and not _same(then[2], now[2]))
-        if relink:
+        """Refuse to run (or save) a model whose submodules or `parameters` were replaced
+        since compile (the stages hold the old ones); take replaced `buffers` into the stages."""
+        if self.compiled_parts.check(self.model_name, parameters) and buffers:
             self._relink()
 
     def _bind(self, args: tuple, kwargs: dict[str, Any], hint: str = "") -> list[Any]:
@@ -451,7 +430,3 @@ def _check_calibration(method: str, calibration: object) -> None:
         raise FxpipeError(f"pipe.{method}(calibration=...) takes what fxpipe.calibrate(pipe, "
                           f"x, target=y) returns, not {calibration!r}.")
 
-
-def _same(was: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
-    """The same names holding the same objects."""
-    return was.keys() == now.keys() and all(map(operator.is_, was.values(), now.values()))
