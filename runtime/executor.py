@@ -196,6 +196,8 @@ class PipelineExecutor:
             if isinstance(weights[0], torch.Tensor):
                 share = weights[mb - first].to(value.dtype) / sum(weights) * (
                     sum(call.sizes[first:first + p]) / calls[mb // p].total)
+                # nothing counted (all padding): its mean is nan, and it adds nothing
+                return torch.where(weights[mb - first] > 0, value * share, 0.0)
             return value * share
 
         def on_action(action) -> None:
