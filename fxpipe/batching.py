@@ -89,7 +89,9 @@ def split_sizes(batch: int, chunks: int) -> list[int]:
         raise FxpipeError("the batch is empty (its inputs have 0 rows); pass at least one sample.")
     if chunks > batch:
         raise FxpipeError(f"cannot split a batch of {batch} samples into {chunks} micro-batches; "
-                          f"use micro_batches <= {batch} or a larger batch.")
+                          f"pass at least {chunks} samples, or compile with "
+                          f"Plan(micro_batches={batch}) (the plan's count, by default one per "
+                          "stage, splits every batch).")
     base, extra = divmod(batch, chunks)
     return [base + (i < extra) for i in range(chunks)]
 
