@@ -42,6 +42,18 @@ def steady_timer(monkeypatch):
     monkeypatch.setattr(profile_module, "_timer", timer)
 
 
+def turn_timer(monkeypatch):
+    """Time every call the seconds of its turn: 1, 2, 3..."""
+    turns = iter(range(1, 1000))
+
+    def timer(device):
+        def timed(fn, *args, **kwargs):
+            return fn(*args, **kwargs), float(next(turns))
+        return timed
+
+    monkeypatch.setattr(profile_module, "_timer", timer)
+
+
 def test_second_compile_reads_the_cache_after_a_short_re_time(tmp_path, monkeypatch,
                                                                steady_timer):
     model, x = MLP(), torch.randn(8, 32)
@@ -242,14 +254,7 @@ def test_the_loss_is_timed_on_the_models_outputs_and_counts_in_the_last_unit(mon
         seen.append((tuple(value.shape), value.requires_grad, size))
         return F.binary_cross_entropy(value, torch.ones_like(value))
 
-    turns = iter(range(1, 1000))
-
-    def timer(device):
-        def timed(fn, *args, **kwargs):
-            return fn(*args, **kwargs), float(next(turns))
-        return timed
-
-    monkeypatch.setattr(profile_module, "_timer", timer)
+    turn_timer(monkeypatch)  # from here on: the compile above timed nothing on it
     outputs = model_outputs(pipe.traced.gm, [x], (), "cpu")
     torch.manual_seed(5)
     expected = torch.rand(3)
@@ -311,14 +316,7 @@ def test_the_units_times_are_the_medians_of_the_timed_repetitions(monkeypatch):
     the warm-up's are dropped and the median of the rest counts."""
     model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(8, 8)
     _, graph, table = _per_unit(model, x)
-    turns = iter(range(1, 1000))
-
-    def timer(device):
-        def timed(fn, *args, **kwargs):
-            return fn(*args, **kwargs), float(next(turns))
-        return timed
-
-    monkeypatch.setattr(profile_module, "_timer", timer)
+    turn_timer(monkeypatch)
     profile = profile_units(graph, table, [x], [8], warmup=1, repeats=3, min_time=0)
     # per repetition: 3 forwards, then 3 backwards (the ReLU's too): 6 turns; the warm-up's
     # are turns 1-6, then units 0, 1, 2 forward at 7, 8, 9 and backward at 12, 11, 10, ...
