@@ -16,6 +16,8 @@ x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
 plan = fxpipe.Plan(stages=2, micro_batches=4, schedule="1f1b", loss_fn=F.cross_entropy)
 pipe = fxpipe.compile(model, plan, example_inputs=(x,), example_target=y)  # y: the loss timed too
 print(pipe)  # the stage table: units, parameters, predicted times, memory, boundary tensors
+pipe.print_graph()  # the rewritten graph: stage, hook, send and recv nodes
+print(pipe.passes)  # the compiler passes, each with its time and result
 print(pipe.predicted_timeline().ascii())  # what the event simulator expects one step to look like
 
 optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)  # the model's parameters
