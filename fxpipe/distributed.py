@@ -109,8 +109,8 @@ def gather_state_dict(pipe: Any, dst: int = 0) -> dict[str, torch.Tensor] | None
         merged.update(share)
     order = getattr(pipe, "state_dict_keys", None) or list(merged)
     # what no stage holds, the model never uses: every rank keeps it as it was built
-    everything = torch.nn.Module.state_dict(pipe)
     unheld = [k for k in order if k not in merged]
+    everything = torch.nn.Module.state_dict(pipe) if unheld else {}
     if any(everything[k].is_meta for k in unheld):
         raise FxpipeError(f"no stage uses {unheld}, so the model built on the meta device has "
                           "no values for them: load them from your checkpoint, or remove them "

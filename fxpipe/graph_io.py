@@ -66,7 +66,7 @@ class CallConvention:
         parameters = {n: p for n, p in self.signature.parameters.items()
                       if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         if self.in_spec is not None:
-            bound = self.signature.bind(*args, **kwargs)
+            bound = self._bind(args, kwargs)
             bound.apply_defaults()
             return {n: (_pattern(bound.arguments[n]), "torch.export fixed it at its value in "
                         "compile's example; for another value, compile another pipeline with "

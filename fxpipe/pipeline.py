@@ -139,10 +139,11 @@ class CompiledPipeline(torch.nn.Module):
         if self.plan.loss_fn is None:
             raise FxpipeError("pipe.step_many(...) computes losses inside the pipeline and "
                               "needs Plan(loss_fn=...).")
+        self._check_unchanged()  # once for all the batches
         flat = []
         for inputs, target in batches:
             args = inputs if isinstance(inputs, tuple) else (inputs,)
-            flat.append((self._bind(args, {}), target))
+            flat.append((self._bind(args, {}, check=False), target))
         return self.executor.step_many(flat, self.plan.loss_fn)
 
     def weight_copies(self) -> list[int]:
@@ -279,10 +280,10 @@ class CompiledPipeline(torch.nn.Module):
         self._relink()
         return self
 
-    def _relink(self) -> None:
+    def _relink(self, checked: bool = False) -> None:
         """Point the stages at this module's tensors again (`.to()` replaces buffer objects);
-        a submodule replaced since compile is refused, not hidden."""
-        if hasattr(self, "compiled_parts"):
+        a submodule replaced since compile is refused, not hidden (unless `checked` already)."""
+        if hasattr(self, "compiled_parts") and not checked:
             self._check_unchanged(parameters=False, buffers=False)
         own = dict(self.named_parameters(remove_duplicate=False))
         own.update(self.named_buffers(remove_duplicate=False))
@@ -306,13 +307,15 @@ class CompiledPipeline(torch.nn.Module):
         """Refuse to run (or save) a model whose submodules or `parameters` were replaced
         since compile (the stages hold the old ones); take replaced `buffers` into the stages."""
         if self.compiled_parts.check(self.model_name, parameters) and buffers:
-            self._relink()
+            self._relink(checked=True)
 
-    def _bind(self, args: tuple, kwargs: dict[str, Any], hint: str = "") -> list[Any]:
+    def _bind(self, args: tuple, kwargs: dict[str, Any], hint: str = "",
+              check: bool = True) -> list[Any]:
         """A call's inputs as the graph's, refused before any work if the model changed since
-        compile, or if a batch norm layer would train on one sample (`hint` follows a message
-        of the graph's)."""
-        self._check_unchanged()
+        compile (unless `check` is False: checked already), or if a batch norm layer would
+        train on one sample (`hint` follows a message of the graph's)."""
+        if check:
+            self._check_unchanged()
         try:
             flat = self.traced.bind(args, kwargs)
         except FxpipeError as error:

@@ -177,27 +177,33 @@ class PipelineExecutor:
         targets = (self._targets([self.coordinator.shard(t) for _, t in batches], calls)
                    if self.last else [])
 
+        # what each micro-batch's mean averages over (samples, or counted target entries),
+        # and each mini-batch's total of it
+        weights = [loss_weight(loss_fn, t) for t in targets]
+        totals = [sum(weights[i:i + p]) for i in range(0, len(weights), p)]
+        checked = []  # this run's check of the reduction, when the last could not tell
+
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
             output, first = self.model_output(outputs), mb // p * p
             value = check_loss(loss_fn(output, targets[mb]))
             if call.sizes[mb] == calls[mb // p].total:  # the whole mini-batch: nothing to combine
                 return value
             found = (loss_fn, getattr(loss_fn, "reduction", None))  # what the check holds for
-            if self.loss_reduction is None or self.loss_reduction[0] != found or (
-                    self.loss_reduction[1] is None):
+            known = self.loss_reduction is not None and self.loss_reduction[0] == found
+            if not known or (self.loss_reduction[1] is None and not checked):
                 # checked once, not every step: it costs loss_fn calls and a device sync
                 self.loss_reduction = (found, loss_reduction(loss_fn, output, targets[mb], value))
+                checked.append(mb)
             if self.loss_reduction[1] == "sum":
                 return value
             # a mean counts with its share of the global mini-batch's samples, or of this
             # group's counted target entries (times the group's share of the samples)
             share = call.sizes[mb] / calls[mb // p].total
-            weights = [loss_weight(loss_fn, t) for t in targets[first:first + p]]
-            if isinstance(weights[0], torch.Tensor):
-                share = weights[mb - first].to(value.dtype) / sum(weights) * (
+            if isinstance(weights[mb], torch.Tensor):
+                share = weights[mb].to(value.dtype) / totals[mb // p] * (
                     sum(call.sizes[first:first + p]) / calls[mb // p].total)
                 # nothing counted (all padding): its mean is nan, and it adds nothing
-                return torch.where(weights[mb - first] > 0, value * share, 0.0)
+                return torch.where(weights[mb] > 0, value * share, 0.0)
             return value * share
 
         def on_action(action) -> None:

@@ -50,7 +50,7 @@ class GradientSync:
         if self.mode == "naive":
             dist.barrier(self.pipeline)  # the whole pipeline's backward is done
         start = time.time()
-        if not self._pending:  # naive (delayed launched at its ALLREDUCE action)
+        if not self._pending:  # naive, or delayed where no ALLREDUCE action ran (loss.backward())
             self.launch()
         for handle, flat, bucket in self._pending:
             handle.wait()

@@ -213,12 +213,14 @@ def check_micro_batch_count(plan: Plan, batch: int, timed: Sequence[int] = (),
 def check_per_sample_outputs(traced: Traced, plan: Plan, batch: int) -> None:
     """Split batches' outputs are joined along dimension 0, so each needs a row per sample;
     a loss the model computes (HuggingFace models given labels=) is a mean over the batch."""
+    if plan.micro_batches == 1 and plan.groups == 1:  # nothing is split
+        return
     output = next(n for n in traced.gm.graph.nodes if n.op == "output")
     for i, node in enumerate(pytree.tree_leaves(output.args[0])):
         tensors = node.meta[SHAPE].tensors if isinstance(node, torch.fx.Node) else ()
         shape = next((t.shape for t in tensors if len(t.shape) == 0 or t.shape[0] != batch),
                      None)
-        if shape is not None and (plan.micro_batches != 1 or plan.groups != 1):
+        if shape is not None:
             raise PlanError(
                 f"model output #{i} (shape {list(shape)}) has no row per sample of the example "
                 f"batch of {batch}, so the outputs of its {plan.micro_batches} micro-batches "

@@ -13,7 +13,7 @@ from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.imd import Packing, window_min
 from fxpipe.passes.partition.validate import check_planner_args
 
-__all__ = ["OBJECTIVES", "brute_force", "exact"]
+__all__ = ["brute_force", "exact"]
 
 _MAX_UNITS = 3000  # O(K²) candidate caps: beyond this, exact is the wrong tool
 _PAIR_BUDGET = 1 << 22  # floats per DP batch (pairs × units × table levels)
