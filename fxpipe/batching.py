@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from math import prod
 from typing import Any
 
@@ -14,8 +14,11 @@ import torch.utils._pytree as pytree
 from fxpipe.errors import FxpipeError
 from fxpipe.meta import SHAPE
 
-__all__ = ["InputDims", "batch_norm_of_one", "check_batch_norm", "check_loss", "input_dims",
-           "loss_reduction", "loss_weight", "merge", "resize", "rows", "split", "split_sizes"]
+__all__ = ["IGNORE_INDEX", "InputDims", "ScalarJoin", "batch_norm_of_one", "check_batch_norm",
+           "check_loss", "input_dims", "loss_reduction", "loss_weight", "merge", "resize", "rows",
+           "scalar_shares", "scaled", "split", "split_sizes"]
+
+IGNORE_INDEX = -100  # the target entries cross_entropy, nll_loss and HuggingFace losses skip
 
 
 def rows(tree: Any) -> int:
@@ -118,9 +121,59 @@ def split(flat_inputs: Sequence[Any], chunks: int, whole: Collection[int] = (),
             for i in range(chunks)]
 
 
-def merge(per_micro_batch: Sequence[Any], sizes: Sequence[int]) -> Any:
+@dataclasses.dataclass(frozen=True)
+class ScalarJoin:
+    """How a one-number model output (a loss it computes from labels=) joins over micro-batches:
+    a 'sum', or a mean over 'samples', over the `labels` input's 'tokens' other than
+    IGNORE_INDEX, or over those 'shifted' by one (a causal LM's, whose first label predicts
+    nothing)."""
+
+    rule: str
+    labels: str | None = None  # the graph input holding the labels, for 'tokens' and 'shifted'
+
+    def describe(self, position: int) -> str:
+        how = {"sum": "the sum of the micro-batches' values",
+               "samples": "a mean over samples",
+               "tokens": f"a mean over the entries of {self.labels} other than {IGNORE_INDEX}",
+               "shifted": f"a mean over the entries of {self.labels} other than {IGNORE_INDEX} "
+                          "after each row's first (a causal LM's shifted labels)"}[self.rule]
+        return f"model output #{position} (one number) joins over micro-batches as {how}"
+
+    def weight(self, feed: Mapping[str, Any], size: int) -> torch.Tensor | int:
+        """What a micro-batch's mean averages over (a tensor when counted: no device sync)."""
+        if self.rule == "samples":
+            return size
+        labels = feed[self.labels]
+        return ((labels[:, 1:] if self.rule == "shifted" else labels) != IGNORE_INDEX).sum()
+
+
+def scalar_shares(joins: Mapping[int, ScalarJoin], feeds: Sequence[Mapping[str, Any]],
+                  sizes: Sequence[int]) -> dict[int, list[Any]]:
+    """For each output position in `joins`, each micro-batch's share of the mini-batch's value:
+    1 in a sum, its weight over the total in a mean."""
+    shares = {}
+    for position, join in joins.items():
+        if join.rule == "sum":
+            shares[position] = [1] * len(sizes)
+            continue
+        weights = [join.weight(feed, size) for feed, size in zip(feeds, sizes)]
+        total = sum(weights)  # the shares in float64: a float32 share rounds a float64 loss
+        shares[position] = [torch.as_tensor(w, dtype=torch.float64) / total for w in weights]
+    return shares
+
+
+def scaled(value: torch.Tensor, share: Any) -> torch.Tensor:
+    """`value` times its `share`; 0 for a share of 0, where a mean with nothing counted (all
+    padding) is nan."""
+    share = torch.as_tensor(share, dtype=value.dtype, device=value.device)
+    return torch.where(share != 0, value * share, 0.0)
+
+
+def merge(per_micro_batch: Sequence[Any], sizes: Sequence[int],
+          shares: Mapping[int, Sequence[Any]] | None = None) -> Any:
     """The mini-batch's output from the micro-batches' outputs (same structure), concatenating
-    every tensor along dimension 0. An output that is not per-sample cannot be merged."""
+    every tensor along dimension 0, and adding the one-number outputs at positions in `shares`
+    by their shares. Any other output that is not per-sample cannot be merged."""
     if len(per_micro_batch) == 1:
         return per_micro_batch[0]
     flat = [pytree.tree_flatten(out) for out in per_micro_batch]
@@ -130,6 +183,10 @@ def merge(per_micro_batch: Sequence[Any], sizes: Sequence[int]) -> Any:
         first = leaves[0]
         if not isinstance(first, torch.Tensor):
             merged.append(first)
+            continue
+        if shares and position in shares:
+            merged.append(sum(scaled(value, share)
+                              for value, share in zip(leaves, shares[position])))
             continue
         if any(t.dim() == 0 or t.shape[0] != n for t, n in zip(leaves, sizes)):
             raise FxpipeError(
@@ -185,7 +242,7 @@ def loss_weight(loss_fn: Any, target: Any) -> torch.Tensor | int:
     cross_entropy and nll_loss), its counted entries (a tensor: no device sync)."""
     ignore = getattr(loss_fn, "ignore_index", None)
     if ignore is None:
-        ignore = getattr(loss_fn, "keywords", {}).get("ignore_index", -100)  # a partial's
+        ignore = getattr(loss_fn, "keywords", {}).get("ignore_index", IGNORE_INDEX)  # partial's
     if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.dim():
         return (target != ignore).sum()
     return rows([target])

@@ -57,7 +57,7 @@ class CompiledPipeline(torch.nn.Module):
         for name, buffer in model.named_buffers(recurse=False):
             self.register_buffer(name, buffer, persistent=name not in
                                  model._non_persistent_buffers_set)
-        self.train(model.training)
+        self.training = model.training  # not train(): a submodule's own mode stays
         # plain attributes, not submodules: the stages share the parameters registered above
         vars(self).update(
             plan=plan, traced=traced, units=tuple(units), partition=partition, graph=graph,
@@ -362,6 +362,8 @@ class CompiledPipeline(torch.nn.Module):
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:
             table += "\n" + split.format()
+        for position, join in self.executor.scalar_joins.items():
+            table += "\n" + join.describe(position)
         return table
 
     def _weight_copies_line(self) -> str:

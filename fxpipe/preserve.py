@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["gradients_set_aside", "preserved_state"]
+__all__ = ["gradients_set_aside", "modes_kept", "preserved_state"]
 
 
 @contextlib.contextmanager
@@ -36,3 +36,15 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
+
+
+@contextlib.contextmanager
+def modes_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Each submodule's train/eval mode put back after (module.train(was) would set them all
+    to one mode, losing a submodule the user put in the other)."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode

@@ -23,6 +23,7 @@ from fxpipe.errors import FxpipeTraceError
 from fxpipe.graph_io import CallConvention, argument_owners
 from fxpipe.materialize import has_meta_tensors, on_meta
 from fxpipe.plan import Plan
+from fxpipe.preserve import modes_kept
 from fxpipe.stacks import unstacked
 
 __all__ = ["Traced", "trace"]
@@ -148,12 +149,8 @@ def _trace_fx(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphModule
 
 def _reads_training(model, plan, leaf_paths, recorder, gm) -> bool:
     """Whether fx baked `self.training` into the graph: tracing in the other mode differs."""
-    mode = model.training
-    try:
-        model.train(not mode)
-        other = _trace_fx(model, (), {}, plan, leaf_paths, recorder)
-    finally:
-        model.train(mode)
+    with modes_kept(model):
+        other = _trace_fx(model.train(not model.training), (), {}, plan, leaf_paths, recorder)
     return other.code != gm.code
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fxpipe.batching import scaled
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import ValueRef
 from fxpipe.runtime.driver import Run
@@ -27,6 +28,7 @@ class Call:
         self.seq: int | None = None
         self.total = sum(self.sizes)  # samples in the global mini-batch (all pipeline groups)
         self.merged: list[Any] = []
+        self.shares: dict[int, list[Any]] = {}  # micro-batches' shares of one-number outputs
         self.wanted: list[int] = []  # positions of inputs whose gradient autograd asks for
         self.backward_done = False
 
@@ -65,7 +67,7 @@ class Pipelined(torch.autograd.Function):
         ctx.executor, ctx.call = executor, call
         ctx.set_materialize_grads(False)
         call.merged = pytree.tree_leaves(executor.joined_outputs(executor.run_forward(call),
-                                                                 call.sizes))
+                                                                 call))
         outputs = tuple(x.detach() for x in call.merged if isinstance(x, torch.Tensor))
         ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
         # the graph holding ctx may be freed without a backward: then free the stages' state
@@ -80,14 +82,18 @@ class Pipelined(torch.autograd.Function):
                               "activations after it (backward(retain_graph=True) twice, or "
                               "through two losses, is not supported); run the forward again.")
         call.backward_done = True
-        names = [leaf.name for leaf, x in zip(executor.output_leaves, call.merged)
-                 if isinstance(x, torch.Tensor) and isinstance(leaf, ValueRef)]
+        outputs = [(position, leaf.name) for position, (leaf, x)
+                   in enumerate(zip(executor.output_leaves, call.merged))
+                   if isinstance(x, torch.Tensor) and isinstance(leaf, ValueRef)]
         ends = torch.tensor(call.sizes).cumsum(0)[:-1].tolist()
         output_grads: list[dict[str, Any]] = [{} for _ in call.sizes]
-        for name, grad in zip(names, grads):
+        for (position, name), grad in zip(outputs, grads):
             if grad is None:
                 continue
-            pieces = torch.tensor_split(grad, ends) if grad.dim() > 0 else [grad]
+            if position in call.shares:  # one number, its micro-batches' added by their shares
+                pieces = [scaled(grad, share) for share in call.shares[position]]
+            else:
+                pieces = torch.tensor_split(grad, ends) if grad.dim() > 0 else [grad]
             for mb, piece in enumerate(pieces):
                 previous = output_grads[mb].get(name)
                 output_grads[mb][name] = piece if previous is None else previous + piece

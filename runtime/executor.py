@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from fxpipe.batching import (
+    ScalarJoin,
     check_loss,
     input_dims,
     loss_reduction,
     loss_weight,
     merge,
     rows,
+    scalar_shares,
     split,
     split_sizes,
 )
@@ -69,6 +71,7 @@ class PipelineExecutor:
         unflatten: Callable[[Any], Any] = lambda out: out,
         coordinator: Coordinator | None = None,
         whole: Sequence[int] = (),
+        scalar_joins: Mapping[int, ScalarJoin] | None = None,
     ) -> None:
         self.runners = runners
         self.comm = comm
@@ -82,6 +85,7 @@ class PipelineExecutor:
         self.driver = Driver(self.runners, comm, transport)
         self.coordinator = coordinator or Coordinator()
         self.whole = tuple(whole)  # positions of inputs every micro-batch receives whole
+        self.scalar_joins = dict(scalar_joins or {})  # how one-number outputs join, by position
         self.first, self.last = 0 in runners, len(comm.stages) - 1 in runners
         self.everything_here = len(runners) == len(comm.stages)
         self._calls = itertools.count()
@@ -112,7 +116,7 @@ class PipelineExecutor:
         if not torch.is_grad_enabled():
             run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
                             self.forward_schedule)
-            return self._model_output(run, call.sizes)
+            return self._model_output(run, call)
         call.wanted = inputs_wanting_grad(flat_inputs)
         phony = torch.empty(0, requires_grad=True)  # makes autograd call our backward
         results = Pipelined.apply(self, call, phony, *(flat_inputs[i] for i in call.wanted))
@@ -339,7 +343,7 @@ class PipelineExecutor:
         call = self._call(flat_inputs)
         run = self._run(_FORWARD, Run(call.feeds, grad_enabled=False), call,
                         self.forward_schedule)
-        return self._model_output(run, call.sizes) if self.last else None
+        return self._model_output(run, call) if self.last else None
 
     def _run(self, kinds, run: Run, call: Call, schedule: Schedule,
              append: bool = False) -> Run:
@@ -357,12 +361,13 @@ class PipelineExecutor:
         self._trace = (self._trace + events) if append else events
         return run
 
-    def joined_outputs(self, run: Run, sizes: list[int]) -> list[Any]:
-        """The model's flat output of a run, its micro-batches' outputs joined."""
+    def joined_outputs(self, run: Run, call: Call) -> list[Any]:
+        """The model's flat output of a run, its micro-batches' outputs joined; the shares of
+        one-number outputs' micro-batches are kept on `call` for the backward."""
+        call.shares = scalar_shares(self.scalar_joins, call.feeds, call.sizes)
         return merge([output_values(self.output_leaves, run.outputs[mb])
-                      for mb in range(len(sizes))], sizes)
+                      for mb in range(len(call.sizes))], call.sizes, call.shares)
 
-    def _model_output(self, run: Run, sizes: list[int]) -> Any:
-        return self.unflatten(pytree.tree_unflatten(self.joined_outputs(run, sizes),
+    def _model_output(self, run: Run, call: Call) -> Any:
+        return self.unflatten(pytree.tree_unflatten(self.joined_outputs(run, call),
                                                     self.output_spec))
-

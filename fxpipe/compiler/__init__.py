@@ -21,6 +21,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.passes.analysis.profile_cache import ProfileCache, default_cache_dir
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
+from fxpipe.preserve import modes_kept
 
 __all__ = ["PASSES", "PassLog", "Replan", "compare_partitioners", "compile", "replan", "units_of"]
 
@@ -84,11 +85,8 @@ def _retracer(model: torch.nn.Module, c: Compilation):
     args, kwargs = c.args, c.kwargs
 
     def retrace(mode: bool) -> CompiledPipeline:
-        was = model.training
-        try:
+        with modes_kept(model):
             return compile(model.train(mode), plan, args, kwargs, cache=False)
-        finally:
-            model.train(was)
     return retrace
 
 

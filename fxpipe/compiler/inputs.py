@@ -210,23 +210,28 @@ def check_micro_batch_count(plan: Plan, batch: int, timed: Sequence[int] = (),
         )
 
 
-def check_per_sample_outputs(traced: Traced, plan: Plan, batch: int) -> None:
-    """Split batches' outputs are joined along dimension 0, so each needs a row per sample;
-    a loss the model computes (HuggingFace models given labels=) is a mean over the batch."""
+def check_per_sample_outputs(traced: Traced, plan: Plan, batch: int) -> list[int]:
+    """Split batches' outputs are joined along dimension 0, so each needs a row per sample, or
+    is one number (a loss the model computes, as HuggingFace models given labels=), added up
+    by model_loss.scalar_joins; the positions of those in the flat output."""
     if plan.micro_batches == 1 and plan.groups == 1:  # nothing is split
-        return
+        return []
     output = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    scalars = []
     for i, node in enumerate(pytree.tree_leaves(output.args[0])):
         tensors = node.meta[SHAPE].tensors if isinstance(node, torch.fx.Node) else ()
+        if len(tensors) == 1 and len(tensors[0].shape) == 0:
+            scalars.append(i)
+            continue
         shape = next((t.shape for t in tensors if len(t.shape) == 0 or t.shape[0] != batch),
                      None)
         if shape is not None:
             raise PlanError(
                 f"model output #{i} (shape {list(shape)}) has no row per sample of the example "
                 f"batch of {batch}, so the outputs of its {plan.micro_batches} micro-batches "
-                "cannot be joined. A loss the model computes (labels=...) is such an output: "
-                "pass no labels, and train with Plan(loss_fn=...) and pipe.step(x, target) "
-                "(compile(example_target=...) times the loss); or give Plan(micro_batches=1).")
+                "cannot be joined: return a row per sample, or one number, or give "
+                "Plan(micro_batches=1).")
+    return scalars
 
 
 def units_of(

@@ -24,6 +24,7 @@ from fxpipe.compiler.inputs import (
 )
 from fxpipe.compiler.intra_layer import split_heavy_layers
 from fxpipe.compiler.loss import check_target, traced_loss
+from fxpipe.compiler.model_loss import scalar_joins
 from fxpipe.compiler.partitioning import choose_partition
 from fxpipe.compiler.state import Compilation, Pass, ensure
 from fxpipe.cost import CostTable, Link, fit_to_flops
@@ -104,9 +105,13 @@ def cut(c: Compilation) -> None:
     c.plan = c.plan.for_batch(c.batch // (2 if batch_norm else 1))
     if c.plan.costs != "none":  # the example's micro-batches are timed
         check_micro_batch_count(c.plan, c.batch, profile_sizes(c.batch, c.plan), batch_norm)
-    check_batched_inputs(c.traced, c.plan, c.flat,
-                         c.traced.bind.argument_of_each_input(c.args, c.kwargs), c.whole)
-    check_per_sample_outputs(c.traced, c.plan, c.batch)
+    owners = c.traced.bind.argument_of_each_input(c.args, c.kwargs)  # per graph input
+    check_batched_inputs(c.traced, c.plan, c.flat, owners, c.whole)
+    placeholders = [n.name for n in c.traced.gm.graph.nodes if n.op == "placeholder"]
+    labels = next((name for name, owner in zip(placeholders, owners) if owner == "labels"), None)
+    c.scalar_joins = scalar_joins(
+        c.model, c.args, c.kwargs, check_per_sample_outputs(c.traced, c.plan, c.batch), c.batch,
+        {owners[i] for i in c.whole}, labels, c.distributed or c.plan.groups > 1)
     c.loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, c.devices[0])
     if c.distributed:
         agree(c.layout, c.plan, c.units)

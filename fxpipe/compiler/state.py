@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
-from fxpipe.batching import input_dims
+from fxpipe.batching import ScalarJoin, input_dims
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.distributed import RankLayout
 from fxpipe.inspect import format_table
@@ -53,6 +53,7 @@ class Compilation:
     flat: list[Any] = dataclasses.field(default_factory=list)  # the example as graph inputs
     whole: tuple[int, ...] = ()  # positions of inputs every micro-batch gets whole (units)
     loss: Callable[[Mapping[str, Any], int], Any] | None = None  # the loss to time (units)
+    scalar_joins: dict[int, ScalarJoin] = dataclasses.field(default_factory=dict)  # (units)
     profile: Any = None  # the units' UnitProfile, or None without costs (profile)
     loss_times: tuple[Any, Any] | None = None  # the loss's forward and backward (profile)
     link: Link | None = None  # link

@@ -345,7 +345,9 @@ def _stop(error: Exception) -> None:
     """Report the error, then exit: every rank but the last to report at once and cleanly, the
     last with the error."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    print(f"rank {rank} stopped: {type(error).__name__}: {error}", flush=True)
+    # one write, the newline in it: print() writes it apart, and ranks share the pipe
+    sys.stdout.flush()
+    os.write(1, f"rank {rank} stopped: {type(error).__name__}: {error}\n".encode())
     # a waiting peer wakes when this process's connections close, that is when it exits;
     # torchrun kills the other ranks as soon as one exits with an error, which could cut a
     # peer short before it reports. So no rank waits on a timeout (no teardown: the operating

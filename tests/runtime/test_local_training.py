@@ -342,12 +342,13 @@ def test_output_that_is_not_per_sample_cannot_be_micro_batched():
             self.b = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.b(self.a(x)).mean()
+            return self.b(self.a(x)).mean(0)  # one row for the batch: not joinable
 
-    with pytest.raises(fxpipe.PlanError, match=r"output #0 \(shape \[\]\) has no row per "
-                                              r"sample.*cannot be joined"):
+    with pytest.raises(fxpipe.PlanError, match=r"output #0 \(shape \[4\]\) has no row per "
+                                              r"sample.*cannot be joined: return a row per "
+                                              r"sample, or one number"):
         fxpipe.compile(Pooled(), fxpipe.Plan(stages=2, micro_batches=2, costs="none"),
-                       example_inputs=(torch.randn(4, 4),))
+                       example_inputs=(torch.randn(6, 4),))
 
 
 def test_a_failing_stage_stops_the_pipeline_with_its_error():
