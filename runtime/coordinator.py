@@ -45,6 +45,11 @@ class Coordinator:
         mini-batch expected)."""
         return loss
 
+    def counted_in_all_groups(self, count: torch.Tensor) -> torch.Tensor:
+        """On the last stage, the sum of `count` (a mini-batch's counted target entries) over
+        the pipeline groups, which a token mean divides by; in one process, `count`."""
+        return count
+
     def start_allreduce(self, stage: int) -> None:
         """Start `stage`'s gradient all-reduce over its data-parallel group (the schedule's
         ALLREDUCE action); in one process there is no such group."""
@@ -175,6 +180,13 @@ class DistCoordinator(Coordinator):
         else:
             dist.broadcast(data, self.last, self.group)
         return data.cpu()
+
+    def counted_in_all_groups(self, count):
+        if self.data_parallel is None:
+            return count
+        total = count.to(self.device)
+        dist.all_reduce(total, group=self.data_parallel)
+        return total.to(count.device)
 
     def gather_events(self, runs):
         return [by_group[self.group_index] for by_group in self._gathered(runs, self.group)]

@@ -182,13 +182,15 @@ class PipelineExecutor:
                    if self.last else [])
 
         # what each micro-batch's mean averages over (samples, or counted target entries),
-        # and each mini-batch's total of it
+        # and each mini-batch's total of it: its entries counted in every pipeline group
         weights = [loss_weight(loss_fn, t) for t in targets]
         totals = [sum(weights[i:i + p]) for i in range(0, len(weights), p)]
+        totals = [self.coordinator.counted_in_all_groups(total)
+                  if isinstance(total, torch.Tensor) else total for total in totals]
         checked = []  # this run's check of the reduction, when the last could not tell
 
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
-            output, first = self.model_output(outputs), mb // p * p
+            output = self.model_output(outputs)
             value = check_loss(loss_fn(output, targets[mb]))
             if call.sizes[mb] == calls[mb // p].total:  # the whole mini-batch: nothing to combine
                 return value
@@ -200,12 +202,11 @@ class PipelineExecutor:
                 checked.append(mb)
             if self.loss_reduction[1] == "sum":
                 return value
-            # a mean counts with its share of the global mini-batch's samples, or of this
-            # group's counted target entries (times the group's share of the samples)
+            # a mean counts with its share of the global mini-batch's samples, or of its
+            # counted target entries
             share = call.sizes[mb] / calls[mb // p].total
             if isinstance(weights[mb], torch.Tensor):
-                share = weights[mb].to(value.dtype) / totals[mb // p] * (
-                    sum(call.sizes[first:first + p]) / calls[mb // p].total)
+                share = weights[mb].to(value.dtype) / totals[mb // p]
                 # nothing counted (all padding): its mean is nan, and it adds nothing
                 return torch.where(weights[mb] > 0, value * share, 0.0)
             return value * share

@@ -100,7 +100,7 @@ def build(name):
         return SkipNet().double(), skipnet_data(), F.cross_entropy
     if name == "repeated":
         return Repeated().double(), skipnet_data(), F.cross_entropy
-    return GPT(layers=2).double(), gpt_data(), tokens_loss
+    return GPT(layers=2).double(), gpt_data(), tokens_loss  # "gpt", "gpt-padded"
 
 
 def reference(name):
@@ -271,7 +271,7 @@ def hybrid(mode, name, out):
     GroPipe's all-reduce (delayed, or naive) averages the stages' gradients across groups
     (for the GPT, whose embedding is tied to its output layer, also across the two stages)."""
     model, data, loss_fn = build(name)
-    data = global_batches(data)
+    data = global_batches(data, padded=name.endswith("-padded"))
     plan = fxpipe.Plan(stages=2, groups=2, micro_batches=2, loss_fn=loss_fn, costs="none",
                        dp_sync=mode)
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
@@ -291,13 +291,21 @@ def hybrid(mode, name, out):
 def hybrid_reference(name):
     """One process, the whole global batch, no pipeline."""
     model, data, loss_fn = build(name)
-    return train_plainly(model, global_batches(data), loss_fn)
+    return train_plainly(model, global_batches(data, padded=name.endswith("-padded")), loss_fn)
 
 
-def global_batches(data):
+def global_batches(data, padded=False):
     """Each batch doubled into a global batch for two pipeline groups, the second half's
-    samples other than the first's."""
-    return [(torch.cat([x, x.roll(1, -1)]), torch.cat([y, y.flip(0)])) for x, y in data]
+    samples other than the first's; `padded`: most of the second half's target tokens are
+    padding (-100), so the groups' token means average over different counts."""
+    batches = []
+    for x, y in data:
+        second = y.flip(0).clone()
+        if padded:
+            second[:, 3:] = -100
+            second[0, 1:] = -100
+        batches.append((torch.cat([x, x.roll(1, -1)]), torch.cat([y, second])))
+    return batches
 
 
 def fail(out):

@@ -173,10 +173,12 @@ def test_world_size_must_fit_the_plan(tmp_path):
 
 
 @pytest.mark.parametrize("mode, model", [("delayed", "skipnet"), ("naive", "skipnet"),
-                                         ("delayed", "gpt")])  # the GPT ties weights
+                                         ("delayed", "gpt"),  # the GPT ties weights
+                                         ("naive", "gpt-padded")])  # a token mean
 def test_pipeline_groups_train_like_one_process_on_the_global_batch(mode, model, tmp_path):
     """2 groups x 2 stages (4 ranks): every group ends with the same parameters, equal to one
-    process training on the whole global batch, weights tied across stages included;
+    process training on the whole global batch, weights tied across stages included, and a
+    token mean over groups whose targets count different numbers of tokens;
     GroPipe's delayed all-reduce is a schedule action on every stage, after the stage's last
     backward and gradient sent back (then waited for after the run), the naive one starts
     after the first stage has finished its backward."""
