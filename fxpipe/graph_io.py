@@ -37,11 +37,13 @@ class CallConvention:
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule,
                  concrete: Mapping[str, Any] | None = None,
-                 example: tuple[tuple[Any, ...], Mapping[str, Any]] = ((), {})) -> None:
+                 example: tuple[tuple[Any, ...], Mapping[str, Any]] = ((), {}),
+                 concrete_source: str = "Plan(concrete_args=...)") -> None:
         self.in_spec = getattr(gm, "_in_spec", None)
         self.out_spec = getattr(gm, "_out_spec", None)
         self.signature = inspect.signature(model.forward)
         self.concrete = dict(concrete or {})
+        self.concrete_source = concrete_source  # who fixed them, for the fix in a refusal
         self.names = [n.target.lstrip("*") for n in gm.graph.find_nodes(op="placeholder")]
         self.fixed = self._fixed(*example)
 
@@ -75,7 +77,7 @@ class CallConvention:
         fixed = {n: (p.default, f"the tracer left it out of the graph; trace it as an input, "
                      f"or call with {n}={p.default!r}")
                  for n, p in parameters.items() if n not in inputs and p.default is not p.empty}
-        fixed.update((n, (_pattern(v), f"Plan(concrete_args={{{n!r}: {v!r}}}) fixed it; compile "
+        fixed.update((n, (_pattern(v), f"{self.concrete_source} fixed it at {v!r}; compile "
                       f"another pipeline with concrete_args={{{n!r}: ...}} for that value"))
                      for n, v in self.concrete.items())
         return fixed

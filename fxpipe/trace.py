@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import operator
 import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx._symbolic_trace import _assert_is_none as fx_assert_is_none
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
@@ -71,11 +73,14 @@ def trace(
         try:
             with recorder, _without_cache(model):
                 gm = _FRONTENDS[frontend](model, args, kwargs, plan, leaf_paths, recorder)
-            concrete = plan.concrete_args if frontend == "fx" else None
+            concrete = (plan.concrete_args if frontend == "fx" else
+                        specialized_arguments(gm) if frontend == "custom" else None)
             fixed = frontend == "export" or (
                 frontend == "fx" and _reads_training(model, plan, leaf_paths, recorder, gm))
-            traced = Traced(gm, frontend, model.training, leaf_paths,
-                            CallConvention(model, gm, concrete, (args, kwargs)), fixed)
+            bind = CallConvention(model, gm, concrete, (args, kwargs),
+                                  "your tracer's concrete_args" if frontend == "custom"
+                                  else "Plan(concrete_args=...)")
+            traced = Traced(gm, frontend, model.training, leaf_paths, bind, fixed)
             if check is not None:
                 check(traced)
         except FxpipeTraceError:
@@ -85,6 +90,25 @@ def trace(
             continue
         return traced
     raise FxpipeTraceError(_trace_error_message(model, failures)) from None
+
+
+def specialized_arguments(gm: fx.GraphModule) -> dict[str, Any]:
+    """forward()'s arguments a tracer fixed with fx's concrete_args, by name, and their values:
+    fx keeps a placeholder for each and asserts it equals the value (or is None)."""
+    fixed = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (torch._assert, fx_assert_is_none):
+            continue
+        message = node.args[1] if len(node.args) > 1 else ""
+        name, marker, _ = str(message).partition(" has been specialized to have value")
+        if not marker:
+            continue
+        test = node.args[0]
+        if node.target is fx_assert_is_none:
+            fixed[name] = None
+        elif isinstance(test, fx.Node) and test.target is operator.eq:
+            fixed[name] = test.args[1]
+    return fixed
 
 
 @contextlib.contextmanager
@@ -158,9 +182,10 @@ def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphMo
     args, kwargs = _at_least_two_rows(model, *_unaliased(args, kwargs), plan.whole_inputs)
     if has_meta_tensors(model):  # export runs the model on fake tensors of the inputs' device
         args, kwargs = on_meta((tuple(args), dict(kwargs)))
-    exported = torch.export.export(
-        model, tuple(args), dict(kwargs), strict=False,
-        dynamic_shapes=_dynamic_shapes(model, args, kwargs, plan.whole_inputs))
+    with _keywords_named(model, kwargs):
+        exported = torch.export.export(
+            model, tuple(args), dict(kwargs), strict=False,
+            dynamic_shapes=_dynamic_shapes(model, args, kwargs, plan.whole_inputs))
     gm = exported.module()
     # The input guards re-check how the example was laid out (even the size of a view's base
     # tensor), which micro-batches legitimately differ in; the graph itself is shape-generic.
@@ -170,6 +195,33 @@ def _trace_export(model, args, kwargs, plan, leaf_paths, recorder) -> fx.GraphMo
             delattr(gm, "_guards_fn")
     gm.recompile()
     return gm
+
+
+@contextlib.contextmanager
+def _keywords_named(model: torch.nn.Module, kwargs: Mapping[str, Any]):
+    """forward(x, **kwargs) seen by torch.export as forward(x, *, name, ...) for the example's
+    keywords: export cannot take dynamic shapes for values in **kwargs (pytorch#150022). The
+    graph's input layout is the call's either way."""
+    signature = inspect.signature(model.forward)
+    params = list(signature.parameters.values())
+    extra = [n for n in kwargs if n not in signature.parameters]
+    if not extra or not any(p.kind is p.VAR_KEYWORD for p in params):
+        yield
+        return
+    forward, own = model.forward, vars(model).get("forward")  # an instance's own forward too
+    named = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    named += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in extra]
+
+    def call(*args: Any, **kw: Any) -> Any:
+        return forward(*args, **kw)
+    call.__signature__ = signature.replace(parameters=named)  # type: ignore[attr-defined]
+    model.forward = call
+    try:
+        yield
+    finally:
+        del model.forward
+        if own is not None:
+            model.forward = own
 
 
 def _unaliased(args, kwargs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -132,6 +133,11 @@ def _left_out_scale(model, inputs):
     return gm
 
 
+def _flag_fixed(model, inputs):
+    """A tracer of the user's own that fixes `flag` with fx's concrete_args."""
+    return torch.fx.symbolic_trace(model, concrete_args={"flag": True})
+
+
 _EXPORT = fxpipe.Plan(stages=2, micro_batches=2, tracer="export", costs="none")
 
 
@@ -148,8 +154,11 @@ _EXPORT = fxpipe.Plan(stages=2, micro_batches=2, tracer="export", costs="none")
     (_EXPORT, {"flag": True}, (), {"flag": False}, r"argument 'flag' False, but"),
     (fxpipe.Plan(stages=2, tracer="fx", concrete_args={"flag": True}, costs="none"), {}, (),
      {"flag": False}, r"argument 'flag' False, but the pipeline's graph holds it at True: "
-     r"Plan\(concrete_args=\{'flag': True\}\) fixed it; compile another pipeline with "
+     r"Plan\(concrete_args=...\) fixed it at True; compile another pipeline with "
      r"concrete_args=\{'flag': ...\} for that value"),
+    (fxpipe.Plan(stages=2, tracer=_flag_fixed, costs="none"), {}, (), {"flag": False},
+     r"argument 'flag' False, but the pipeline's graph holds it at True: your tracer's "
+     r"concrete_args fixed it at True"),
     (fxpipe.Plan(stages=2, tracer=_left_out_scale, costs="none"), {}, (), {"scale": 3.0},
      r"argument 'scale' 3.0, but the pipeline's graph holds it at 1.0: the tracer left it out "
      r"of the graph; trace it as an input, or call with scale=1.0"),
@@ -165,7 +174,7 @@ def test_a_call_the_graph_would_ignore_part_of_is_refused(plan, example, args, k
         pipe(x, *args, **kwargs)
     with pytest.raises(fxpipe.FxpipeError, match=message):
         pipe.step(x, *args, torch.zeros(4, 2), **kwargs)
-    held = {**example, **(plan.concrete_args or {})}
+    held = {**example, **pipe.traced.bind.concrete}
     torch.testing.assert_close(pipe(x, **held), model(x, **held))
     torch.testing.assert_close(pipe(x, *[held.get("flag", False)], **{
         k: v for k, v in held.items() if k != "flag"}), model(x, **held))
@@ -179,3 +188,33 @@ def test_an_argument_traced_as_an_input_takes_any_value():
     for scale in (1.0, 2.0, -0.5):
         torch.testing.assert_close(pipe(x, scale=scale), model(x, scale=scale))
         torch.testing.assert_close(pipe(x, False, scale), model(x, scale=scale))
+
+
+class Keywords(nn.Module):
+    """A forward taking some of its tensors through **kwargs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, **kwargs):
+        y = self.a(x)
+        if "bias" in kwargs:  # fx cannot trace this; torch.export can
+            y = y + kwargs["bias"]
+        return self.b(y)
+
+
+def test_a_tensor_passed_through_kwargs_is_split_into_micro_batches_like_the_others():
+    model = Keywords().double()
+    reference = copy.deepcopy(model)
+    x, bias = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=3, costs="none"),
+                          example_inputs=(x,), example_kwargs={"bias": bias})
+    assert pipe.frontend == "export" and "forward" not in vars(model)  # as it was
+    torch.testing.assert_close(pipe(x, bias=bias), reference(x, bias=bias))
+    pipe(x, bias=bias).square().sum().backward()
+    reference(x, bias=bias).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    with pytest.raises(fxpipe.FxpipeError, match="bias"):
+        pipe(x)  # the graph adds a bias: a call without one is refused
