@@ -131,7 +131,8 @@ class DistCoordinator(Coordinator):
         if sizes is not None:
             data.copy_(torch.tensor([*sizes, -1 if seq is None else seq, total]))
         if not self._point_to_point:
-            dist.broadcast(data, self.first, self.group)
+            self._wait(dist.broadcast(data, self.first, self.group, async_op=True),
+                       f"the step's start on the first stage (rank {self.first})")
         elif sizes is not None:  # the first stage's rank
             for rank, work in [(rank, dist.isend(data, rank, self.group, _DIMS_TAG))
                                for rank in self.ranks[1:]]:
@@ -172,20 +173,23 @@ class DistCoordinator(Coordinator):
         if loss is not None:
             data.copy_(loss.detach())
             if self.data_parallel is not None:  # the groups' weighted shares add up
-                dist.all_reduce(data, group=self.data_parallel)
+                self._wait(dist.all_reduce(data, group=self.data_parallel, async_op=True),
+                           "the other pipeline groups' losses (an all-reduce)")
         if self._point_to_point:  # the last stage's rank, into the receives expect posted
             for rank, work in [(rank, dist.isend(data, rank, self.group, _LOSS_TAG))
                                for rank in self.ranks if rank != self.last]:
                 self._wait(work, f"the loss to reach rank {rank}")
         else:
-            dist.broadcast(data, self.last, self.group)
+            self._wait(dist.broadcast(data, self.last, self.group, async_op=True),
+                       f"the loss from the last stage (rank {self.last})")
         return data.cpu()
 
     def counted_in_all_groups(self, count):
         if self.data_parallel is None:
             return count
         total = count.to(self.device)
-        dist.all_reduce(total, group=self.data_parallel)
+        self._wait(dist.all_reduce(total, group=self.data_parallel, async_op=True),
+                   "the other pipeline groups' counts of target entries (an all-reduce)")
         return total.to(count.device)
 
     def gather_events(self, runs):
@@ -251,7 +255,8 @@ class DistCoordinator(Coordinator):
         for tensor, (_, group), posted, peer in zip(tensors, self.tied, self._gradients,
                                                     self._peers):
             if posted is None:
-                dist.all_reduce(tensor, group=group)
+                self._wait(dist.all_reduce(tensor, group=group, async_op=True),
+                           "a tied weight's gradients from its other holders (an all-reduce)")
             else:
                 buffer, work = posted
                 self._wait(work, f"a tied weight's gradient from rank {peer}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,10 +34,13 @@ class GradientSync:
 
     def __init__(self, stage: int, params: Sequence[torch.nn.Parameter], group: Any,
                  mode: str = "delayed", pipeline: Any = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 wait: Callable[[Any, str], None] | None = None) -> None:
         self.stage = stage
         self.params = [p for p in params if p.requires_grad]
         self.group, self.pipeline, self.mode = group, pipeline, mode
+        # a wait on the other ranks, bounded by the watchdog's deadline when given
+        self._wait = wait or (lambda work, what: work.wait())
         self.buckets = _buckets(self.params, bucket_bytes)
         self._pending: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         # wall-clock spans of the stage's time in all-reduces outside the schedule's actions
@@ -48,12 +51,14 @@ class GradientSync:
     def finish(self) -> None:
         """Before the optimizer step: make this stage's gradients the group's average."""
         if self.mode == "naive":
-            dist.barrier(self.pipeline)  # the whole pipeline's backward is done
+            self._wait(dist.barrier(self.pipeline, async_op=True),  # the whole pipeline's
+                       "the pipeline's other stages to finish their backward")  # backward
         start = time.time()
         if not self._pending:  # naive, or delayed where no ALLREDUCE action ran (loss.backward())
             self.launch()
         for handle, flat, bucket in self._pending:
-            handle.wait()
+            self._wait(handle, f"stage {self.stage}'s gradients from the other pipeline groups "
+                       "(an all-reduce)")
             for param, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 param.grad.copy_(reduced)
         if self._pending:

@@ -97,7 +97,7 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     sync = None
     if data_parallel is not None:
         sync = GradientSync(layout.stage, list(stage.parameters()), data_parallel,
-                            c.plan.dp_sync, pipeline)
+                            c.plan.dp_sync, pipeline, wait=transport.watchdog.wait)
     coordinator = DistCoordinator(layout.pipeline_ranks, c.partition.micro_batches, device,
                                   pipeline, _tied_groups(c.model, stages, layout), sync=sync,
                                   data_parallel=data_parallel, group_index=layout.group,

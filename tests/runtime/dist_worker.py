@@ -325,17 +325,20 @@ def fail(out):
         _stop(error)
 
 
-def stall(out):
-    """Rank 1 stands still in the second step's first forward, as a stopped process would,
-    until every other rank has given up; then it goes on (as after SIGCONT). Every rank must
-    stop within a few deadlines, saying which stage and micro-batch it waited for."""
+def stall(out, groups=1):
+    """Rank 1 (with groups, rank 3: group 1's last stage) stands still in the second step's
+    first forward, as a stopped process would, until every other rank has given up; then it
+    goes on (as after SIGCONT). Every rank must stop within a few deadlines, saying what it
+    waited for: a message of the schedule, or (with groups) a collective over the groups."""
     model, data, loss_fn = build("skipnet")
-    plan = fxpipe.Plan(stages=3, micro_batches=2, schedule="1f1b", loss_fn=loss_fn,
-                       costs="none", timeout=2)
+    plan = fxpipe.Plan(stages=3 if groups == 1 else 2, micro_batches=2, schedule="1f1b",
+                       loss_fn=loss_fn, costs="none", timeout=2, groups=groups)
+    if groups > 1:
+        data = global_batches(data)
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
     pipe.step(*data[0])  # a step that completes: the deadline is now max(2 s, 10 x its time)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 1:
+    if rank == (1 if groups == 1 else 3):
         store = dist.distributed_c10d._get_default_store()
         others = [f"stopped/{r}" for r in range(world) if r != rank]
 
@@ -424,6 +427,8 @@ def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     if scenario in ("fail", "stall", "names"):
         {"fail": fail, "stall": stall, "names": names}[scenario](out)
+    elif scenario == "stall-groups":
+        stall(out, groups=2)
     elif scenario.startswith("hybrid:"):  # hybrid:MODE:MODEL
         hybrid(*scenario.split(":")[1:], out)
     elif scenario == "leave":

@@ -111,6 +111,19 @@ def test_a_rank_that_stops_making_progress_stops_every_rank(tmp_path):
     assert "PipelineAborted: the pipeline stopped because rank" in stopped[1], stopped[1]
 
 
+def test_a_rank_that_stops_making_progress_stops_the_other_pipeline_groups_too(tmp_path):
+    """2 groups x 2 stages; rank 3 (group 1's last stage) stands still mid-step. Group 0's
+    last stage waits for it in the all-reduce of the groups' losses, a collective: it gives
+    up at its deadline too, not at the process group's 300 s (the run's timeout would fail
+    the test)."""
+    result = torchrun(4, "stall-groups", tmp_path / "unused", timeout=170)
+    assert result.returncode != 0
+    stopped = {int(line.split()[1]): line for line in result.stdout.splitlines()
+               if line.startswith("rank ") and " stopped: " in line}
+    assert sorted(stopped) == [0, 1, 2, 3], result.stdout + result.stderr[-3000:]
+    assert "(an all-reduce)" in stopped[1] or "PipelineAborted" in stopped[1], stopped[1]
+
+
 @pytest.fixture(scope="module")
 def tied_run(tmp_path_factory):
     """One torchrun of the `names` scenario (2 ranks), for the tests below."""
