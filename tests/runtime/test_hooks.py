@@ -36,12 +36,13 @@ class _Recorder:
         tensor.mul_(2)
         return _Done()
 
-    def barrier(self, group=None) -> None:
+    def barrier(self, group=None, async_op: bool = False):
         self.calls.append(("barrier", 0, self.moment))
+        return _Done()
 
 
 class _Done:
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
         return None
 
 
