@@ -15,6 +15,7 @@ from fxpipe.schedules import (
     DeadlockError,
     F,
     Schedule,
+    W,
     add_communication,
     add_step,
     build,
@@ -25,6 +26,7 @@ from fxpipe.schedules import (
     looped_bfs,
     one_f_one_b,
     peak_activations,
+    zbv,
 )
 from fxpipe.simulate import simulate
 
@@ -38,7 +40,7 @@ def virtual_schedules(draw: st.DrawFn, names: tuple[str, ...] = tuple(VIRTUAL_SC
                       ) -> Schedule:
     """A generated schedule of N devices x v stages each, with a micro-batch count it takes."""
     name = draw(st.sampled_from(names))
-    n, v = draw(DEVICES), draw(VIRTUAL)
+    n, v = draw(DEVICES), 2 if name == "zbv" else draw(VIRTUAL)
     if name == "interleaved-1f1b" and v > 1:  # Megatron's groups of N micro-batches
         p = n * draw(st.integers(1, 3))
     else:
@@ -62,15 +64,25 @@ def test_every_stage_runs_each_forward_and_backward_once_in_its_program(schedule
         assert sorted(a.mb for a in stage if a.kind is F) == every
         assert sorted(a.mb for a in stage if a.kind is B) == every
         assert all(stage.index(Action(s, F, m)) < stage.index(Action(s, B, m)) for m in every)
+        weights = [a.mb for a in stage if a.kind is W]  # ZB-V splits every backward, the rest none
+        assert sorted(weights) == (every if schedule.name == "zbv" else [])
+        assert all(stage.index(Action(s, B, m)) < stage.index(Action(s, W, m)) for m in weights)
     ran = sorted(map(str, (a for program in schedule.device_programs for a in program)))
     assert ran == sorted(map(str, (a for stage in schedule.actions for a in stage)))
 
 
-@given(virtual_schedules())
+@given(virtual_schedules(("interleaved-1f1b", "looped-bfs")))
 def test_stages_are_placed_round_robin(schedule: Schedule):
     n = schedule.devices
     assert schedule.stages % n == 0
     placed(schedule, [s % n for s in range(schedule.stages)])
+
+
+@given(DEVICES, st.integers(1, 10))
+def test_zbv_places_its_stages_in_a_v(n: int, p: int):
+    schedule = zbv(2 * n, p)
+    assert schedule == zbv(2 * n, p, devices=n) == build("zbv", 2 * n, p, devices=n)
+    placed(schedule, [*range(n), *reversed(range(n))])  # down the devices and back up
 
 
 @given(DEVICES, st.integers(1, 8))
@@ -103,6 +115,23 @@ def test_interleaved_holds_its_warm_up_plus_one_per_device(n: int, v: int, group
     warmups = [(n - r - 1) * (2 if v > 1 else 1) + (v - 1) * n for r in range(n)]
     assert device_peak_activations(schedule) == tuple(min(w + 1, v * p) for w in warmups)
     assert all(peak <= min(n * v, v * p) + n - 1 for peak in device_peak_activations(schedule))
+
+
+@given(DEVICES, st.integers(1, 10))
+def test_zbv_holds_no_more_than_1f1b_on_its_first_device(n: int, p: int):
+    """ZB-V's claim (Qi et al. 2024, §6): the peak activation memory of 1F1B, N micro-batches
+    through a whole stage, i.e. 2N through a half-size chunk, counted up to B and up to W."""
+    schedule = zbv(2 * n, p)
+    to_w = []
+    for program in schedule.device_programs:
+        held = [0]
+        for a in program:
+            held.append(held[-1] + (a.kind is F) - (a.kind is W))
+        to_w.append(max(held))
+    peaks = device_peak_activations(schedule)
+    assert all(peak <= 2 * n for peak in (*peaks, *to_w))
+    if p >= 2 * n - 1:
+        assert peaks == tuple(to_w) == (2 * n,) * n
 
 
 def test_interleaved_runs_chunks_in_groups_of_n_micro_batches():
@@ -158,9 +187,11 @@ def test_a_device_runs_one_action_at_a_time_in_program_order(schedule: Schedule,
                                                              links: bool):
     rng = np.random.default_rng(seed)
     shape = (schedule.stages, schedule.micro_batches)
-    fwd, bwd = rng.uniform(0.1, 5.0, shape), rng.uniform(0.1, 5.0, shape)
+    fwd, bwd, wgt = (rng.uniform(0.1, 5.0, shape) for _ in range(3))
+    if schedule.name != "zbv":
+        wgt[:] = 0.0
     link = rng.uniform(0.0, 2.0, schedule.stages) if links else 0.0
-    timeline = simulate(schedule, fwd, bwd, link, link)
+    timeline = simulate(schedule, fwd, bwd, link, link, weight=wgt)
     for program in timeline.schedule.device_programs:
         events = [timeline.event(a) for a in program]
         assert all(x.end <= y.start + 1e-9 for x, y in zip(events, events[1:]))
@@ -171,7 +202,9 @@ def test_a_device_runs_one_action_at_a_time_in_program_order(schedule: Schedule,
             if s > 0:
                 assert timeline.event(Action(s - 1, F, m)).end <= f.start + 1e-9
                 assert b.end <= timeline.event(Action(s - 1, B, m)).start + 1e-9
-    assert sum(timeline.device_busy) == pytest.approx(fwd.sum() + bwd.sum())
+            if schedule.name == "zbv":
+                assert b.end <= timeline.event(Action(s, W, m)).start + 1e-9
+    assert sum(timeline.device_busy) == pytest.approx(fwd.sum() + bwd.sum() + wgt.sum())
     assert max(timeline.device_busy) <= timeline.makespan + 1e-9
 
 
@@ -192,6 +225,20 @@ def test_interleaved_bubble_is_megatrons(n: int, v: int, groups: int, tf: float,
     assert plain == pytest.approx((n - 1) / (m + n - 1))
     if v >= 2:
         assert timeline.bubble < plain - 1e-9
+
+
+@given(DEVICES, st.integers(0, 11), st.floats(0.1, 10))
+def test_zbv_idles_only_while_the_first_micro_batch_comes_down(n: int, extra: int, t: float):
+    """ZB-V with equal F, B and W times t per stage and free links (Qi et al. 2024, §6: no
+    bubble when T_F = T_B = T_W): device N-1 can start no earlier than (N-1)t, after stages
+    0..N-2 have run micro-batch 0 forward, and every device has 6pt of work, so no schedule
+    takes less than (6p + N-1)t; ZB-V takes exactly that for p >= 2N-1 micro-batches, less
+    than 1F1B's (p + N-1) * 6t for the same model on N stages."""
+    p = 2 * n - 1 + extra
+    timeline = simulate(zbv(2 * n, p), t, t, weight=t)
+    assert timeline.makespan == pytest.approx((6 * p + n - 1) * t)
+    assert timeline.device_busy == pytest.approx((6 * p * t,) * n)
+    assert timeline.makespan < simulate(one_f_one_b(n, p), 2 * t, 4 * t).makespan
 
 
 def test_identity_placement_times_like_no_placement():
@@ -242,11 +289,15 @@ def test_generators_refuse_shapes_they_cannot_run():
         looped_bfs(6, 4, devices=4)
     with pytest.raises(ValueError, match="devices must be a positive integer, not 0"):
         looped_bfs(4, 4, devices=0)
+    with pytest.raises(ValueError, match="stages=5 must be even"):
+        zbv(5, 4)
+    with pytest.raises(ValueError, match="4 stages need devices=2, not 4; use 8 stages"):
+        zbv(4, 4, devices=4)
     with pytest.raises(ValueError, match=r"say how many devices: build\('looped-bfs', 4, 2, "
                                          r"devices=N\)"):
         build("looped-bfs", 4, 2)
     with pytest.raises(ValueError, match=r"unknown schedule 'zb'; choose one of 'gpipe'.*"
-                                         r"'interleaved-1f1b', 'looped-bfs'"):
+                                         r"'interleaved-1f1b', 'looped-bfs', 'zbv'"):
         build("zb", 2, 3)
     assert build("interleaved-1f1b", 4, 2, devices=2) == interleaved_one_f_one_b(4, 2, devices=2)
 

@@ -25,6 +25,8 @@ from fxpipe.schedules.interleaved import (
     interleaved_one_f_one_b,
     looped_bfs,
     round_robin,
+    v_shape,
+    zbv,
 )
 from fxpipe.schedules.lowering import add_communication, add_step, chain, check_communication, lower
 
@@ -33,5 +35,5 @@ __all__ = [
     "Schedule", "ScheduleError", "W", "add_communication", "add_step", "async_one_f_one_b",
     "build", "chain", "check_communication", "device_peak_activations", "forwards_first", "gpipe",
     "interleaved_one_f_one_b", "looped_bfs", "lower", "one_f_one_b", "peak_activations",
-    "round_robin",
+    "round_robin", "v_shape", "zbv",
 ]

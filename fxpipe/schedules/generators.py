@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, _positive
@@ -67,7 +68,8 @@ def build(name: str, stages: int, micro_batches: int, **kw: int) -> Schedule:
     if name not in generators:
         known = ", ".join(repr(k) for k in generators)
         raise ValueError(f"unknown schedule {name!r}; choose one of {known}")
-    if name in VIRTUAL_SCHEDULES and "devices" not in kw:
+    needs = inspect.signature(generators[name]).parameters.get("devices")
+    if needs is not None and needs.default is inspect.Parameter.empty and "devices" not in kw:
         raise ValueError(f"schedule {name!r} places several stages on each device; say how many "
                          f"devices: build({name!r}, {stages}, {micro_batches}, devices=N)")
     return generators[name](stages, micro_batches, **kw)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
-from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, _positive
+from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, W, _positive
 
-__all__ = ["VIRTUAL_SCHEDULES", "interleaved_one_f_one_b", "looped_bfs", "round_robin"]
+__all__ = ["VIRTUAL_SCHEDULES", "interleaved_one_f_one_b", "looped_bfs", "round_robin", "v_shape",
+           "zbv"]
 
 
 def round_robin(stages: int, devices: int) -> tuple[int, ...]:
@@ -58,6 +60,66 @@ def looped_bfs(stages: int, micro_batches: int, *, devices: int) -> Schedule:
     return _from_programs("looped-bfs", n * v, p, round_robin(n * v, n), programs)
 
 
+def v_shape(stages: int) -> tuple[int, ...]:
+    """Stage s on device s for s < N, on device 2N-1-s after: the model runs down the devices
+    and back up, so device N-1 holds stages N-1 and N and device 0 the first and the last."""
+    half = stages // 2
+    return tuple(s if s < half else stages - 1 - s for s in range(stages))
+
+
+def zbv(stages: int, micro_batches: int, *, devices: int | None = None) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §6): 2N stages placed in a
+    V (`v_shape`) on N devices, each backward split into B (input gradient) and W (weight
+    gradient), W filling what would be bubbles. Device r holds the descending stage r and the
+    ascending stage 2N-1-r; it warms up with 2(N-r)-1 forwards down, then r pairs (F up, F
+    down), then N-r triples (F, B, W up); in the steady state it runs (F, B, W) down then up;
+    it cools down with r pairs (B down, B up), N-r pairs (B, W down) and the remaining Ws, up
+    first. The phases are laid out for max(p, 2N-1) micro-batches and the ones past p dropped,
+    as PyTorch's ScheduleZBVZeroBubble does. With equal F, B and W times t, free links and
+    p >= 2N-1, a device idles only until micro-batch 0 reaches it: the step takes (6p + N-1)t."""
+    s, p = _positive("stages", stages), _positive("micro_batches", micro_batches)
+    if s % 2:
+        raise ValueError(f"zbv places two stages on each device, so stages={s} must be even")
+    n = s // 2
+    if devices is not None and devices != n:
+        raise ValueError(f"zbv places two stages on each device: {s} stages need devices={n}, "
+                         f"not {devices}; use {2 * devices} stages for {devices} devices")
+    programs = [_zbv_program(r, n, p) for r in range(n)]
+    return _from_programs("zbv", s, p, v_shape(s), programs)
+
+
+def _zbv_program(r: int, n: int, p: int) -> list[Action]:
+    """Device r's ZB-V program, laid out for max(p, 2N-1) micro-batches (enough to fill the
+    pipeline) and kept to the first p."""
+    down, up, q = r, 2 * n - 1 - r, max(p, 2 * n - 1)
+    count: dict[tuple[int, ActionKind], int] = defaultdict(int)  # next micro-batch per stage, kind
+    order: list[Action] = []
+
+    def run(stage: int, *kinds: ActionKind) -> None:
+        for kind in kinds:
+            m = count[stage, kind]
+            count[stage, kind] += 1
+            if m < p:
+                order.append(Action(stage, kind, m))
+
+    run(down, *[F] * (2 * (n - r) - 1))
+    for _ in range(r):
+        run(up, F), run(down, F)
+    for _ in range(n - r):
+        run(up, F, B, W)
+    while count[up, F] < count[down, F] or count[down, F] < q:
+        if count[down, F] < q:
+            run(down, F)
+        run(down, B, W), run(up, F, B, W)
+    for _ in range(r):
+        run(down, B), run(up, B)
+    for _ in range(n - r):
+        run(down, B, W)
+    run(up, *[W] * (count[up, B] - count[up, W]))
+    run(down, *[W] * (count[down, B] - count[down, W]))
+    return order
+
+
 def _shape(stages: int, micro_batches: int, devices: int) -> tuple[int, int, int]:
     """(N devices, v stages per device, p micro-batches), checked."""
     s, p = _positive("stages", stages), _positive("micro_batches", micro_batches)
@@ -81,4 +143,5 @@ def _from_programs(name: str, stages: int, micro_batches: int, placement: tuple[
 VIRTUAL_SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "interleaved-1f1b": interleaved_one_f_one_b,
     "looped-bfs": looped_bfs,
+    "zbv": zbv,
 }
