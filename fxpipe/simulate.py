@@ -66,8 +66,10 @@ class Timeline:
         return {e.action: e for e in self.events}
 
     def ascii(self, width: int = 80) -> str:
-        """One row per stage, each action's label over the time it runs, '.' where idle."""
-        stages = len(self.busy)
+        """One row per stage, each action's label over the time it runs, '.' where idle; with
+        several stages per device one row per device, labels led by the stage (`2F0`)."""
+        placed = self.schedule.placement is not None
+        stages = self.schedule.devices if placed else len(self.busy)
         prefix = len(str(stages - 1)) + 2
         cols = width - prefix - 1
         if cols < 1:
@@ -80,12 +82,14 @@ class Timeline:
         rows = [["."] * cols for _ in range(stages)]
         for e in shown:
             start, end = round(e.start * scale), round(e.end * scale)
-            label = _label(e.action)
+            label = f"{e.stage}{_label(e.action)}" if placed else _label(e.action)
+            row = rows[self.schedule.device(e.stage)]
             for c in range(start, min(end, cols)):
-                rows[e.stage][c] = label[c - start] if c - start < len(label) else " "
+                row[c] = label[c - start] if c - start < len(label) else " "
         s = self.schedule
         head = f"{s.name}: {s.stages} stages x {s.micro_batches} micro-batches" + (
-            f" x {s.minibatches} mini-batches" if s.minibatches > 1 else "")
+            f" x {s.minibatches} mini-batches" if s.minibatches > 1 else "") + (
+            f" on {s.devices} devices" if placed else "")
         lines = [head, *(f"{i:>{prefix - 2}} |{''.join(r)}|" for i, r in enumerate(rows))]
         lines.append(f"step time {self.makespan:.6g}, bubble {self.bubble:.1%}")
         return "\n".join(lines)

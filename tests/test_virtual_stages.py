@@ -19,11 +19,13 @@ from fxpipe.schedules import (
     add_communication,
     add_step,
     build,
+    chain,
     check_communication,
     device_peak_activations,
     gpipe,
     interleaved_one_f_one_b,
     looped_bfs,
+    lower,
     one_f_one_b,
     peak_activations,
     zbv,
@@ -169,6 +171,12 @@ def test_lowered_device_programs_pass_the_communication_check(schedule: Schedule
             assert sum(a.kind is K.STEP for a in program) == len(lowered.stages_on(d))
 
 
+def test_lower_by_name_places_and_checks():
+    lowered = lower("interleaved-1f1b", 6, 3, chain(6), devices=3)
+    assert lowered.lowered and lowered.devices == 3
+    assert lowered == add_communication(interleaved_one_f_one_b(6, 3, devices=3))
+
+
 def test_a_device_program_that_runs_a_later_stage_first_deadlocks():
     # one device, two stages: stage 1's forward waits for stage 0's, which comes after it
     schedule = Schedule.from_lists([["0F0", "0B0"], ["1F0", "1B0"]], placement=(0, 0),
@@ -276,6 +284,14 @@ def test_stage_pairs_on_the_same_devices_share_one_link():
     assert wire["2SF0>3"] == (11.0, 15.0)
     assert wire["0SF1>1"] == (15.0, 19.0)
     assert timeline.makespan == 30.0
+
+
+def test_timeline_draws_one_row_per_device():
+    lines = simulate(zbv(4, 3), 1.0, 1.0, weight=1.0).ascii(100).splitlines()
+    assert lines[0] == "zbv: 4 stages x 3 micro-batches on 2 devices"
+    assert len(lines) == 4 and lines[3].startswith("step time 19,")
+    assert lines[1].startswith("0 |0F0") and "3W2" in lines[1] and "1F0" not in lines[1]
+    assert lines[2].startswith("1 |.") and "2F0" in lines[2] and "0F0" not in lines[2]
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -189,10 +189,13 @@ def _run_messages(schedule: Schedule) -> None:
 
 
 def lower(name: str, stages: int, micro_batches: int, edges: Iterable[tuple[int, int]],
-          minibatches: int = 2) -> Schedule:
+          minibatches: int = 2, devices: int | None = None) -> Schedule:
     """The schedule called `name` with its sends and receives for the stage `edges`, checked
-    to run without hanging (an asynchronous one streams `minibatches` mini-batches)."""
+    to run without hanging (an asynchronous one streams `minibatches` mini-batches; one with
+    several stages per device runs on `devices`)."""
     extra = {"minibatches": minibatches} if name == "async-1f1b" else {}
+    if devices is not None:
+        extra["devices"] = devices
     schedule = add_communication(build(name, stages, micro_batches, **extra), edges)
     check_communication(schedule)
     return schedule
