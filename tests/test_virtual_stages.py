@@ -150,20 +150,27 @@ def test_interleaved_runs_chunks_in_groups_of_n_micro_batches():
 # --- lowering and the check -------------------------------------------------------------------
 
 
-@given(virtual_schedules(), st.booleans())
-def test_lowered_device_programs_pass_the_communication_check(schedule: Schedule, step: bool):
-    lowered = add_communication(schedule)
+@given(virtual_schedules(), st.booleans(), st.data())
+def test_lowered_device_programs_pass_the_communication_check(schedule: Schedule, step: bool,
+                                                              data: st.DataObject):
+    n = schedule.stages  # the chain plus any skip edges
+    skips = [(a, b) for a in range(n) for b in range(a + 2, n)]
+    drawn = data.draw(st.lists(st.sampled_from(skips), unique=True, max_size=3)) if skips else []
+    edges = chain(n) + tuple(drawn)
+    lowered = add_communication(schedule, edges)
     if step:
         lowered = add_step(lowered, allreduce=True)
     check_communication(lowered)
     for d, program in enumerate(lowered.device_programs):
         compute = [a for a in program if a.kind.is_compute]
         assert compute == list(schedule.device_programs[d])  # only comm and steps were added
-        for i, a in enumerate(program):  # a receive right before its compute, a send right after
+        for i, a in enumerate(program):  # receives right before their compute, sends right after
             if a.kind.is_recv:
-                assert program[i + 1] == Action(a.stage, F if a.kind is K.RECV_F else B, a.mb)
+                following = next(x for x in program[i:] if not x.kind.is_recv)
+                assert following == Action(a.stage, F if a.kind is K.RECV_F else B, a.mb)
             if a.kind.is_send:
-                assert program[i - 1] == Action(a.stage, F if a.kind is K.SEND_F else B, a.mb)
+                leading = next(x for x in reversed(program[:i]) if not x.kind.is_send)
+                assert leading == Action(a.stage, F if a.kind is K.SEND_F else B, a.mb)
         if step:
             last = max(i for i, a in enumerate(program) if a.kind.is_compute)
             assert all(a.kind in (K.ALLREDUCE, K.STEP) or a.kind.is_send
@@ -301,6 +308,9 @@ def test_generators_refuse_shapes_they_cannot_run():
     with pytest.raises(ValueError, match=r"micro_batches=6 must be a multiple of devices=4; "
                                          r"use 4 or 8"):
         interleaved_one_f_one_b(8, 6, devices=4)
+    with pytest.raises(ValueError, match=r"micro_batches=3 must be a multiple of devices=4; "
+                                         r"use 4$"):
+        interleaved_one_f_one_b(8, 3, devices=4)
     with pytest.raises(ValueError, match=r"stages=6 do not split evenly over devices=4"):
         looped_bfs(6, 4, devices=4)
     with pytest.raises(ValueError, match="devices must be a positive integer, not 0"):

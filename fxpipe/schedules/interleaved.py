@@ -25,9 +25,10 @@ def interleaved_one_f_one_b(stages: int, micro_batches: int, *, devices: int) ->
     drains the backwards. Needs p a multiple of N for v >= 2, like Megatron."""
     n, v, p = _shape(stages, micro_batches, devices)
     if v > 1 and p % n:
+        near = " or ".join(str(c) for c in sorted({p - p % n, p - p % n + n}) if c)
         raise ValueError(f"interleaved-1f1b runs micro-batches through the model chunks in groups "
                          f"of one per device, so micro_batches={p} must be a multiple of "
-                         f"devices={n}; use {p - p % n or n} or {p - p % n + n}")
+                         f"devices={n}; use {near}")
     total = v * p
 
     def action(rank: int, k: int, kind: ActionKind) -> Action:
