@@ -40,10 +40,19 @@ class Timeline:
 
     @property
     def bubble(self) -> float:
-        """Idle fraction of the stages' compute: 1 - sum(busy) / (N * makespan)."""
+        """Idle fraction of the devices' compute: 1 - sum(busy) / (D * makespan), D devices
+        (one per stage unless the schedule places several stages on a device)."""
         if self.makespan <= 0:
             return 0.0
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+        return 1.0 - sum(self.busy) / (self.schedule.devices * self.makespan)
+
+    @property
+    def device_busy(self) -> tuple[float, ...]:
+        """Per device, the time its stages spent in F, B and W."""
+        totals = [0.0] * self.schedule.devices
+        for s, seconds in enumerate(self.busy):
+            totals[self.schedule.device(s)] += seconds
+        return tuple(totals)
 
     def event(self, action: Action) -> Event:
         """The event of `action`."""
@@ -57,8 +66,10 @@ class Timeline:
         return {e.action: e for e in self.events}
 
     def ascii(self, width: int = 80) -> str:
-        """One row per stage, each action's label over the time it runs, '.' where idle."""
-        stages = len(self.busy)
+        """One row per stage, each action's label over the time it runs, '.' where idle; with
+        several stages per device one row per device, labels led by the stage (`2F0`)."""
+        placed = self.schedule.placement is not None
+        stages = self.schedule.devices if placed else len(self.busy)
         prefix = len(str(stages - 1)) + 2
         cols = width - prefix - 1
         if cols < 1:
@@ -71,12 +82,14 @@ class Timeline:
         rows = [["."] * cols for _ in range(stages)]
         for e in shown:
             start, end = round(e.start * scale), round(e.end * scale)
-            label = _label(e.action)
+            label = f"{e.stage}{_label(e.action)}" if placed else _label(e.action)
+            row = rows[self.schedule.device(e.stage)]
             for c in range(start, min(end, cols)):
-                rows[e.stage][c] = label[c - start] if c - start < len(label) else " "
+                row[c] = label[c - start] if c - start < len(label) else " "
         s = self.schedule
         head = f"{s.name}: {s.stages} stages x {s.micro_batches} micro-batches" + (
-            f" x {s.minibatches} mini-batches" if s.minibatches > 1 else "")
+            f" x {s.minibatches} mini-batches" if s.minibatches > 1 else "") + (
+            f" on {s.devices} devices" if placed else "")
         lines = [head, *(f"{i:>{prefix - 2}} |{''.join(r)}|" for i, r in enumerate(rows))]
         lines.append(f"step time {self.makespan:.6g}, bubble {self.bubble:.1%}")
         return "\n".join(lines)
@@ -119,10 +132,13 @@ def simulate(
 
     The model (ALGORITHMS §1, generalised from GPipe's closed form to any schedule): a stage
     runs its list one action at a time, in order, each as soon as the stage is free and the
-    action's dependencies are met. F(s, m) waits for the activations of every producer of stage
-    s, B(s, m) for the gradients of every consumer and for F(s, m) on s (W(s, m) for B(s, m)).
+    action's dependencies are met; with several stages per device (`Schedule.placement`) the
+    device runs its program that way, so its stages' actions never overlap, and a message
+    between two stages of one device is handed over at once, on no link. F(s, m) waits for the
+    activations of every producer of stage s, B(s, m) for the gradients of every consumer and
+    for F(s, m) on s (W(s, m) for B(s, m)).
     A SEND hands its message to the link from its stage to the peer, which carries one message
-    at a time in send order; every directed stage pair is a link of its own (full duplex). A
+    at a time in send order; every directed device pair is a link of its own (full duplex). A
     RECV blocks its stage until the message has arrived. `overhead[(s, kind)]` (seconds, e.g.
     a calibration's) is added to every action of that kind on stage s: to a compute's time, to
     the stage's time in a SEND before its message leaves, and in a RECV before it waits; for a
@@ -170,41 +186,46 @@ def simulate(
             seconds += float(other[a.kind][a.stage])
         return max(seconds, 0.0)
 
-    pc, free, busy = [0] * n, [0.0] * n, [0.0] * n
+    programs, where = lowered.device_programs, lowered.device
+    pc, free, busy = [0] * len(programs), [0.0] * len(programs), [0.0] * n
     finished: dict[Action, float] = {}  # computes, and messages (keyed by their SEND) arrived
-    link_free: dict[tuple[int, int], float] = {}
+    link_free: dict[tuple[int, int], float] = {}  # by directed device pair
     events: list[list[Event]] = [[] for _ in range(n)]
     transfers: list[Event] = []
     progress = True
-    while progress:  # each pass runs every stage as far as its dependencies allow
+    while progress:  # each pass runs every device as far as its dependencies allow
         progress = False
-        for s, actions in enumerate(lowered.actions):
-            while pc[s] < len(actions):
-                a = actions[pc[s]]
+        for d, actions in enumerate(programs):
+            while pc[d] < len(actions):
+                a = actions[pc[d]]
+                s = a.stage
                 needs = _needs(a)
                 if needs is not None and needs not in finished:
                     break
-                start = free[s]
+                start = free[d]
                 end = start + own_time(a)
                 if a.kind.is_recv:
                     end = max(end, finished[a.partner])
+                elif a.kind.is_send and where(a.peer) == d:  # a hand-off within the device
+                    finished[a] = end
+                    transfers.append(Event(s, a, end, end))
                 elif a.kind.is_send:
-                    wire = max(end, link_free.get((s, a.peer), 0.0))
+                    wire = max(end, link_free.get((d, where(a.peer)), 0.0))
                     arrival = wire + link[a.kind](s, a.peer)
-                    link_free[s, a.peer] = finished[a] = arrival
+                    link_free[d, where(a.peer)] = finished[a] = arrival
                     transfers.append(Event(s, a, wire, arrival))
                 elif a.kind.is_compute:
                     finished[a] = end
                     busy[s] += end - start
                 events[s].append(Event(s, a, start, end))
-                free[s] = end
-                pc[s] += 1
+                free[d] = end
+                pc[d] += 1
                 progress = True
-    stuck = [(s, actions[pc[s]]) for s, actions in enumerate(lowered.actions)
-             if pc[s] < len(actions)]
+    unit = "stage" if lowered.placement is None else "device"
+    stuck = [(d, actions[pc[d]]) for d, actions in enumerate(programs) if pc[d] < len(actions)]
     if stuck:
-        waits = "; ".join(f"stage {s} waits at {a} (action {pc[s]}) for {_needs(a)}"
-                          for s, a in stuck)
+        waits = "; ".join(f"{unit} {d} waits at {a} (action {pc[d]}) for {_needs(a)}"
+                          for d, a in stuck)
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}, which never runs "
                             "before it. Reorder the lists so every dependency comes first")
     flat = [e for stage in events for e in stage]

@@ -14,15 +14,26 @@ from fxpipe.schedules.generators import (
     SCHEDULES,
     async_one_f_one_b,
     build,
+    device_peak_activations,
     forwards_first,
     gpipe,
     one_f_one_b,
     peak_activations,
 )
+from fxpipe.schedules.interleaved import (
+    VIRTUAL_SCHEDULES,
+    interleaved_one_f_one_b,
+    looped_bfs,
+    round_robin,
+    v_shape,
+    zbv,
+)
 from fxpipe.schedules.lowering import add_communication, add_step, chain, check_communication, lower
 
 __all__ = [
-    "SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F", "Schedule", "ScheduleError",
-    "W", "add_communication", "add_step", "async_one_f_one_b", "build", "chain",
-    "check_communication", "forwards_first", "gpipe", "lower", "one_f_one_b", "peak_activations",
+    "SCHEDULES", "VIRTUAL_SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
+    "Schedule", "ScheduleError", "W", "add_communication", "add_step", "async_one_f_one_b",
+    "build", "chain", "check_communication", "device_peak_activations", "forwards_first", "gpipe",
+    "interleaved_one_f_one_b", "looped_bfs", "lower", "one_f_one_b", "peak_activations",
+    "round_robin", "v_shape", "zbv",
 ]

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import operator
 import re
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
@@ -169,6 +170,11 @@ class Schedule:
     no consistency policy ("none"); sequential training would use version `minibatch(action)`.
     "stash" runs B(mb) with the version F(mb) met; "predict" (PipeOptim) runs F(mb) with weights
     predicted `weight_version(B) - weight_version(F)` updates ahead.
+
+    Several stages per device (interleaved 1F1B, looped BFS, ZB-V): `placement[s]` is the device
+    of stage s (None: stage s on device s), and `programs[d]` the one order device d runs its
+    stages' actions in, each stage's actions in its list's order (None: each device holds one
+    stage and runs its list). `device_programs` resolves both cases.
     """
 
     name: str
@@ -176,6 +182,8 @@ class Schedule:
     micro_batches: int  # per mini-batch
     actions: tuple[tuple[Action, ...], ...]
     minibatches: int = 1
+    placement: tuple[int, ...] | None = None  # device of each stage; None: stage s on device s
+    programs: tuple[tuple[Action, ...], ...] | None = None  # per device, its order of actions
 
     def __post_init__(self) -> None:
         actions = tuple(tuple(stage) for stage in self.actions)
@@ -200,6 +208,56 @@ class Schedule:
                 if a.mb is not None and a.mb >= limit:
                     raise ValueError(f"{a} is out of range: schedule {self.name!r} has "
                                      f"{self.minibatches} mini-batch(es) of {self.micro_batches}")
+        self._check_devices()
+
+    def _check_devices(self) -> None:
+        """Placement and programs: every device holds a stage, and each program runs exactly
+        its device's stages' actions, each stage's in its list's order."""
+        if self.placement is not None:
+            placement = tuple(self.placement)
+            if len(placement) != self.stages or not all(
+                    _is_index(d) and not isinstance(d, bool) for d in placement):
+                raise ValueError(f"placement {placement!r} of schedule {self.name!r} must give "
+                                 f"one device (an integer >= 0) for each of its {self.stages} "
+                                 "stages")
+            placement = tuple(operator.index(d) for d in placement)
+            empty = sorted(set(range(max(placement) + 1)) - set(placement))
+            if empty:
+                raise ValueError(f"placement {placement} of schedule {self.name!r} leaves devices "
+                                 f"{empty} without a stage; number the devices 0..D-1")
+            object.__setattr__(self, "placement", placement)
+        if self.programs is None:
+            shared = [d for d in range(self.devices) if len(self.stages_on(d)) > 1]
+            if shared:
+                raise ValueError(f"devices {shared} of schedule {self.name!r} hold several stages; "
+                                 "give programs: one ordered list of actions per device")
+            return
+        programs = tuple(tuple(program) for program in self.programs)
+        object.__setattr__(self, "programs", programs)
+        if len(programs) != self.devices:
+            raise ValueError(f"schedule {self.name!r} has {len(programs)} programs for "
+                             f"{self.devices} devices; give one per device")
+        for d, program in enumerate(programs):
+            for a in program:
+                if not isinstance(a, Action) or not 0 <= a.stage < self.stages \
+                        or self.device(a.stage) != d:
+                    where = (f"stage {a.stage} is on device {self.device(a.stage)}"
+                             if isinstance(a, Action) and 0 <= a.stage < self.stages
+                             else "it is no action of a stage of this schedule")
+                    raise ValueError(f"device {d}'s program holds {a!r}, but {where}; a program "
+                                     "holds only the actions of its device's stages")
+        for d, program in enumerate(programs):
+            for s in self.stages_on(d):
+                ran = tuple(a for a in program if a.stage == s)
+                if ran != self.actions[s]:
+                    i = next((i for i, (x, y) in enumerate(zip(ran, self.actions[s]))
+                              if x != y), min(len(ran), len(self.actions[s])))
+                    got = str(ran[i]) if i < len(ran) else "nothing more"
+                    want = str(self.actions[s][i]) if i < len(self.actions[s]) else "nothing more"
+                    raise ValueError(
+                        f"device {d}'s program runs {got} as stage {s}'s action {i}, but stage "
+                        f"{s}'s list has {want} there; a program runs each of its stages' "
+                        "actions exactly once, in the stage's order")
 
     @classmethod
     def from_lists(
@@ -208,24 +266,35 @@ class Schedule:
         name: str = "custom",
         micro_batches: int | None = None,
         minibatches: int = 1,
+        placement: Sequence[int] | None = None,
+        programs: Sequence[Sequence[Action | str]] | None = None,
     ) -> Schedule:
-        """A schedule from per-stage lists of actions or their compact strings."""
-        actions = tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in stage)
-                        for stage in lists)
+        """A schedule from per-stage lists of actions or their compact strings (and, with
+        several stages per device, the placement and per-device programs, likewise)."""
+        def parsed(items: Sequence[Sequence[Action | str]]) -> tuple[tuple[Action, ...], ...]:
+            return tuple(tuple(a if isinstance(a, Action) else Action.parse(a) for a in row)
+                         for row in items)
+
+        actions = parsed(lists)
         if micro_batches is None:
             mbs = [a.mb for stage in actions for a in stage
                    if a.mb is not None and a.kind not in _MINIBATCH_KINDS]
             micro_batches = (max(mbs, default=0) + 1 + minibatches - 1) // minibatches
-        return cls(name, len(actions), micro_batches, actions, minibatches)
+        return cls(name, len(actions), micro_batches, actions, minibatches, placement,
+                   None if programs is None else parsed(programs))
 
     def __getitem__(self, stage: int) -> tuple[Action, ...]:
         return self.actions[stage]
 
     def __str__(self) -> str:
         head = (f"{self.name}: {self.stages} stages x {self.micro_batches} micro-batches"
-                + (f" x {self.minibatches} mini-batches" if self.minibatches > 1 else ""))
-        return "\n".join([head, *(f"{s}: " + " ".join(map(str, a))
-                                  for s, a in enumerate(self.actions))])
+                + (f" x {self.minibatches} mini-batches" if self.minibatches > 1 else "")
+                + (f" on {self.devices} devices" if self.placement is not None else ""))
+        lines = [head, *(f"{s}: " + " ".join(map(str, a)) for s, a in enumerate(self.actions))]
+        if self.placement is not None:
+            lines += [f"device {d}: " + " ".join(map(str, program))
+                      for d, program in enumerate(self.device_programs)]
+        return "\n".join(lines)
 
     @property
     def lowered(self) -> bool:
@@ -255,8 +324,65 @@ class Schedule:
                 steps += a.kind is ActionKind.STEP
         return versions
 
+    @property
+    def devices(self) -> int:
+        """How many devices run the schedule: one per stage unless `placement` shares them."""
+        return self.stages if self.placement is None else max(self.placement) + 1
+
+    def device(self, stage: int) -> int:
+        """The device stage `stage` runs on."""
+        return stage if self.placement is None else self.placement[stage]
+
+    def stages_on(self, device: int) -> tuple[int, ...]:
+        """The stages placed on `device`, in increasing order."""
+        if self.placement is None:
+            return (device,)
+        return tuple(s for s, d in enumerate(self.placement) if d == device)
+
+    @property
+    def device_programs(self) -> tuple[tuple[Action, ...], ...]:
+        """What each device runs, in order: `programs`, or its one stage's list."""
+        if self.programs is not None:
+            return self.programs
+        return tuple(self.actions[self.stages_on(d)[0]] for d in range(self.devices))
+
     def _replace(self, actions: Iterable[Iterable[Action]]) -> Schedule:
-        return dataclasses.replace(self, actions=tuple(tuple(a) for a in actions))
+        actions = tuple(tuple(a) for a in actions)
+        if self.programs is None:
+            return dataclasses.replace(self, actions=actions)
+        owners = [self.stages_on(d) for d in range(self.devices)]
+        programs = _carry(self.programs, owners, self.actions, actions)
+        return dataclasses.replace(self, actions=actions, programs=programs)
+
+
+def _carry(programs: tuple[tuple[Action, ...], ...], owners: Sequence[tuple[int, ...]],
+           old: tuple[tuple[Action, ...], ...],
+           new: tuple[tuple[Action, ...], ...]) -> tuple[tuple[Action, ...], ...]:
+    """The programs with the actions `new` adds to the stages' lists `old`: a receive joins the
+    program just before the next action of its stage (a device blocks on it, so not earlier);
+    anything else (a send, a STEP) just after the one before it."""
+    before, after, tail = defaultdict(list), defaultdict(list), defaultdict(list)
+    for s, (was, now) in enumerate(zip(old, new)):
+        kept, anchor, pending = set(was), None, []
+        for a in now:
+            if a in kept:
+                before[a] += pending
+                anchor, pending = a, []
+            elif a.kind.is_recv or anchor is None:
+                pending.append(a)
+            else:
+                after[anchor].append(a)
+        if anchor is None:
+            tail[s] += pending
+        else:
+            after[anchor] += pending
+    kept = {a for stage in new for a in stage}
+    carried = []
+    for program, stages in zip(programs, owners):
+        order = [x for a in program
+                 for x in (*before[a], *((a,) if a in kept else ()), *after[a])]
+        carried.append(tuple(order) + tuple(x for s in stages for x in tail[s]))
+    return tuple(carried)
 
 
 def _positive(name: str, value: object) -> int:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, _positive
 
-__all__ = ["SCHEDULES", "async_one_f_one_b", "build", "forwards_first", "gpipe", "one_f_one_b",
-           "peak_activations"]
+__all__ = ["SCHEDULES", "async_one_f_one_b", "build", "device_peak_activations", "forwards_first",
+           "gpipe", "one_f_one_b", "peak_activations"]
 
 
 def gpipe(stages: int, micro_batches: int) -> Schedule:
@@ -59,23 +60,39 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 
 
 def build(name: str, stages: int, micro_batches: int, **kw: int) -> Schedule:
-    """The compute-only schedule called `name` (a key of SCHEDULES)."""
-    if name not in SCHEDULES:
-        known = ", ".join(repr(k) for k in SCHEDULES)
+    """The compute-only schedule called `name`: a key of SCHEDULES (one stage per device), or
+    of VIRTUAL_SCHEDULES (several stages per device; pass devices=N)."""
+    from fxpipe.schedules.interleaved import VIRTUAL_SCHEDULES  # it builds on this module
+
+    generators = {**SCHEDULES, **VIRTUAL_SCHEDULES}
+    if name not in generators:
+        known = ", ".join(repr(k) for k in generators)
         raise ValueError(f"unknown schedule {name!r}; choose one of {known}")
-    return SCHEDULES[name](stages, micro_batches, **kw)
+    needs = inspect.signature(generators[name]).parameters.get("devices")
+    if needs is not None and needs.default is inspect.Parameter.empty and "devices" not in kw:
+        raise ValueError(f"schedule {name!r} places several stages on each device; say how many "
+                         f"devices: build({name!r}, {stages}, {micro_batches}, devices=N)")
+    return generators[name](stages, micro_batches, **kw)
+
+
+def device_peak_activations(schedule: Schedule) -> tuple[int, ...]:
+    """Per device, the most micro-batch activations its stages hold at once (F done, B not),
+    one per stage and micro-batch, in the order its program runs them (`peak_activations`
+    when every device holds one stage)."""
+    return tuple(_peak(program) for program in schedule.device_programs)
 
 
 def peak_activations(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations are held at once (F done, B not)."""
-    peaks = []
-    for stage in schedule.actions:
-        held = peak = 0
-        for a in stage:
-            held += (a.kind is F) - (a.kind is B)
-            peak = max(peak, held)
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(_peak(stage) for stage in schedule.actions)
+
+
+def _peak(actions: Sequence[Action]) -> int:
+    held = peak = 0
+    for a in actions:
+        held += (a.kind is F) - (a.kind is B)
+        peak = max(peak, held)
+    return peak
 
 
 def forwards_first(actions: Sequence[Action]) -> bool:

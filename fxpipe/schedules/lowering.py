@@ -104,7 +104,9 @@ def check_communication(schedule: Schedule) -> None:
 
     The model a runtime must follow: a SEND is posted and the stage moves on (isend, completed
     later); a RECV blocks until its message arrives; messages on each directed stage pair are
-    matched first-in first-out.
+    matched first-in first-out. With several stages per device, each device runs its program
+    (`Schedule.device_programs`) in order and blocks at its current receive; a message between
+    two stages of one device is a local hand-off under the same rules.
     """
     present = [set(stage) for stage in schedule.actions]
     for s, stage in enumerate(schedule.actions):
@@ -150,14 +152,18 @@ def _check_peers(schedule: Schedule) -> None:
 
 
 def _run_messages(schedule: Schedule) -> None:
+    """Run the device programs with messages as the only constraint: a device blocks on its
+    program's current receive until the message is in its channel."""
     channels: dict[tuple[int, int], deque[Action]] = defaultdict(deque)
-    pc = [0] * schedule.stages
+    programs = schedule.device_programs
+    pc = [0] * len(programs)
     progress = True
     while progress:
         progress = False
-        for s, stage in enumerate(schedule.actions):
-            while pc[s] < len(stage):
-                a = stage[pc[s]]
+        for d, program in enumerate(programs):
+            while pc[d] < len(program):
+                a = program[pc[d]]
+                s = a.stage
                 if a.kind.is_send:
                     channels[s, a.peer].append(a)
                 elif a.kind.is_recv:
@@ -171,21 +177,25 @@ def _run_messages(schedule: Schedule) -> None:
                             f"than received: {a} expects {expected}, but {queue[0]} comes first; "
                             "order the receives like the sends")
                     queue.popleft()
-                pc[s] += 1
+                pc[d] += 1
                 progress = True
-    waiting = [(s, stage[pc[s]]) for s, stage in enumerate(schedule.actions) if pc[s] < len(stage)]
+    unit = "stage" if schedule.placement is None else "device"
+    waiting = [(d, program[pc[d]]) for d, program in enumerate(programs) if pc[d] < len(program)]
     if waiting:
-        waits = "; ".join(f"stage {s} waits at {a} (action {pc[s]}) for {a.partner}"
-                          for s, a in waiting)
+        waits = "; ".join(f"{unit} {d} waits at {a} (action {pc[d]}) for {a.partner}"
+                          for d, a in waiting)
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}. Reorder the lists so "
                             "every receive is met by a send its peer reaches first")
 
 
 def lower(name: str, stages: int, micro_batches: int, edges: Iterable[tuple[int, int]],
-          minibatches: int = 2) -> Schedule:
+          minibatches: int = 2, devices: int | None = None) -> Schedule:
     """The schedule called `name` with its sends and receives for the stage `edges`, checked
-    to run without hanging (an asynchronous one streams `minibatches` mini-batches)."""
+    to run without hanging (an asynchronous one streams `minibatches` mini-batches; one with
+    several stages per device runs on `devices`)."""
     extra = {"minibatches": minibatches} if name == "async-1f1b" else {}
+    if devices is not None:
+        extra["devices"] = devices
     schedule = add_communication(build(name, stages, micro_batches, **extra), edges)
     check_communication(schedule)
     return schedule
