@@ -15,6 +15,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.models import GPT
+from fxpipe.report import step_time
 from fxpipe.runtime.transport import MicroBatchKey
 from fxpipe.schedules import (
     Action,
@@ -293,3 +294,9 @@ def test_plan_and_partition_know_zb_h1():
     assert plan.schedule == "zb-h1"
     with pytest.raises(fxpipe.PlanError, match="'zb-h1'"):
         fxpipe.Plan(stages=2, schedule="zb-h2")
+
+
+def test_the_report_counts_b_and_w_as_one_backward_per_micro_batch():
+    timeline = simulate(zb_h1(3, 4), 1.0, [2.0, 3.0, 4.0])
+    assert [s.backward for s in step_time(timeline.events, 3).stages] == pytest.approx(
+        [2.0, 3.0, 4.0])
