@@ -14,6 +14,7 @@ from fxpipe.pipeline import CompiledPipeline
 from fxpipe.predict import Calibration
 from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.schedules import ActionKind
+from fxpipe.simulate import WEIGHT_SHARE
 
 __all__ = ["Calibration", "calibrate", "calibration_from"]
 
@@ -74,13 +75,23 @@ def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
         measured = took.get((stage, kind))
         return statistics.median(measured) - predicted if measured else 0.0
 
+    def backward(stage: int) -> float:
+        """Per B action; where the schedule split the backward, per B or W action, each
+        against its share of the stage's backward, as the simulator splits it."""
+        b = partition.stages[stage].b
+        if (stage, K.W) not in took:
+            return beyond(stage, K.B, b)
+        excess = ([d - b * (1 - WEIGHT_SHARE) for d in took.get((stage, K.B), [])]
+                  + [d - b * WEIGHT_SHARE for d in took[stage, K.W]])
+        return statistics.median(excess)
+
     def sending(stage: int) -> float:
         sends = took.get((stage, K.SEND_F), []) + took.get((stage, K.SEND_B), [])
         return statistics.median(sends) if sends else 0.0
 
     return Calibration(
         tuple(beyond(s, K.F, partition.stages[s].f) for s in range(stages)),
-        tuple(beyond(s, K.B, partition.stages[s].b) for s in range(stages)),
+        tuple(backward(s) for s in range(stages)),
         tuple(sending(s) for s in range(stages)),
         statistics.median(outside), len(runs), tuple(sizes or ()), tuple(partition.bounds),
     )

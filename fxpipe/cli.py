@@ -321,7 +321,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="how to split the model into stages")
     demo.add_argument("--micro-batches", type=_micro_batches,
                       help=f"micro-batches per step, or auto; {_ONE_PER_STAGE}")
-    demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"],
+    demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb-h1"],
                       help="the pipeline schedule")
     demo.add_argument("--batch", type=at_least_one, default=32, help="mini-batch size")
     demo.add_argument("--steps", type=at_least_one, default=5, help="training steps")

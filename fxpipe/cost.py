@@ -199,7 +199,8 @@ class Partition:
 
         The memory estimate per stage counts weights, gradients and `optimizer_slots` more
         copies (2: Adam's moments), plus the activations of the micro-batches in flight (p for
-        gpipe, at most N − s on stage s for the 1F1B schedules).
+        gpipe, at most N − s on stage s for the 1F1B schedules, at most N on every stage for
+        zb-h1, which holds them until their deferred weight gradient).
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
@@ -208,7 +209,8 @@ class Partition:
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
-            in_flight = p if schedule == "gpipe" else min(len(bounds) - s, p)
+            in_flight = (p if schedule == "gpipe" else min(len(bounds), p)
+                         if schedule == "zb-h1" else min(len(bounds) - s, p))
             weights = float(cost.param_bytes[start:end].sum()) * (2 + optimizer_slots)
             stages.append(StageCost(
                 (start, end),

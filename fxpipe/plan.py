@@ -18,7 +18,7 @@ __all__ = ["CONSISTENCY_POLICIES", "COSTS", "DP_SYNCS", "PARTITIONERS", "SCHEDUL
            "Plan"]
 
 PARTITIONERS = ("even", "params", "balanced", "ampa", "imd", "csimd", "exact")
-SCHEDULES = ("gpipe", "1f1b", "async-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "async-1f1b", "zb-h1")
 CONSISTENCY_POLICIES = ("none", "stash", "2bw", "predict")
 DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")

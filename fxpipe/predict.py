@@ -25,7 +25,8 @@ class Calibration:
     """
 
     forward: tuple[float, ...]  # per F action, beyond the stage's predicted forward
-    backward: tuple[float, ...]  # per B action, beyond the stage's predicted backward
+    backward: tuple[float, ...]  # per B (and W) action, beyond the stage's predicted backward
+    # (its share of it where the schedule splits the backward)
     send: tuple[float, ...]  # per SEND action: the stage's time to hand a message over
     step: float  # per step, outside the span of its actions (splitting, starting the workers)
     steps: int  # how many steps were measured
@@ -36,7 +37,8 @@ class Calibration:
         """The simulator's per-action overhead table (simulate(overhead=...))."""
         table = {}
         for s, (f, b, send) in enumerate(zip(self.forward, self.backward, self.send)):
-            table.update({(s, K.F): f, (s, K.B): b, (s, K.SEND_F): send, (s, K.SEND_B): send})
+            table.update({(s, K.F): f, (s, K.B): b, (s, K.W): b, (s, K.SEND_F): send,
+                          (s, K.SEND_B): send})
         return table
 
     def __str__(self) -> str:

@@ -24,7 +24,7 @@ class StageTime:
 
     stage: int
     forward: float  # mean forward time per micro-batch
-    backward: float  # mean backward time per micro-batch
+    backward: float  # mean backward time per micro-batch (B, and W where split off)
     compute: float  # all its F, B, W
     communication: float  # time spent in sends and waiting in receives
     reduction: float  # all-reduces and optimizer steps
@@ -66,12 +66,15 @@ def step_time(events: Sequence[Event], stages: int) -> StepTime:
         mine = [e for e in events if e.stage == s]
         forward = [e.duration for e in mine if e.action.kind is ActionKind.F]
         backward = [e.duration for e in mine if e.action.kind is ActionKind.B]
+        weight = sum(e.duration for e in mine if e.action.kind is ActionKind.W)
         compute = sum(e.duration for e in mine if e.action.kind in _COMPUTE)
         comm = sum(e.duration for e in mine if e.action.kind in _COMM)
         reduction = sum(e.duration for e in mine if e.action.kind in _REDUCE)
         rows.append(StageTime(
             s, statistics.fmean(forward) if forward else 0.0,
-            statistics.fmean(backward) if backward else 0.0, compute, comm, reduction,
+            # a micro-batch's backward: its B, and its W where the schedule split it off
+            statistics.fmean(backward) + weight / len(backward) if backward else 0.0, compute,
+            comm, reduction,
             max(makespan - compute - comm - reduction, 0.0),
         ))
     return StepTime(makespan, tuple(rows))

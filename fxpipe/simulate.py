@@ -19,10 +19,12 @@ from fxpipe.schedules import (
     check_communication,
 )
 
-__all__ = ["Overheads", "Timeline", "simulate"]
+__all__ = ["WEIGHT_SHARE", "Overheads", "Timeline", "simulate"]
 
 Costs = float | Sequence[float] | np.ndarray
 LinkCosts = float | Sequence[float] | np.ndarray | Mapping[tuple[int, int], float]
+# where a schedule splits a backward into B and W and no W time is given, W's share of it
+WEIGHT_SHARE = 0.5
 # seconds each action of a kind takes on a stage beyond its compute or link time, keyed
 # (stage, kind), or (stage, kind, peer) for a send or receive with that peer
 Overheads = Mapping[tuple, float]
@@ -122,7 +124,7 @@ def simulate(
     send_f: LinkCosts = 0.0,
     send_b: LinkCosts = 0.0,
     *,
-    weight: Costs = 0.0,
+    weight: Costs | None = None,
     step: Costs = 0.0,
     allreduce: Costs = 0.0,
     edges: Iterable[tuple[int, int]] | None = None,
@@ -148,7 +150,11 @@ def simulate(
 
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
-    (N, p * minibatches). step, allreduce: a scalar or one per stage.
+    (N, p * minibatches). step, allreduce: a scalar or one per stage. `weight` is W's time, B
+    then being the input gradient's alone; with weight=None, `backward` is the whole backward,
+    and where a stage's list splits a micro-batch's backward into B and W each takes half
+    of it (`WEIGHT_SHARE`: a linear layer's input and weight gradients are matrix products
+    of one size, dX = dY W^T and dW = dY^T X).
     send_f, send_b: link times of an edge (src, dst), src < dst: activations src -> dst and their
     gradient dst -> src. A scalar (every edge), one per producing stage src (N,) like the cost
     model's CF_s / CB_s, or a mapping {(src, dst): time}. edges: the stage pairs values cross,
@@ -169,8 +175,15 @@ def simulate(
     compute = {
         ActionKind.F: _per_micro_batch("forward", forward, n, p, k),
         ActionKind.B: _per_micro_batch("backward", backward, n, p, k),
-        ActionKind.W: _per_micro_batch("weight", weight, n, p, k),
     }
+    if weight is None:  # the backward split where the lists split it
+        compute[ActionKind.W] = compute[ActionKind.B] * WEIGHT_SHARE
+        compute[ActionKind.B] = compute[ActionKind.B].copy()
+        for s, actions in enumerate(lowered.actions):
+            split = sorted({a.mb for a in actions if a.kind is ActionKind.W})
+            compute[ActionKind.B][s, split] *= 1.0 - WEIGHT_SHARE
+    else:
+        compute[ActionKind.W] = _per_micro_batch("weight", weight, n, p, k)
     other = {ActionKind.STEP: _per_stage("step", step, n),
              ActionKind.ALLREDUCE: _per_stage("allreduce", allreduce, n)}
     link = {ActionKind.SEND_F: _link("send_f", send_f, n, forward=True),  # by SEND kind

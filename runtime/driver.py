@@ -43,7 +43,7 @@ class Driver:
     """Executes action lists over the runners this process holds: every stage (one worker
     thread each) in one process, or one stage under torch.distributed (run inline).
 
-    Each worker walks its stage's list in order (GroPipe's PMPIA): F and B call the runner,
+    Each worker walks its stage's list in order (GroPipe's PMPIA): F, B and W call the runner,
     SEND/RECV go through the transport, so every schedule shares this loop. Every action is
     recorded as a timeline Event; a failing stage aborts the transport so the others stop.
     """
@@ -152,13 +152,17 @@ class Driver:
             grads = state.grads.pop(key, {})
             if run.output_grads is not None and s == self.last_stage:
                 _accumulate(grads, run.output_grads[a.mb])
-            state.input_grads[key] = runner.backward(key, grads, last=a == walk.last_backward)
+            split = a.mb in walk.split  # its W comes later: input gradients only now
+            state.input_grads[key] = runner.backward(key, grads, last=a == walk.last_gradient,
+                                                     split=split)
             if s == 0:
                 run.input_grads[a.mb] = state.input_grads[key]
         elif a.kind is K.SEND_B:
             grads = state.input_grads[key]
             self.transport.send(s, a.peer, "B", key,
                                 {v: grads.get(v) for v in self.crossing[a.peer, s]})
+        elif a.kind is K.W:
+            runner.weight_backward(key, last=a == walk.last_gradient)
         elif a.kind in (K.STEP, K.ALLREDUCE):
             if run.on_action is not None:
                 run.on_action(a)
@@ -216,14 +220,19 @@ class _Walk:
                                if a.kind in (K.F, K.SEND_F)}
         self.last_grad_use = {a.mb: i for i, a in enumerate(program)
                               if a.kind in (K.B, K.SEND_B)}
-        backwards = [a for a in program if a.kind is K.B]
-        self.last_backward = backwards[-1] if backwards else None  # its hook's "finishing"
+        # micro-batches whose backward is split: B computes the input gradients, W (later)
+        # the weights'
+        self.split = {a.mb for a in program if a.kind is K.W}
+        finishing = [a for a in program if a.kind is K.W or (a.kind is K.B and a.mb not in
+                                                              self.split)]
+        # the action that completes the stage's last gradient: its hook's "finishing"
+        self.last_gradient = finishing[-1] if finishing else None
         self.receives = [i for i, a in enumerate(program) if a.kind in (K.RECV_F, K.RECV_B)]
         # per action, the receive to post ahead while it runs: a compute's first one after it
         self.ahead: list[Action | None] = []
         following = None
         for a in reversed(program):
-            self.ahead.append(following if a.kind in (K.F, K.B) else None)
+            self.ahead.append(following if a.kind.is_compute else None)
             if a.kind in (K.RECV_F, K.RECV_B):
                 following = a
         self.ahead.reverse()

@@ -42,7 +42,7 @@ __all__ = ["PipelineExecutor"]
 
 K = ActionKind
 _FORWARD = (K.RECV_F, K.F, K.SEND_F)
-_BACKWARD = (K.RECV_B, K.B, K.SEND_B)
+_BACKWARD = (K.RECV_B, K.B, K.SEND_B, K.W)
 
 
 class PipelineExecutor:

@@ -35,13 +35,17 @@ class StageRunner:
         self.device = torch.device(device)
         self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
         self._in_flight: dict[Any, tuple[list[Any], tuple[Any, ...], list[torch.Tensor]]] = {}
+        # split backwards (zero-bubble): micro-batch -> the roots of its backward and their
+        # gradients, whose graph (and so activations) is kept until its weight gradient
+        self._awaiting_weights: dict[Any, tuple[list[torch.Tensor], list[Any]]] = {}
         self.peak_in_flight = 0  # most micro-batches held at once so far
         self.policy: WeightPolicy | None = None  # asynchronous schedules: which weights to use
 
     @property
     def in_flight(self) -> int:
-        """Micro-batches whose forward ran and whose backward has not."""
-        return len(self._in_flight)
+        """Micro-batches whose forward ran and whose backward (its weight gradient, where
+        split off) has not."""
+        return len(self._in_flight) + len(self._awaiting_weights)
 
     def forward(self, key: MicroBatchKey, values: Mapping[str, Any]) -> dict[str, Any]:
         """Run the stage on `values` (its inputs by name). Returns its outputs by name, and its
@@ -60,7 +64,7 @@ class StageRunner:
                 outputs = self.stage.module(*inputs)
         if training:
             self._in_flight[key] = (inputs, outputs, [])
-            self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return {**dict(zip(self.io.inputs, inputs)), **dict(zip(self.io.outputs, outputs))}
 
     def add_root(self, key: MicroBatchKey, tensor: torch.Tensor) -> None:
@@ -68,12 +72,16 @@ class StageRunner:
         self._in_flight[key][2].append(tensor)
 
     def backward(self, key: MicroBatchKey, grads: Mapping[str, torch.Tensor | None],
-                 last: bool = False) -> dict[str, Any]:
+                 last: bool = False, split: bool = False) -> dict[str, Any]:
         """Backpropagate the gradients of the stage's outputs (and of any roots added);
         accumulate parameter gradients; return the gradients of the stage's inputs by name.
         A gradient given for an input name (an input that is also a model output) is added.
         `last`: this is the stage's last backward of the mini-batch (its hook callbacks read
-        `hook.finishing`, e.g. to start the gradient all-reduce)."""
+        `hook.finishing`, e.g. to start the gradient all-reduce).
+
+        `split` (zero-bubble schedules): compute the inputs' gradients only, keeping the graph
+        and the micro-batch's activations for `weight_backward`, which accumulates the
+        parameters' gradients later and fires the hook then."""
         inputs, outputs, roots = self._in_flight.pop(key)
         tensors = list(roots)
         grad_tensors: list[torch.Tensor | None] = [None] * len(roots)
@@ -82,23 +90,45 @@ class StageRunner:
             if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
                 tensors.append(output)
                 grad_tensors.append(grad)
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
-        if self.policy is not None:
-            self.policy.after_backward(key)
-        self.hook.finishing = last
-        self.hook.fire()
+        leaves = [(name, leaf) for name, leaf in zip(self.io.inputs, inputs)
+                  if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if split:
+            found = [None] * len(leaves)
+            if tensors and leaves:  # the weights' part of the graph stays for weight_backward
+                found = torch.autograd.grad(tensors, [leaf for _, leaf in leaves], grad_tensors,
+                                            retain_graph=True, allow_unused=True)
+            self._awaiting_weights[key] = (tensors, grad_tensors)
+        else:
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+            found = [leaf.grad for _, leaf in leaves]
+            self._finished(key, last)
         result = {name: grad for name, grad in grads.items()  # values it only forwarded
                   if grad is not None and name not in self.io.inputs
                   and name not in self.io.outputs}
-        for name, leaf in zip(self.io.inputs, inputs):
-            if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
-                continue
-            grad, direct = leaf.grad, grads.get(name)
+        for (name, _), grad in zip(leaves, found):
+            direct = grads.get(name)
             if direct is not None:
                 grad = direct if grad is None else grad + direct
             result[name] = grad
         return result
+
+    def weight_backward(self, key: MicroBatchKey, last: bool = False) -> None:
+        """The parameters' gradients of a micro-batch whose `backward(split=True)` ran,
+        accumulated into `.grad` as the unsplit backward does; then its activations and graph
+        are released and the hook fires (`last` as backward's)."""
+        tensors, grad_tensors = self._awaiting_weights.pop(key)
+        params = [p for p in self.stage.module.parameters() if p.requires_grad]
+        if tensors and params:
+            torch.autograd.backward(tensors, grad_tensors, inputs=params)
+        self._finished(key, last)
+
+    def _finished(self, key: MicroBatchKey, last: bool) -> None:
+        """A micro-batch's gradients are all accumulated: tell the policy, fire the hook."""
+        if self.policy is not None:
+            self.policy.after_backward(key)
+        self.hook.finishing = last
+        self.hook.fire()
 
     def step(self) -> None:
         """The stage's optimizer step, by its policy (step_many checks every stage has one)."""
@@ -106,10 +136,11 @@ class StageRunner:
 
     def discard(self, run: Any) -> None:
         """Drop the in-flight micro-batches of `run` (failed, or never to be backwarded)."""
-        for key in [key for key in self._in_flight if key.run == run]:
-            del self._in_flight[key]
-            if self.policy is not None:
-                self.policy.forget(key)
+        for held in (self._in_flight, self._awaiting_weights):
+            for key in [key for key in held if key.run == run]:
+                del held[key]
+                if self.policy is not None:
+                    self.policy.forget(key)
 
     def _leaf(self, value: Any, name: str, training: bool) -> Any:
         if not isinstance(value, torch.Tensor):

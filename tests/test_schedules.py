@@ -30,7 +30,7 @@ from fxpipe.schedules import (
     one_f_one_b,
     peak_activations,
 )
-from fxpipe.simulate import simulate
+from fxpipe.simulate import WEIGHT_SHARE, simulate
 
 K = ActionKind
 STAGES = st.integers(1, 4)
@@ -178,11 +178,13 @@ def test_one_f_one_b_warms_up_with_n_minus_s_minus_1_forwards(n: int, p: int):
 
 
 def held_activations(stage: tuple[Action, ...]) -> int:
-    held = peak = 0
-    for a in stage:
-        held += 1 if a.kind is F else -1 if a.kind is B else 0
-        peak = max(peak, held)
-    return peak
+    """Brute force: after each action, the micro-batches whose F ran and whose last gradient
+    action (W where there is one, else B) has not."""
+    where = {(a.kind, a.mb): i for i, a in enumerate(stage)}
+    spans = [(i, where.get((W, a.mb), where.get((B, a.mb), len(stage))))
+             for i, a in enumerate(stage) if a.kind is F]
+    return max((sum(start <= i < end for start, end in spans) for i in range(len(stage))),
+               default=0)
 
 
 @given(schedules())
@@ -192,6 +194,8 @@ def test_in_flight_activations_meet_the_bounds(schedule: Schedule):
     assert peak_activations(schedule) == tuple(peaks)
     if schedule.name == "gpipe":
         assert peaks == [schedule.micro_batches] * n
+    elif schedule.name == "zb-h1":  # every stage holds what 1F1B's first stage holds
+        assert peaks == [max(peak_activations(one_f_one_b(n, schedule.micro_batches)))] * n
     else:  # 1f1b and async-1f1b: at most N - s on stage s, however long the stream
         assert all(peak <= n - s for s, peak in enumerate(peaks))
         assert all(peak == min(n - s, micro_batch_count(schedule)) for s, peak in enumerate(peaks))
@@ -335,8 +339,14 @@ def test_simulated_times_respect_every_dependency(schedule: Schedule, data, seed
         for mb in range(m):
             f, b = at(Action(s, F, mb)), at(Action(s, B, mb))
             assert f.duration == pytest.approx(fwd[s, mb])
-            assert b.duration == pytest.approx(bwd[s, mb])
             assert b.start >= f.end
+            if Action(s, W, mb) in schedule.actions[s]:  # split: half the backward each
+                w = at(Action(s, W, mb))
+                assert b.duration == pytest.approx(bwd[s, mb] * (1 - WEIGHT_SHARE))
+                assert w.duration == pytest.approx(bwd[s, mb] * WEIGHT_SHARE)
+                assert w.start >= b.end
+            else:
+                assert b.duration == pytest.approx(bwd[s, mb])
             for src, dst in edges:
                 if dst == s:  # activations from every producer, plus the link time
                     link = cf[src] if links else 0.0
@@ -359,7 +369,7 @@ def test_gpipe_simulation_equals_the_closed_form(n: int, p: int, seed: int):
     assert timeline.bubble == pytest.approx(expected.bubble, rel=1e-9, abs=1e-12)
 
 
-@given(schedules(), st.floats(0.1, 10), st.floats(0.1, 10))
+@given(schedules(("gpipe", "1f1b", "async-1f1b")), st.floats(0.1, 10), st.floats(0.1, 10))
 def test_balanced_bubble_is_n_minus_1_over_p_plus_n_minus_1(schedule: Schedule, f, b):
     n, m = schedule.stages, micro_batch_count(schedule)
     timeline = simulate(schedule, f, b)
@@ -514,7 +524,7 @@ def test_an_overhead_lengthens_every_action_of_its_kind_on_its_stage(schedule: S
     gets faster for time added, and the busy time grows by the computes' overheads."""
     n, m = schedule.stages, micro_batch_count(schedule)
     fwd, bwd = random_times(seed, (n, m)), random_times(seed + 1, (n, m))
-    kinds = [K.F, K.B, K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B]
+    kinds = [K.F, K.B, K.W, K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B]
     table = data.draw(st.dictionaries(
         st.tuples(st.integers(0, n - 1), st.sampled_from(kinds)), st.floats(0.0, 1.0),
         max_size=8))
@@ -522,8 +532,8 @@ def test_an_overhead_lengthens_every_action_of_its_kind_on_its_stage(schedule: S
     slower = simulate(schedule, fwd, bwd, 0.5, 0.5, overhead=table)
     for e in slower.events:
         extra = table.get((e.stage, e.action.kind), 0.0)
-        if e.action.kind in (K.F, K.B):
-            times = fwd if e.action.kind is K.F else bwd
+        if e.action.kind.is_compute:
+            times = fwd if e.action.kind is K.F else bwd * _share(schedule, e.action)
             assert e.duration == pytest.approx(times[e.stage, e.action.mb] + extra)
         elif e.action.kind.is_send:
             assert e.duration == pytest.approx(extra)
@@ -532,8 +542,17 @@ def test_an_overhead_lengthens_every_action_of_its_kind_on_its_stage(schedule: S
             assert e.end >= slower.transfers[[t.action for t in slower.transfers].index(
                 e.action.partner)].end - 1e-9
     assert slower.makespan >= plain.makespan - 1e-9
-    added = [sum(table.get((s, k), 0.0) for k in (K.F, K.B)) * m for s in range(n)]
+    added = [sum(table.get((s, a.kind), 0.0) for a in schedule.actions[s]
+                 if a.kind.is_compute) for s in range(n)]
     assert slower.busy == pytest.approx([b + a for b, a in zip(plain.busy, added)])
+
+
+def _share(schedule: Schedule, action: Action) -> float:
+    """The part of its micro-batch's backward a B or W takes: half each where W splits it."""
+    if action.kind is W:
+        return WEIGHT_SHARE
+    split = Action(action.stage, W, action.mb) in schedule.actions[action.stage]
+    return 1 - WEIGHT_SHARE if split else 1.0
 
 
 def test_overhead_example():

@@ -1,11 +1,12 @@
-"""Schedule generators: compute-only per-stage action lists for GPipe, 1F1B and async 1F1B."""
+"""Schedule generators: compute-only per-stage action lists (GPipe, 1F1B, async 1F1B, ZB-H1)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
 
-from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, _positive
+from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, W, _positive
+from fxpipe.schedules.zero_bubble import zb_h1
 
 __all__ = ["SCHEDULES", "async_one_f_one_b", "build", "device_peak_activations", "forwards_first",
            "gpipe", "one_f_one_b", "peak_activations"]
@@ -56,6 +57,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "async-1f1b": async_one_f_one_b,
+    "zb-h1": zb_h1,
 }
 
 
@@ -83,14 +85,18 @@ def device_peak_activations(schedule: Schedule) -> tuple[int, ...]:
 
 
 def peak_activations(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose activations are held at once (F done, B not)."""
+    """Per stage, the most micro-batches whose activations are held at once: from F to B, or
+    to W where the stage's backward of that micro-batch is split (the weight gradient needs
+    them too)."""
     return tuple(_peak(stage) for stage in schedule.actions)
 
 
 def _peak(actions: Sequence[Action]) -> int:
+    split = {(a.stage, a.mb) for a in actions if a.kind is W}  # a device's program: stages
     held = peak = 0
     for a in actions:
-        held += (a.kind is F) - (a.kind is B)
+        done = a.kind is W or (a.kind is B and (a.stage, a.mb) not in split)
+        held += (a.kind is F) - done
         peak = max(peak, held)
     return peak
 

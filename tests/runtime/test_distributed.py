@@ -70,7 +70,7 @@ def _check_binding(ranks_threads) -> None:
 @pytest.mark.parametrize("ranks, scenarios", [
     (2, ["skipnet:2:gpipe:3", "skipnet:2:1f1b:3", "gpt:2:1f1b:2", "skipnet:2:async-none:2",
          "skipnet:2:async-stash:2", "skipnet:2:async-2bw:2", "skipnet:2:async-predict:2",
-         "gpt-meta:2:1f1b:2"]),
+         "gpt-meta:2:1f1b:2", "gpt:2:zb-h1:3"]),
     (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4", "skipnet:4:async-stash:1", "skipnet-meta:4:gpipe:3",
          "repeated:4:1f1b:3"]),  # a weight three ranks hold: all-reduced, not swapped
 ], ids=["2-ranks", "4-ranks"])

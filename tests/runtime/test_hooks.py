@@ -117,7 +117,7 @@ def test_a_parameter_without_a_gradient_is_reduced_as_zeros(mode, launched, monk
 
 @settings(max_examples=20)
 @given(stages=st.integers(1, 4), micro_batches=st.integers(1, 5),
-       schedule=st.sampled_from(["gpipe", "1f1b"]), groups=st.integers(1, 3),
+       schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), groups=st.integers(1, 3),
        mode=st.sampled_from(["delayed", "naive"]))
 def test_the_delayed_all_reduce_is_each_stages_last_action(stages, micro_batches, schedule,
                                                            groups, mode):
@@ -136,7 +136,7 @@ def test_the_delayed_all_reduce_is_each_stages_last_action(stages, micro_batches
         kinds = [a.kind for a in stage]
         assert K.STEP not in kinds
         assert kinds.count(K.ALLREDUCE) == delayed
-        if delayed:  # after every B and SEND_B of the stage
+        if delayed:  # after every B, W and SEND_B of the stage
             assert kinds[-1] is K.ALLREDUCE and K.B in kinds
     assert c.forward_schedule is c.schedule
 
@@ -151,7 +151,7 @@ class _Reducing(Coordinator):
         self.log.append(("allreduce", stage))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_the_runtime_starts_each_stages_all_reduce_after_its_last_gradient_sent(schedule):
     """The driver routes each stage's ALLREDUCE action to the coordinator once, after the
     stage's every B and gradient send (a worker thread per stage: each stage's entries in the
@@ -173,10 +173,16 @@ def test_the_runtime_starts_each_stages_all_reduce_after_its_last_gradient_sent(
         return send(src, dst, direction, key, values)
 
     executor.transport.send = logged
+    for runner in executor.runners.values():  # a split backward's weight gradients
+        def weights(key, last=False, real=runner.weight_backward, stage=runner.index):
+            log.append(("W", stage))
+            return real(key, last)
+        runner.weight_backward = weights
     pipe.step(x, y)
     for stage in range(3):
         mine = [kind for kind, s in log if s == stage]
         assert mine.count("allreduce") == 1
         assert mine.index("allreduce") > max((i for i, kind in enumerate(mine)
-                                              if kind == "send B"), default=-1)
+                                              if kind in ("send B", "W")), default=-1)
+        assert mine.count("W") == 3 * (schedule == "zb-h1")
         assert ("send B" in mine) == (stage > 0)

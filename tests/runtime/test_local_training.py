@@ -228,7 +228,8 @@ def test_batchnorm_uses_per_micro_batch_statistics():
 
 
 @pytest.mark.parametrize("schedule, bound", [("gpipe", lambda n, s, p: p),
-                                             ("1f1b", lambda n, s, p: min(n - s, p))])
+                                             ("1f1b", lambda n, s, p: min(n - s, p)),
+                                             ("zb-h1", lambda n, s, p: min(n, p))])
 def test_in_flight_activations_meet_the_schedule_bound(schedule, bound):
     n, p = 4, 6
     model = Net(depth=6).double()
