@@ -10,6 +10,7 @@ from fxpipe.schedules.actions import (
     ScheduleError,
     W,
 )
+from fxpipe.schedules.csv_form import load_csv, save_csv
 from fxpipe.schedules.generators import (
     SCHEDULES,
     async_one_f_one_b,
@@ -24,5 +25,6 @@ from fxpipe.schedules.lowering import add_communication, add_step, chain, check_
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F", "Schedule", "ScheduleError",
     "W", "add_communication", "add_step", "async_one_f_one_b", "build", "chain",
-    "check_communication", "forwards_first", "gpipe", "lower", "one_f_one_b", "peak_activations",
+    "check_communication", "forwards_first", "gpipe", "load_csv", "lower", "one_f_one_b",
+    "peak_activations", "save_csv",
 ]
