@@ -349,8 +349,12 @@ class Plan:
             raise PlanError(f"{str(path)!r} sets {unknown}, which this fxpipe's Plan does not "
                             "have; remove them from the file.")
         if isinstance(data.get("schedule"), dict):  # your own schedule, as to_dict wrote it
-            data["schedule"] = Schedule.from_lists(data["schedule"]["actions"],
-                                                   data["schedule"]["name"])
+            try:
+                data["schedule"] = Schedule.from_lists(data["schedule"]["actions"],
+                                                       data["schedule"]["name"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise PlanError(f"{str(path)!r} holds a schedule fxpipe cannot read ({e}); "
+                                "save the plan again with Plan.save.") from e
         if isinstance(data.get("link"), list):
             data["link"] = tuple(data["link"])
         return cls(**{**data, **overrides})
