@@ -75,8 +75,11 @@ class Plan:
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
         self._check_partitioner()
-        if isinstance(self.schedule, str) and not self.schedule.endswith(".csv"):
-            _choice("schedule", self.schedule, SCHEDULES)
+        if (isinstance(self.schedule, str) and self.schedule not in SCHEDULES
+                and not self.schedule.endswith(".csv")):
+            raise PlanError(f"Plan(schedule={self.schedule!r}) is not known; choose one of "
+                            f"{', '.join(map(repr, SCHEDULES))}, or give your own: a "
+                            "fxpipe.schedules.Schedule or a .csv file (docs/schedules.md).")
         if self.micro_batches not in (None, "auto"):
             _positive_int("micro_batches", self.micro_batches)
         self._check_micro_batch_choice()

@@ -110,6 +110,8 @@ def _assert_trains_like_the_model(model: nn.Module, plan: Plan, x: torch.Tensor,
                                   y: torch.Tensor) -> None:
     loss, grads = _plain(model, x, y)
     pipe = fxpipe.compile(model, plan, (x,), cache=False)
+    with torch.no_grad():  # the forward alone runs the schedule's forward actions
+        torch.testing.assert_close(pipe(x), model(x))
     model.zero_grad(set_to_none=True)
     torch.testing.assert_close(pipe.step(x, y), loss)
     for param, grad in zip(model.parameters(), grads):
@@ -234,7 +236,9 @@ def test_a_schedule_stepping_the_optimizer_itself_is_refused() -> None:
 def test_unreadable_schedules_are_refused(tmp_path) -> None:
     with pytest.raises(PlanError, match=r"there is no schedule file .*nowhere.csv"):
         Plan(stages=2, schedule=str(tmp_path / "nowhere.csv"))
-    with pytest.raises(PlanError, match=r"is not known"):
+    with pytest.raises(PlanError, match=r"'zigzag'\) is not known; choose one of 'gpipe', "
+                       r"'1f1b', 'async-1f1b', or give your own: a fxpipe.schedules.Schedule or "
+                       r"a .csv file"):
         Plan(stages=2, schedule="zigzag")
     with pytest.raises(PlanError, match=r"not int"):
         Plan(stages=2, schedule=3)
