@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from fxpipe.schedules import Schedule, peak_activations
+
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
            "step_times"]
 
@@ -192,7 +194,7 @@ class Partition:
         p: int = 1,
         partitioner: str = "given",
         *,
-        schedule: str = "gpipe",
+        schedule: str | Schedule = "gpipe",
         optimizer_slots: float = 2.0,
     ) -> Partition:
         """Score `bounds` with the closed-form model of ALGORITHMS §1.
@@ -200,7 +202,8 @@ class Partition:
         The memory estimate per stage counts weights, gradients and `optimizer_slots` more
         copies (2: Adam's moments), plus the activations of the micro-batches in flight (p for
         gpipe, at most N − s on stage s for the 1F1B schedules, at most N on every stage for
-        zb-h1, which holds them until their deferred weight gradient).
+        zb-h1, which holds them until their deferred weight gradient, the most a user's
+        `Schedule` holds at once on each stage).
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
@@ -209,7 +212,8 @@ class Partition:
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
-            in_flight = (p if schedule == "gpipe" else min(len(bounds), p)
+            in_flight = (peak_activations(schedule)[s] if isinstance(schedule, Schedule)
+                         else p if schedule == "gpipe" else min(len(bounds), p)
                          if schedule == "zb-h1" else min(len(bounds) - s, p))
             weights = float(cost.param_bytes[start:end].sum()) * (2 + optimizer_slots)
             stages.append(StageCost(

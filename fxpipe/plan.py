@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from fxpipe.errors import PlanError
+from fxpipe.schedules.actions import ActionKind, Schedule, ScheduleError
+from fxpipe.schedules.user import check_user_schedule, read_user_schedule
 
 __all__ = ["CONSISTENCY_POLICIES", "COSTS", "DP_SYNCS", "PARTITIONERS", "SCHEDULES", "TRACERS",
            "Plan"]
@@ -48,7 +50,7 @@ class Plan:
 
     stages: int
     partitioner: str | Sequence[int] | None = None  # balanced; ampa with groups; even sans costs
-    schedule: str = "gpipe"
+    schedule: str | Schedule | os.PathLike = "gpipe"  # a name, or your own (a .csv path)
     micro_batches: int | str | None = None  # None: one per stage (up to the batch), at compile
     devices: Sequence[str] | None = None
     groups: int = 1
@@ -73,10 +75,16 @@ class Plan:
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
         self._check_partitioner()
-        _choice("schedule", self.schedule, SCHEDULES)
+        if (isinstance(self.schedule, str) and self.schedule not in SCHEDULES
+                and not self.schedule.endswith(".csv")):
+            raise PlanError(f"Plan(schedule={self.schedule!r}) is not known; choose one of "
+                            f"{', '.join(map(repr, SCHEDULES))}, or give your own: a "
+                            "fxpipe.schedules.Schedule or a .csv file (docs/schedules.md).")
         if self.micro_batches not in (None, "auto"):
             _positive_int("micro_batches", self.micro_batches)
         self._check_micro_batch_choice()
+        if not isinstance(self.schedule, str) or self.schedule.endswith(".csv"):
+            self._check_user_schedule()
         if self.devices is not None:
             self._check_devices()
         _positive_int("groups", self.groups)
@@ -89,7 +97,8 @@ class Plan:
         if self.consistency != "none" and self.schedule != "async-1f1b":
             raise PlanError(
                 f"Plan(consistency={self.consistency!r}) only applies to asynchronous pipelines; "
-                f"use schedule='async-1f1b' or drop consistency (schedule is {self.schedule!r})."
+                f"use schedule='async-1f1b' or drop consistency (schedule is "
+                f"{self.schedule_name!r})."
             )
         _choice("dp_sync", self.dp_sync, DP_SYNCS)
         if self.loss_fn is not None and not callable(self.loss_fn):
@@ -152,6 +161,43 @@ class Plan:
                 "Plan(micro_batches='auto') chooses the count from measured times, but "
                 "costs='none' measures nothing; give micro_batches=N or use costs='measure'."
             )
+
+    def _check_user_schedule(self) -> None:
+        """Your own schedule (a Schedule, or a PyTorch pipelining CSV file): read, and checked
+        to match the plan, to train every micro-batch once and never to hang, before any work.
+        The model's skip edges are checked at compile, once the stages are known."""
+        try:
+            schedule = read_user_schedule(self.schedule)
+        except ScheduleError as error:
+            raise PlanError(f"Plan(schedule={str(self.schedule)!r}): {error}.") from error
+        given, p = f"Plan(schedule={schedule.name!r})", schedule.micro_batches
+        if schedule.stages != self.stages:
+            raise PlanError(f"{given} has {schedule.stages} stages (one action list each) but "
+                            f"Plan(stages={self.stages}); give stages={schedule.stages} or a "
+                            f"schedule of {self.stages} stages.")
+        if self.micro_batches == "auto":
+            raise PlanError(f"{given} fixes the micro-batch count at {p}, so it cannot be "
+                            "chosen (micro_batches='auto', or partitioner='csimd'); drop "
+                            "micro_batches and use another partitioner.")
+        if self.micro_batches is not None and self.micro_batches != p:
+            raise PlanError(f"{given} runs {p} micro-batches but Plan(micro_batches="
+                            f"{self.micro_batches}); drop micro_batches (the schedule sets it) "
+                            f"or give micro_batches={p}.")
+        try:
+            check_user_schedule(schedule)
+        except ScheduleError as error:
+            raise PlanError(f"{given} cannot run: {error}.") from error
+        reduces = any(a.kind is ActionKind.ALLREDUCE for st in schedule.actions for a in st)
+        if reduces and self.groups > 1 and self.dp_sync == "naive":
+            raise PlanError(f"{given} all-reduces gradients inside the run (ALLREDUCE), but "
+                            "Plan(dp_sync='naive') all-reduces them after it, a second time; "
+                            "use dp_sync='delayed' or drop the ALLREDUCE actions.")
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "micro_batches", p)
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule if isinstance(self.schedule, str) else self.schedule.name
 
     def _check_intra_layer(self) -> None:
         """`intra_layer=n`: split each Conv/Linear layer above 30% of its stage's time into n
@@ -270,6 +316,9 @@ class Plan:
             if isinstance(data[name], tuple):
                 data[name] = list(data[name])
         data["concrete_args"] = dict(self.concrete_args) if self.concrete_args else None
+        if isinstance(self.schedule, Schedule):  # its actions, in their compact form
+            data["schedule"] = {"name": self.schedule.name, "actions": [
+                [str(a) for a in stage] for stage in self.schedule.actions]}
         return data
 
     def save(self, path: str | os.PathLike, **extra: Any) -> None:
@@ -302,6 +351,13 @@ class Plan:
         if unknown:
             raise PlanError(f"{str(path)!r} sets {unknown}, which this fxpipe's Plan does not "
                             "have; remove them from the file.")
+        if isinstance(data.get("schedule"), dict):  # your own schedule, as to_dict wrote it
+            try:
+                data["schedule"] = Schedule.from_lists(data["schedule"]["actions"],
+                                                       data["schedule"]["name"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise PlanError(f"{str(path)!r} holds a schedule fxpipe cannot read ({e}); "
+                                "save the plan again with Plan.save.") from e
         if isinstance(data.get("link"), list):
             data["link"] = tuple(data["link"])
         return cls(**{**data, **overrides})

@@ -46,7 +46,8 @@ from fxpipe.passes.analysis.profile import (
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import Plan
-from fxpipe.schedules import ActionKind, add_step, lower
+from fxpipe.schedules import ActionKind, Schedule, ScheduleError, add_step, lower
+from fxpipe.schedules.user import lower_user_schedule
 from fxpipe.trace import trace
 from fxpipe.units import cut_units, unit_parameters
 
@@ -214,7 +215,14 @@ def schedule(c: Compilation) -> None:
     """The plan's schedule for the stage edges, with its sends and receives, checked to run."""
     n, p = c.plan.stages, c.partition.micro_batches
     edges = sorted({(e.src, e.dst) for e in c.comm.edges})
-    c.schedule = lower(c.plan.schedule, n, p, edges)
+    if isinstance(c.plan.schedule, Schedule):  # the user's, checked by Plan on a chain
+        try:
+            c.schedule = lower_user_schedule(c.plan.schedule, edges)
+        except ScheduleError as error:
+            raise PlanError(f"Plan(schedule={c.plan.schedule_name!r}) cannot run on this "
+                            f"model's stages: {error}.") from error
+    else:
+        c.schedule = lower(c.plan.schedule, n, p, edges)
     if _delayed_allreduce(c.plan):  # after the stage's last action, its last gradient sent
         # back included, so no stage waits for its launch; the optimizer step stays the user's
         c.schedule = add_step(c.schedule, allreduce=True, step=False)
@@ -293,7 +301,11 @@ def _schedule_made(c: Compilation) -> None:
         ensure(schedule.micro_batches == c.partition.micro_batches, "the partition's micro-batches")
         ensure(schedule.lowered or not c.comm.edges, "sends and receives in the lists")
     reduces = [[a.kind for a in stage].count(ActionKind.ALLREDUCE) for stage in c.schedule.actions]
-    ensure(reduces == [int(_delayed_allreduce(c.plan))] * c.plan.stages,
+    given = (c.plan.schedule.actions if isinstance(c.plan.schedule, Schedule)
+             else [()] * c.plan.stages)  # a user's own ALLREDUCE stays (one group: a no-op)
+    ensure(reduces == [max(int(_delayed_allreduce(c.plan)),
+                           [a.kind for a in stage].count(ActionKind.ALLREDUCE))
+                       for stage in given],
            "an ALLREDUCE a stage exactly where the groups' all-reduce is delayed")
 
 

@@ -10,6 +10,7 @@ from fxpipe.schedules.actions import (
     ScheduleError,
     W,
 )
+from fxpipe.schedules.csv_form import load_csv, save_csv
 from fxpipe.schedules.generators import (
     SCHEDULES,
     async_one_f_one_b,
@@ -35,6 +36,6 @@ __all__ = [
     "SCHEDULES", "VIRTUAL_SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
     "Schedule", "ScheduleError", "W", "add_communication", "add_step", "async_one_f_one_b",
     "build", "chain", "check_communication", "device_peak_activations", "forwards_first", "gpipe",
-    "interleaved_one_f_one_b", "looped_bfs", "lower", "one_f_one_b", "peak_activations",
-    "round_robin", "v_shape", "zb_h1", "zbv",
+    "interleaved_one_f_one_b", "load_csv", "looped_bfs", "lower", "one_f_one_b", "peak_activations",
+    "round_robin", "save_csv", "v_shape", "zb_h1", "zbv",
 ]

@@ -184,8 +184,38 @@ def _run_messages(schedule: Schedule) -> None:
     if waiting:
         waits = "; ".join(f"{unit} {d} waits at {a} (action {pc[d]}) for {a.partner}"
                           for d, a in waiting)
-        raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}. Reorder the lists so "
-                            "every receive is met by a send its peer reaches first")
+        explained = (_explain_deadlock(schedule, pc) if schedule.placement is None else
+                     "Reorder the lists so every receive is met by a send its peer reaches first")
+        raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}. {explained}")
+
+
+def _explain_deadlock(schedule: Schedule, pc: list[int]) -> str:
+    """The first stuck compute, the chain of waits that holds it, and the reorderings that
+    would each break the cycle, in the terms of the compute actions a user writes."""
+    stuck = {s: stage[pc[s]] for s, stage in enumerate(schedule.actions) if pc[s] < len(stage)}
+    s = min(stuck)
+    chain, seen = [], []
+    while s not in seen:  # every stuck receive's send lies ahead on a stuck peer
+        seen.append(s)
+        recv = stuck[s]
+        send = recv.partner
+        peer = schedule.actions[send.stage]
+        after = Action(send.stage, _SERVES[send.kind], send.mb)
+        if peer.index(after) < pc[send.stage]:  # its compute ran: the send itself comes late
+            after = send
+        chain.append((s, Action(s, _SERVES[recv.kind], recv.mb), recv, send, after))
+        s = send.stage
+    parts = []
+    for i, (t, blocked, _, send, after) in enumerate(chain):
+        where = f"{blocked} on stage {t}" if i == 0 else f"stage {t} is stuck earlier at {blocked}"
+        parts.append(f"{where}: it needs {send}, which stage {send.stage} sends only "
+                     + ("later" if after == send else f"after {after}"))
+    held = {t: blocked for t, blocked, *_ in chain}
+    fixes = ", or ".join(f"on stage {after.stage} run {after} before {held[after.stage]}"
+                         for *_, after in chain[seen.index(s):])
+    return (f"The first action that cannot proceed is {', but '.join(parts)}, behind "
+            f"{held[s]}. Fix: {fixes} (every receive must be met by a send its peer reaches "
+            "first)")
 
 
 def lower(name: str, stages: int, micro_batches: int, edges: Iterable[tuple[int, int]],

@@ -1,0 +1,141 @@
+"""Schedules as PyTorch pipelining's CSV: one row per rank (here, per stage) of action strings."""
+
+from __future__ import annotations
+
+import csv
+import os
+import pathlib
+import re
+from collections.abc import Sequence
+
+from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, ScheduleError, W
+
+__all__ = ["from_pytorch", "load_csv", "save_csv", "to_pytorch"]
+
+K = ActionKind
+# PyTorch's `_Action` repr: <stage><type>[<mb>], with its computation types' short names.
+# Its SEND_F/RECV_B talk to stage + 1, SEND_B/RECV_F to stage - 1; its B is the full backward
+# (fxpipe's B without a W), I the input gradient alone (fxpipe's B where a W follows), and
+# REDUCE_GRAD the stage's gradient reduction over data-parallel replicas (fxpipe's ALLREDUCE).
+_PATTERN = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)"
+                      r"(\d*)")
+_COMM = {K.SEND_F: ("SEND_F", 1), K.RECV_F: ("RECV_F", -1), K.SEND_B: ("SEND_B", -1),
+         K.RECV_B: ("RECV_B", 1)}
+_BY_NAME = {name: (kind, step) for kind, (name, step) in _COMM.items()}
+_FSDP = ("UNSHARD", "RESHARD")
+
+
+def to_pytorch(action: Action, split: bool = False) -> str:
+    """PyTorch's string for `action`; `split`: a W of the same micro-batch follows this B on its
+    stage, so it computes the input gradient alone (PyTorch's I)."""
+    s, kind, mb = action.stage, action.kind, action.mb
+    if kind in (F, B, W):
+        code = "I" if kind is B and split else kind.value
+        return f"{s}{code}{mb}"
+    if kind in _COMM:
+        name, step = _COMM[kind]
+        if action.peer != s + step:
+            raise ScheduleError(
+                f"{action} talks to stage {action.peer}, but PyTorch's {name} only reaches stage "
+                f"{s + step} (its stages form a chain); save the compute-only schedule and let "
+                "fxpipe add the skip edges' messages when it compiles")
+        return f"{s}{name}{mb}"
+    if kind is K.ALLREDUCE and mb is None:
+        return f"{s}REDUCE_GRAD"
+    raise ScheduleError(f"{action} has no counterpart in PyTorch's schedule CSV (it has no "
+                        "optimizer step, and one mini-batch per schedule); save a flushed "
+                        "schedule without STEP actions")
+
+
+def from_pytorch(text: str, stage: int | None = None) -> Action | None:
+    """The fxpipe action a PyTorch action string names (None for an empty cell, a bubble).
+    A PyTorch I (input gradient alone) becomes fxpipe's B, which it is when a W follows."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.startswith("("):
+        raise ScheduleError(f"{text!r} overlaps several actions (PyTorch's OVERLAP_F_B), which "
+                            "fxpipe does not run; list its sub-actions one by one")
+    match = _PATTERN.fullmatch(text)
+    if match is None:
+        raise ScheduleError(f"cannot read {text!r} as a PyTorch action: expected "
+                            "<stage><F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD>[<mb>], "
+                            "e.g. 1F0, 0SEND_F3")
+    s, name, mb = int(match[1]), match[2], int(match[3]) if match[3] else None
+    if stage is not None and s != stage:
+        raise ScheduleError(
+            f"{text!r} is on row {stage} but names stage {s}: PyTorch's looped and interleaved "
+            "schedules put several stages on a rank, fxpipe runs one stage per rank (row i "
+            "holds stage i's actions)")
+    if name in _FSDP:
+        raise ScheduleError(f"{text!r} is an FSDP parameter {name.lower()}, which fxpipe does "
+                            "not shard; remove the UNSHARD/RESHARD actions")
+    if name == "REDUCE_GRAD":
+        return Action(s, K.ALLREDUCE, mb)
+    if mb is None:
+        raise ScheduleError(f"{text!r} needs a micro-batch index, e.g. {s}{name}0")
+    if name in _BY_NAME:
+        kind, step = _BY_NAME[name]
+        if s + step < 0:
+            raise ScheduleError(f"{text!r}: stage {s} has no stage {s + step} to talk to")
+        return Action(s, kind, mb, s + step)
+    return Action(s, B if name == "I" else ActionKind(name), mb)
+
+
+def save_csv(schedule: Schedule, path: str | os.PathLike) -> None:
+    """Write `schedule` as PyTorch's pipelining reads it (`_load_csv`): row s lists stage s's
+    actions as PyTorch's `_Action` strings, comma-separated."""
+    if schedule.minibatches != 1:
+        raise ScheduleError(f"schedule {schedule.name!r} streams {schedule.minibatches} "
+                            "mini-batches; PyTorch's CSV holds one flushed mini-batch")
+    rows = []
+    for stage in schedule.actions:
+        weighed = {a.mb for a in stage if a.kind is W}
+        rows.append([to_pytorch(a, a.kind is B and a.mb in weighed) for a in stage])
+    with open(path, "w", newline="") as file:
+        csv.writer(file).writerows(rows)
+
+
+def load_csv(path: str | os.PathLike, name: str | None = None,
+             micro_batches: int | None = None) -> Schedule:
+    """The schedule in a PyTorch pipelining CSV (save_csv's, or PyTorch's `_dump_csv`): row s
+    is stage s's actions; empty cells (PyTorch's bubbles) are skipped. `name` defaults to the
+    file's stem, `micro_batches` to one more than the largest micro-batch index."""
+    path = pathlib.Path(path)
+    try:
+        with open(path, newline="") as file:
+            rows = list(csv.reader(file))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise ScheduleError(f"cannot read a schedule from {str(path)!r}: {error}") from error
+    if not rows:
+        raise ScheduleError(f"{str(path)!r} holds no rows; write one row of actions per stage")
+    lists = []
+    for s, row in enumerate(rows):
+        try:
+            lists.append([a for a in (from_pytorch(cell, s) for cell in row) if a is not None])
+        except ScheduleError as error:
+            raise ScheduleError(f"{str(path)!r}, row {s}: {error}") from None
+    for s, row in enumerate(rows):
+        _check_split_backwards(path, s, row)
+    try:
+        return Schedule.from_lists(lists, name or path.stem, micro_batches)
+    except ValueError as error:
+        raise ScheduleError(f"{str(path)!r}: {error}") from None
+
+
+def _check_split_backwards(path: pathlib.Path, s: int, row: Sequence[str]) -> None:
+    """A PyTorch I must have its W on the stage, and a full B must not (its weight gradient
+    would be computed twice)."""
+    codes: dict[str, set[int]] = {"I": set(), "B": set(), "W": set()}
+    for cell in row:
+        match = _PATTERN.fullmatch(cell.strip())
+        if match and match[2] in codes and match[3]:
+            codes[match[2]].add(int(match[3]))
+    for mb in sorted(codes["I"] - codes["W"]):
+        raise ScheduleError(f"{str(path)!r}, row {s}: {s}I{mb} computes micro-batch {mb}'s "
+                            f"input gradient alone, but no {s}W{mb} computes its weight "
+                            f"gradient; add {s}W{mb}, or write {s}B{mb} (the full backward)")
+    for mb in sorted(codes["B"] & codes["W"]):
+        raise ScheduleError(f"{str(path)!r}, row {s}: {s}B{mb} is a full backward, which "
+                            f"computes the weight gradient {s}W{mb} computes again; write "
+                            f"{s}I{mb} (the input gradient alone) instead of {s}B{mb}")
