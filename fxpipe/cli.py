@@ -24,12 +24,14 @@ from fxpipe.bench import (
 )
 from fxpipe.calibrate import calibrate
 from fxpipe.compiler import compare_partitioners, compile
+from fxpipe.compiler.partitioning import compare_schedules
 from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.loading import bench_build, bundled_model, factory, load_model
 from fxpipe.models import MODELS
-from fxpipe.plan import PARTITIONERS, Plan
+from fxpipe.plan import PARTITIONERS, SCHEDULES, Plan
+from fxpipe.schedules import build, peak_activations
 
 __all__ = ["at_least_one", "main"]
 
@@ -107,6 +109,7 @@ def dist_rank() -> int:
 def _plan(args: argparse.Namespace) -> None:
     if args.json:
         check_output_path("--json", args.json)
+    schedules = _compared_schedules(args)
     model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
@@ -116,6 +119,9 @@ def _plan(args: argparse.Namespace) -> None:
     if args.compare:
         print()
         print(_comparison(pipe))
+    if schedules:
+        print()
+        print(_schedule_comparison(pipe, schedules))
     if args.json:
         chosen = dataclasses.replace(plan, partitioner=list(pipe.partition.sizes),
                                      micro_batches=pipe.partition.micro_batches)
@@ -223,6 +229,36 @@ def _comparison(pipe) -> str:
               "slowest stage ms", "max memory"]
     return ("partitioners compared (same cost table; p: micro-batches, csimd chooses its own):\n"
             + format_table(header, rows))
+
+
+def _compared_schedules(args: argparse.Namespace) -> list[str]:
+    """--schedules, checked before any work: known names, and only with --compare."""
+    if args.schedules is None:
+        return []
+    if not args.compare:
+        raise FxpipeError("--schedules compares schedules alongside the partitioners: add "
+                          "--compare.")
+    names = _comma_separated("--schedules", args.schedules)
+    unknown = [name for name in names if name not in SCHEDULES]
+    if unknown:
+        raise FxpipeError(f"--schedules: {', '.join(map(repr, unknown))} is not a schedule "
+                          f"fxpipe plans for; choose among {','.join(SCHEDULES)}.")
+    return names
+
+
+def _schedule_comparison(pipe, schedules: Sequence[str]) -> str:
+    rows = []
+    for name, part in compare_schedules(pipe, schedules).items():
+        peaks = peak_activations(build(name, len(part.stages), part.micro_batches))
+        rows.append([name, format_sizes(part.sizes), part.micro_batches,
+                     f"{part.predicted_time * 1e3:.2f}", f"{part.bubble:.0%}",
+                     "/".join(map(str, peaks)), format_bytes(max(s.memory for s in part.stages))])
+    header = ["schedule", "units per stage", "p", "simulated ms", "bubble",
+              "peak activations", "max memory"]
+    partitioner = pipe.partition.partitioner
+    return (f"schedules compared ({partitioner}'s partition for each; simulated on a chain of "
+            "stages; peak activations: micro-batches held at once per stage; async-1f1b: per "
+            "mini-batch of two streamed):\n" + format_table(header, rows))
 
 
 def _partitioner(text: str | None) -> str | list[int] | None:
@@ -344,6 +380,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
     _model_inputs(plan)
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
+    plan.add_argument("--schedules", help="with --compare, also these schedules side by side "
+                                          "for the chosen partitioner, e.g. gpipe,1f1b,zb-h1")
     plan.add_argument("--json", help="write the chosen plan to this file")
     plan.set_defaults(run=_plan)
 

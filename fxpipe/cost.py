@@ -8,10 +8,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.schedules import Schedule, peak_activations
+from fxpipe.schedules import Schedule, build, peak_activations
+from fxpipe.simulate import Timeline, simulate
 
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
-           "step_times"]
+           "simulate_stages", "step_times"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,7 @@ class Partition:
     rho_b: float
     bubble: float
     stages: tuple[StageCost, ...]
+    schedule: str = "gpipe"  # the schedule predicted_time and bubble are for
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -197,7 +199,9 @@ class Partition:
         schedule: str | Schedule = "gpipe",
         optimizer_slots: float = 2.0,
     ) -> Partition:
-        """Score `bounds` with the closed-form model of ALGORITHMS §1.
+        """Score `bounds` with the closed-form model of ALGORITHMS §1 for GPipe, which is
+        GPipe's simulated step on a chain of stages; for any other `schedule`, its step as
+        `simulate_stages` plays it (per mini-batch for async-1f1b, which streams two).
 
         The memory estimate per stage counts weights, gradients and `optimizer_slots` more
         copies (2: Adam's moments), plus the activations of the micro-batches in flight (p for
@@ -228,7 +232,25 @@ class Partition:
         time, rho_f, rho_b = _closed_form(stages, p)
         busy = p * sum(s.f + s.b for s in stages)
         bubble = 1.0 - busy / (len(stages) * time) if time > 0 else 0.0
-        return cls(bounds, p, partitioner, time, rho_f, rho_b, bubble, tuple(stages))
+        if isinstance(schedule, Schedule) or schedule != "gpipe":
+            timeline = simulate_stages(stages, p, schedule)
+            time, bubble = timeline.makespan / timeline.schedule.minibatches, timeline.bubble
+        name = schedule.name if isinstance(schedule, Schedule) else schedule
+        return cls(bounds, p, partitioner, time, rho_f, rho_b, bubble, tuple(stages), name)
+
+
+def simulate_stages(stages: Sequence[StageCost], p: int, schedule: str | Schedule,
+                    edges: Sequence[tuple[int, int]] | None = None) -> Timeline:
+    """`schedule` (a name, built for the stages and p micro-batches, or a user's) played by the
+    event simulator with each stage's per-micro-batch f and b, lowered for the stage `edges`
+    (default: the chain; a user's lowered schedule keeps its own), a message from stage s
+    taking its cut's cf or cb. Where the lists split a backward into B and W, each takes half
+    of b (`fxpipe.simulate.WEIGHT_SHARE`)."""
+    if isinstance(schedule, str):
+        schedule = build(schedule, len(stages), p)
+    return simulate(schedule, [s.f for s in stages], [s.b for s in stages],
+                    [s.cf for s in stages], [s.cb for s in stages],
+                    edges=None if schedule.lowered else edges)
 
 
 def check_bounds(bounds: Sequence[int], units: int) -> tuple[int, ...]:

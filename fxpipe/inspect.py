@@ -50,8 +50,9 @@ def format_stage_table(
     simulated: tuple[str, float] | None = None,
 ) -> str:
     """One row per stage: device, units, parameters, predicted times and memory, and what
-    crosses its boundaries; then the prediction for the whole step: GPipe's closed form, which
-    the partitioners score, and `simulated`, (schedule, seconds) from the event simulator."""
+    crosses its boundaries; then the prediction for the whole step the partitioners score
+    (GPipe's closed form, or the plan's schedule simulated on a chain of stages), and
+    `simulated`, (schedule, seconds) from the event simulator on the model's stage edges."""
     rows = []
     for s, stage in enumerate(partition.stages):
         start, end = stage.units
@@ -68,8 +69,10 @@ def format_stage_table(
     if timed:
         lines.append(
             f"fwd/bwd ms: per micro-batch; predicted step ({partition.micro_batches} "
-            f"micro-batch{'es' if partition.micro_batches != 1 else ''}, gpipe closed form, "
-            f"which the partitioners score): {format_ms(partition.predicted_time)} ms, bubble "
+            f"micro-batch{'es' if partition.micro_batches != 1 else ''}, "
+            + ("gpipe closed form" if partition.schedule == "gpipe" else
+               f"{partition.schedule} simulated on a chain of stages")
+            + f", which the partitioners score): {format_ms(partition.predicted_time)} ms, bubble "
             f"{partition.bubble:.0%}, slowest forward {format_ms(partition.rho_f)} ms, slowest "
             f"backward {format_ms(partition.rho_b)} ms"
             + (f"; {simulated[0]} as the event simulator runs it: {format_ms(simulated[1])} ms"

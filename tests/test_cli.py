@@ -196,6 +196,26 @@ def test_plan_prints_the_stage_table_compares_and_writes_json(capsys, tmp_path):
     assert Plan.load(path).sizes == (3, 3, 3)
 
 
+def test_plan_compares_schedules_for_the_chosen_partition(capsys):
+    from fxpipe.schedules import build, peak_activations
+
+    names = ["gpipe", "1f1b", "zb-h1"]
+    assert main(["plan", "fxpipe.models:MLP", "--stages", "3", "--input-shape", "32",
+                 "--batch", "8", "--micro-batches", "2", "--partitioner", "even", "--compare",
+                 "--schedules", ",".join(names)]) == 0
+    out = capsys.readouterr().out
+    closed = re.search(r"gpipe closed form, which the partitioners score\): ([0-9.]+) ms", out)
+    lines = out[out.index("schedules compared (even's partition for each"):].splitlines()
+    assert lines[1].split() == ["schedule", "units", "per", "stage", "p", "simulated", "ms",
+                                "bubble", "peak", "activations", "max", "memory"]
+    rows = [line.split() for line in lines[2:5]]
+    assert [row[0] for row in rows] == names
+    for name, row in zip(names, rows):
+        assert row[1:3] == ["3+3+3", "2"]  # even's stages at the plan's micro-batch count
+        assert row[5] == "/".join(map(str, peak_activations(build(name, 3, 2))))
+    assert rows[0][3] == closed.group(1)  # GPipe's simulated step is the closed form
+
+
 def test_plan_needs_an_input_description(capsys):
     assert main(["plan", "fxpipe.models:MLP", "--stages", "2"]) == 2
     assert "describe the model's input: --input-shape" in capsys.readouterr().err
@@ -215,6 +235,12 @@ def test_plan_needs_an_input_description(capsys):
     (["plan", "mlp", "--stages", "2", "--json", "/nonexistent/plan.json"],
      "--json /nonexistent/plan.json: there is no folder /nonexistent"),
     (["plan", ":make", "--stages", "2"], "':make' names no module: give MODULE:FACTORY"),
+    (["plan", "mlp", "--stages", "2", "--schedules", "gpipe,1f1b"],
+     "--schedules compares schedules alongside the partitioners: add --compare"),
+    (["plan", "mlp", "--stages", "2", "--compare", "--schedules", "gpipe,zb"],
+     "--schedules: 'zb' is not a schedule fxpipe plans for; choose among gpipe,1f1b,"),
+    (["plan", "mlp", "--stages", "2", "--compare", "--schedules", "gpipe,"],
+     "--schedules 'gpipe,' has an empty name"),
     (["plan", "fxpipe.models:", "--stages", "2"], "'fxpipe.models:' names no factory"),
     (["bench", "mlp", "--partitioners", "even,nope"], "Plan(partitioner='nope') is not known"),
     (["bench", "mlp", "--schedules", "gpipe,zb"], "Plan(schedule='zb') is not known"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -12,15 +13,19 @@ from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, par
 from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, Plan
+from fxpipe.schedules import Schedule
 from fxpipe.units import Unit
 
-__all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "exactly_n_stages"]
+__all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "compare_schedules",
+           "exactly_n_stages"]
 
 
 # the names Plan accepts (plan.PARTITIONERS, the same keys) and the planner each runs
 PARTITIONERS = {
     "even": even, "params": params, "balanced": balanced, "ampa": ampa, "imd": imd,
-    "csimd": lambda cost, stages, p=1: csimd(cost, stages, cost.batch, p0=p), "exact": exact,
+    "csimd": lambda cost, stages, p=1, schedule="gpipe": csimd(cost, stages, cost.batch, p0=p,
+                                                               schedule=schedule),
+    "exact": exact,
 }
 
 
@@ -32,8 +37,8 @@ def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
     for name in PARTITIONERS:
         if plan.costs == "none" and name in TIMED_PARTITIONERS:
             continue
-        if name == "csimd" and len(pipe.cost.sizes) == 1:
-            continue  # timed at one micro-batch size only: nothing to choose p from
+        if name == "csimd" and (len(pipe.cost.sizes) == 1 or isinstance(plan.schedule, Schedule)):
+            continue  # timed at one micro-batch size only, or your schedule fixes p
         results[name] = _run(name, pipe.cost, plan, pipe.partition.micro_batches)
     return results
 
@@ -41,24 +46,42 @@ def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
 def choose_partition(
     model: torch.nn.Module, plan: Plan, units: Sequence[Unit], cost: CostTable
 ) -> Partition:
+    return choose_partition_of(type(model).__name__, plan, cost)
+
+
+def choose_partition_of(model_name: str, plan: Plan, cost: CostTable) -> Partition:
+    """The plan's partition of `cost` (its sizes, else its partitioner's), scored for its
+    schedule; `model_name` names the model in a PlanError."""
     p = plan.micro_batches if isinstance(plan.micro_batches, int) else 1
     if plan.sizes is not None:  # which cover the units (checked by the units pass)
         bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
         return Partition.evaluate(cost, bounds, p, "given", schedule=plan.schedule)
-    if plan.micro_batches == "auto" and plan.partitioner != "csimd":
-        p = PARTITIONERS["csimd"](cost, plan.stages).micro_batches  # CSIMD's choice of p
+    if plan.micro_batches == "auto" and plan.partitioner != "csimd":  # CSIMD's choice of p
+        p = PARTITIONERS["csimd"](cost, plan.stages, schedule=plan.schedule).micro_batches
     try:
         return _run(plan.partitioner, cost, plan, p)
     except ValueError as error:  # the planner cannot work with this model's costs
         raise PlanError(f"Plan(partitioner={plan.partitioner!r}) cannot partition "
-                        f"{type(model).__name__}: {error}.") from error
+                        f"{model_name}: {error}.") from error
 
 
 def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
-    """Partitioner `name`'s partition into exactly the plan's stages, scored for its schedule."""
-    chosen = PARTITIONERS[name](cost, plan.stages, p)
+    """Partitioner `name`'s partition into exactly the plan's stages, scored for its schedule
+    (csimd also chooses p by it)."""
+    extra = {"schedule": plan.schedule} if name == "csimd" else {}
+    chosen = PARTITIONERS[name](cost, plan.stages, p, **extra)
     bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
     return Partition.evaluate(cost, bounds, chosen.micro_batches, name, schedule=plan.schedule)
+
+
+def compare_schedules(pipe: CompiledPipeline, schedules: Sequence[str]) -> dict[str, Partition]:
+    """The plan's partition of `pipe`'s cost table under each of `schedules` (names), each
+    chosen as compile would for a plan of that schedule (csimd and micro_batches='auto'
+    choose p by it) and scored by its simulated step. A Plan cannot take one of them (e.g.
+    async-1f1b with groups): PlanError, before any is partitioned."""
+    plans = {name: dataclasses.replace(pipe.plan, schedule=name) for name in schedules}
+    return {name: choose_partition_of(pipe.model_name, plan, pipe.cost)
+            for name, plan in plans.items()}
 
 
 def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int

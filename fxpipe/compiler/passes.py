@@ -351,7 +351,8 @@ def _show_link(c: Compilation) -> str:
 
 def _show_partition(c: Compilation) -> str:
     p = c.partition
-    time = (f", predicted {p.predicted_time * 1e3:.2f} ms (closed form)"
+    scored = "closed form" if p.schedule == "gpipe" else f"{p.schedule}, simulated"
+    time = (f", predicted {p.predicted_time * 1e3:.2f} ms ({scored})"
             if c.plan.costs != "none" else "")
     return (f"{p.partitioner}: units per stage {'+'.join(map(str, p.sizes))}, "
             f"{p.micro_batches} micro-batches{time}")

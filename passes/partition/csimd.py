@@ -9,6 +9,7 @@ from fxpipe.cost import CostTable, Partition, step_times
 from fxpipe.passes.partition.balanced import settle
 from fxpipe.passes.partition.imd import imd
 from fxpipe.passes.partition.odpa import divisors, odpa
+from fxpipe.passes.partition.scheduled import best_by_schedule, check_schedule_name
 from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["CrossSearch", "Visit", "cross_search", "csimd"]
@@ -54,12 +55,7 @@ def cross_search(
     candidate p not yet partitioned, and a better (λ, p) found there is accepted too.
     """
     check_planner_args(cost, stages, p0)
-    if candidates is None:
-        batch = cost.batch if batch is None else batch
-        if batch is None:
-            raise ValueError("csimd chooses p among the divisors of the mini-batch size: pass "
-                             "batch=..., candidates=[...], or a CostTable with batch set")
-        candidates = divisors(batch)
+    candidates = _candidates(cost, batch, candidates)
 
     def time_of(bounds: tuple[int, ...], p: int) -> float:
         return float(step_times(cost, bounds, [p])[0])
@@ -92,6 +88,17 @@ def cross_search(
     return CrossSearch(Partition.evaluate(cost, bounds, p, "csimd"), tuple(visits))
 
 
+def _candidates(cost: CostTable, batch: int | None, candidates: Sequence[int] | None
+                ) -> list[int]:
+    if candidates is not None:
+        return list(candidates)
+    batch = cost.batch if batch is None else batch
+    if batch is None:
+        raise ValueError("csimd chooses p among the divisors of the mini-batch size: pass "
+                         "batch=..., candidates=[...], or a CostTable with batch set")
+    return divisors(batch)
+
+
 def csimd(
     cost: CostTable,
     stages: int,
@@ -99,14 +106,28 @@ def csimd(
     p0: int = 1,
     candidates: Sequence[int] | None = None,
     eta: int = 1000,
+    schedule: str = "gpipe",
 ) -> Partition:
     """Joint partition and micro-batch count: cross-search, completed by IMD at the candidate
     p it did not reach; the Partition's micro_batches is the chosen p. See `cross_search` for
     the trace of (λ, p, T) visited.
 
+    The search scores with the closed form, which is GPipe's simulated step. For another
+    `schedule` (a name of `SCORED_SCHEDULES`), every partition it met (IMD's at each candidate
+    p, and the closed form's choice) is then paired with every candidate p, and the pair whose
+    step `schedule` simulates shortest is chosen (exactly, pruned by lower bounds:
+    `best_by_schedule`); it is the closed form's choice unless a pair is shorter, so knowing
+    the schedule never makes the step longer. Its predicted_time is then the simulated step.
+
     Cross-search is a coordinate descent that can stop short of the joint optimum where the
     best partition changes with p; completing it with IMD at every candidate p (milliseconds
     for hundreds of units) puts it within IMD's bound of the optimum whenever links are free.
     """
-    found = cross_search(cost, stages, batch, p0, candidates, eta, sweep=True).partition
-    return settle(cost, found, "time", stages)
+    check_schedule_name(schedule, "csimd")
+    search = cross_search(cost, stages, batch, p0, candidates, eta, sweep=True)
+    found = settle(cost, search.partition, "time", stages)
+    if schedule == "gpipe":
+        return found
+    partitions = {v.bounds for v in search.visits} | {found.bounds}
+    return best_by_schedule(cost, partitions, _candidates(cost, batch, candidates), schedule,
+                            found)
