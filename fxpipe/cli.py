@@ -109,11 +109,11 @@ def dist_rank() -> int:
 def _plan(args: argparse.Namespace) -> None:
     if args.json:
         check_output_path("--json", args.json)
-    schedules = _compared_schedules(args)
-    model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
-                                args.input_high)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
                 micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer)
+    schedules = _compared_schedules(args, plan)
+    model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
+                                args.input_high)
     pipe = compile(model, plan, example_inputs=inputs)
     print(pipe)
     if args.compare:
@@ -227,12 +227,13 @@ def _comparison(pipe) -> str:
                      format_bytes(max(s.memory for s in part.stages))])
     header = ["partitioner", "units per stage", "p", "predicted ms", "bubble",
               "slowest stage ms", "max memory"]
-    return ("partitioners compared (same cost table; p: micro-batches, csimd chooses its own):\n"
-            + format_table(header, rows))
+    return (f"partitioners compared (same cost table, {pipe.plan.schedule_name}'s step; p: "
+            "micro-batches, csimd chooses its own):\n" + format_table(header, rows))
 
 
-def _compared_schedules(args: argparse.Namespace) -> list[str]:
-    """--schedules, checked before any work: known names, and only with --compare."""
+def _compared_schedules(args: argparse.Namespace, plan: Plan) -> list[str]:
+    """--schedules, checked before any work: known names a plan like `plan` takes, and only
+    with --compare."""
     if args.schedules is None:
         return []
     if not args.compare:
@@ -243,6 +244,8 @@ def _compared_schedules(args: argparse.Namespace) -> list[str]:
     if unknown:
         raise FxpipeError(f"--schedules: {', '.join(map(repr, unknown))} is not a schedule "
                           f"fxpipe plans for; choose among {','.join(SCHEDULES)}.")
+    for name in names:  # Plan's own checks of the schedule, before anything is measured
+        dataclasses.replace(plan, schedule=name)
     return names
 
 

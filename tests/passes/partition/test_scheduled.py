@@ -18,7 +18,7 @@ from fxpipe.compiler.partitioning import choose_partition_of, exactly_n_stages
 from fxpipe.cost import CostTable, Partition
 from fxpipe.passes.partition import csimd, divisors, imd
 from fxpipe.passes.partition.scheduled import step_lower_bounds
-from fxpipe.schedules import build, gpipe
+from fxpipe.schedules import Schedule, build, gpipe
 from fxpipe.simulate import simulate
 
 SCHEDULES = ("1f1b", "zb-h1", "async-1f1b")
@@ -136,3 +136,15 @@ def test_csimd_says_which_schedules_it_scores(schedule, message):
     cost = CostTable.from_arrays([1.0, 2.0], [2.0, 4.0], batch=4)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         csimd(cost, 2, schedule=schedule)
+
+
+@settings(max_examples=8)
+@given(p_tables(min_units=2, max_units=5), st.sampled_from(["1f1b", "zb-h1"]),
+       st.integers(1, 4))
+def test_a_users_schedule_is_scored_by_its_simulated_step(cost, name, p):
+    mine = Schedule("mine", 2, p, build(name, 2, p).actions)
+    part = choose_partition_of("Net", Plan(stages=2, schedule=mine, partitioner="balanced"),
+                               cost)
+    assert part.schedule == "mine" and part.micro_batches == p
+    assert part.predicted_time == pytest.approx(
+        simulated_step(cost, part.bounds, p, name), rel=1e-12)
