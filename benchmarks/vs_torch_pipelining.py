@@ -143,13 +143,13 @@ class Pair:
         self.theirs, mine = torch_schedule(kind, self.schedule, self.sizes, case()[1], rank,
                                            self.chunks, loss_fn)
         self.args = (self.x,) if 0 in mine else ()
-        self.kwargs = {"target": self.y, "losses": []} if self.schedule.stages - 1 in mine else {}
+        self.last = self.schedule.stages - 1 in mine  # the last stage takes the target
         self.kept: list = []  # this round's timed fxpipe steps' traces
         self.rounds: list[tuple[float, ...]] = []
         self.torch_step(), self.fxpipe_step()  # warm-up
 
     def torch_step(self) -> None:
-        self.theirs.step(*self.args, **self.kwargs)
+        self.theirs.step(*self.args, **({"target": self.y, "losses": []} if self.last else {}))
 
     def fxpipe_step(self) -> None:
         self.pipe.step(self.x, self.y)
