@@ -45,7 +45,7 @@ from fxpipe.passes.analysis.profile import (
 )
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
-from fxpipe.plan import Plan
+from fxpipe.plan import VIRTUAL, Plan
 from fxpipe.schedules import ActionKind, Schedule, ScheduleError, add_step, lower
 from fxpipe.schedules.user import lower_user_schedule
 from fxpipe.trace import trace
@@ -67,6 +67,11 @@ def check(c: Compilation) -> None:
         check_meta_model(c.model, c.plan)
     check_whole_inputs(c.model, c.plan)
     if launched():
+        if c.plan.stages_per_device > 1:
+            raise PlanError(
+                f"Plan(stages_per_device={c.plan.stages_per_device}) runs several stages on "
+                "one device in one process; under torchrun each rank runs one stage so far. "
+                "Use stages_per_device=1 under torchrun, or run in one process.")
         if c.plan.intra_layer is not None:
             raise PlanError("Plan(intra_layer=...) splits layers over the devices of one "
                             "process; under torchrun each rank runs one stage on one device. "
@@ -222,7 +227,15 @@ def schedule(c: Compilation) -> None:
             raise PlanError(f"Plan(schedule={c.plan.schedule_name!r}) cannot run on this "
                             f"model's stages: {error}.") from error
     else:
-        c.schedule = lower(c.plan.schedule, n, p, edges)
+        virtual = c.plan.schedule in VIRTUAL
+        try:
+            c.schedule = lower(c.plan.schedule, n, p, edges,
+                               devices=c.plan.device_count if virtual else None)
+        except ValueError as error:  # e.g. a micro-batch count it cannot run
+            if not virtual or isinstance(error, ScheduleError):
+                raise
+            raise PlanError(f"Plan(schedule={c.plan.schedule!r}) cannot run {p} micro-batches "
+                            f"on {n} stages: {error}.") from error
     if _delayed_allreduce(c.plan):  # after the stage's last action, its last gradient sent
         # back included, so no stage waits for its launch; the optimizer step stays the user's
         c.schedule = add_step(c.schedule, allreduce=True, step=False)
@@ -368,7 +381,11 @@ def _show_schedule(c: Compilation) -> str:
     actions = sum(len(stage) for stage in c.schedule.actions)
     reduce = (", each stage's all-reduce after its last action" if _delayed_allreduce(c.plan)
               else "")
-    return f"{c.schedule.name}: {actions} actions, sends and receives matched{reduce}"
+    placed = ("" if c.schedule.placement is None else
+              f", on {c.schedule.devices} devices (stage: device "
+              + " ".join(f"{s}:{d}" for s, d in enumerate(c.schedule.placement)) + ")")
+    return (f"{c.schedule.name}: {actions} actions, sends and receives matched{placed}"
+            f"{reduce}")
 
 
 PASSES = (
