@@ -1,5 +1,6 @@
 """Several stages per device, end to end: Plan(stages_per_device=v) with interleaved-1f1b,
-looped-bfs and zbv trains like the plain model, one worker thread per device."""
+looped-bfs and zbv trains like the plain model, one worker thread per device (several stages
+per rank under torchrun: tests/runtime/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from test_zero_bubble import _case
 
 import fxpipe
+from fxpipe.distributed import RankLayout, rank_layout
 from fxpipe.errors import PlanError
 from fxpipe.schedules import interleaved_one_f_one_b, one_f_one_b, round_robin, v_shape
 
@@ -184,12 +186,29 @@ def test_wrong_combinations_are_refused_with_the_fix(kwargs, message):
         fxpipe.Plan(**kwargs)
 
 
-def test_several_stages_per_rank_are_refused_under_torchrun_before_any_work(monkeypatch):
+def test_a_rank_runs_the_stages_the_placement_puts_on_its_device():
+    layout = RankLayout(rank=1, world=2, stages=4, groups=1, placement=v_shape(4))
+    assert (layout.devices, layout.device, layout.held, layout.stage) == (2, 1, (1, 2), 1)
+    assert layout.pipeline_ranks == [0, 1, 1, 0]
+    plain = RankLayout(rank=5, world=6, stages=3, groups=2)  # one stage per rank, as before
+    assert (plain.held, plain.group, plain.rank_of(0)) == ((2,), 1, 3)
+
+
+def test_a_job_of_the_wrong_size_names_the_ranks_the_plan_needs(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    plan = fxpipe.Plan(stages=4, stages_per_device=2, schedule="zbv", costs="none")
+    with pytest.raises(PlanError, match=r"the job has 4 ranks but Plan\(stages=4, "
+                       r"stages_per_device=2, groups=1\) needs 2; launch with torchrun "
+                       r"--nproc-per-node 2"):
+        rank_layout(plan)
+
+
+def test_replicating_a_pipeline_of_several_stages_per_rank_is_refused(monkeypatch):
     import fxpipe.compiler.passes as passes
 
     monkeypatch.setattr(passes, "launched", lambda: True)
     model, x, _, loss_fn = _case("skipnet", 4, 0)
-    with pytest.raises(PlanError, match=r"Plan\(stages_per_device=2\) runs several stages on "
-                       r"one device in one process; under torchrun each rank runs one stage so "
-                       r"far"):
-        fxpipe.compile(model, _plan("zbv", 2, 2, 2, loss_fn), example_inputs=(x,))
+    with pytest.raises(PlanError, match=r"Plan\(groups=2\) replicates a pipeline whose ranks "
+                       r"run several stages each; .* Use groups=1 with several stages per rank, "
+                       r"or stages_per_device=1"):
+        fxpipe.compile(model, _plan("zbv", 2, 2, 2, loss_fn, groups=2), example_inputs=(x,))

@@ -67,17 +67,17 @@ def check(c: Compilation) -> None:
         check_meta_model(c.model, c.plan)
     check_whole_inputs(c.model, c.plan)
     if launched():
-        if c.plan.stages_per_device > 1:
+        if c.plan.device_count < c.plan.stages and c.plan.groups > 1:
             raise PlanError(
-                f"Plan(stages_per_device={c.plan.stages_per_device}) runs several stages on "
-                "one device in one process; under torchrun each rank runs one stage so far. "
-                "Use stages_per_device=1 under torchrun, or run in one process.")
+                f"Plan(groups={c.plan.groups}) replicates a pipeline whose ranks run several "
+                "stages each; each rank of a replicated pipeline runs one stage so far. Use "
+                "groups=1 with several stages per rank, or stages_per_device=1.")
         if c.plan.intra_layer is not None:
             raise PlanError("Plan(intra_layer=...) splits layers over the devices of one "
                             "process; under torchrun each rank runs one stage on one device. "
                             "Drop intra_layer, or run in one process with Plan(devices=[...]).")
         c.layout = rank_layout(c.plan)  # joining torchrun's process group if not yet joined
-        c.devices = [rank_device(c.plan, c.layout)] * c.plan.stages  # its own stage's device
+        c.devices = [rank_device(c.plan, c.layout)] * c.plan.stages  # its own stages' device
         c.link_groups = LinkGroups(c.layout)
         return
     if c.plan.groups > 1:
@@ -137,7 +137,8 @@ def profile(c: Compilation) -> None:
         return
     device = c.devices[0]
     unit_graph, unit_table = _units_as_stages(c)
-    held = 1 / c.plan.stages if c.distributed else c.devices.count(device) / len(c.devices)
+    held = (len(c.layout.held) / c.plan.stages if c.distributed
+            else c.devices.count(device) / len(c.devices))
     sizes = profile_sizes(c.batch, c.plan)
     cache = c.cache if c.layout is None or c.layout.rank == 0 else None
     c.profile = profile_units(unit_graph, unit_table, c.flat, sizes, device, cache=cache,
@@ -326,7 +327,9 @@ def _schedule_made(c: Compilation) -> None:
 
 
 def _show_check(c: Compilation) -> str:
-    where = (f"rank {c.layout.rank} of {c.layout.world}, stage {c.layout.stage}"
+    held = c.layout.held if c.distributed else ()
+    where = (f"rank {c.layout.rank} of {c.layout.world}, stage"
+             f"{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
              if c.distributed else "one process")
     return f"{where}; devices {', '.join(dict.fromkeys(c.devices))}"
 
