@@ -11,7 +11,8 @@ from fxpipe.errors import PlanError
 from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
 from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.pipeline import CompiledPipeline
-from fxpipe.plan import TIMED_PARTITIONERS, Plan
+from fxpipe.plan import TIMED_PARTITIONERS, VIRTUAL, Plan
+from fxpipe.schedules import Schedule, build
 from fxpipe.units import Unit
 
 __all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "exactly_n_stages"]
@@ -44,7 +45,7 @@ def choose_partition(
     p = plan.micro_batches if isinstance(plan.micro_batches, int) else 1
     if plan.sizes is not None:  # which cover the units (checked by the units pass)
         bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
-        return Partition.evaluate(cost, bounds, p, "given", schedule=plan.schedule)
+        return Partition.evaluate(cost, bounds, p, "given", schedule=_scored(plan, p))
     if plan.micro_batches == "auto" and plan.partitioner != "csimd":
         p = PARTITIONERS["csimd"](cost, plan.stages).micro_batches  # CSIMD's choice of p
     try:
@@ -58,7 +59,20 @@ def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
     """Partitioner `name`'s partition into exactly the plan's stages, scored for its schedule."""
     chosen = PARTITIONERS[name](cost, plan.stages, p)
     bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
-    return Partition.evaluate(cost, bounds, chosen.micro_batches, name, schedule=plan.schedule)
+    return Partition.evaluate(cost, bounds, chosen.micro_batches, name,
+                              schedule=_scored(plan, chosen.micro_batches))
+
+
+def _scored(plan: Plan, p: int) -> str | Schedule:
+    """What the memory estimate counts activations by: the schedule's name, or, where it
+    places several stages per device, the schedule itself (its stages' most micro-batches in
+    flight), when it can run p micro-batches."""
+    if plan.schedule not in VIRTUAL:
+        return plan.schedule
+    try:
+        return build(plan.schedule, plan.stages, p, devices=plan.device_count)
+    except ValueError:  # a count it cannot run: the schedule pass says so
+        return plan.schedule
 
 
 def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int
