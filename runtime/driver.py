@@ -42,7 +42,7 @@ class Run:
 class Driver:
     """Executes device programs over the runners this process holds: every device (one
     worker thread each, walking the actions of the stages it holds) in one process, or one
-    stage under torch.distributed (run inline).
+    rank's stages under torch.distributed (its one program, run inline).
 
     Each worker walks its device's program in order (GroPipe's PMPIA): F, B and W call the
     stage's runner, SEND/RECV go through the transport (between two stages of one device too:
