@@ -21,27 +21,47 @@ __all__ = ["RankLayout", "gather_state_dict", "launched", "rank_device", "rank_l
 
 @dataclasses.dataclass(frozen=True)
 class RankLayout:
-    """Rank r runs stage r % N of pipeline group r // N (N stages, G groups, G * N ranks)."""
+    """Rank r is device r % D of pipeline group r // D (D devices, G groups, G * D ranks), and
+    runs the stages `placement` puts on that device (None: stage s on device s, D = stages)."""
 
     rank: int
     world: int
     stages: int
     groups: int
+    placement: tuple[int, ...] | None = None  # the device of each stage
+
+    @property
+    def devices(self) -> int:
+        """Ranks in one pipeline."""
+        return self.stages if self.placement is None else max(self.placement) + 1
+
+    @property
+    def device(self) -> int:
+        return self.rank % self.devices
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The stages this rank runs, in increasing order."""
+        return tuple(s for s in range(self.stages) if self.device_of(s) == self.device)
 
     @property
     def stage(self) -> int:
-        return self.rank % self.stages
+        """This rank's (first) stage."""
+        return self.held[0]
 
     @property
     def group(self) -> int:
-        return self.rank // self.stages
+        return self.rank // self.devices
+
+    def device_of(self, stage: int) -> int:
+        return stage if self.placement is None else self.placement[stage]
 
     def rank_of(self, stage: int, group: int | None = None) -> int:
-        return (self.group if group is None else group) * self.stages + stage
+        return (self.group if group is None else group) * self.devices + self.device_of(stage)
 
     @property
     def pipeline_ranks(self) -> list[int]:
-        """The ranks of this rank's pipeline, stage by stage."""
+        """The ranks of this rank's pipeline, stage by stage (a rank once per stage it runs)."""
         return [self.rank_of(s) for s in range(self.stages)]
 
     def data_parallel_ranks(self, stage: int) -> list[int]:
@@ -64,22 +84,25 @@ def rank_layout(plan: Plan, timeout: float = 300.0) -> RankLayout:
                           "Plan(devices=[...]) instead.")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if world != plan.stages * plan.groups:
+    need = plan.device_count * plan.groups
+    if world != need:
+        each = (f", stages_per_device={plan.stages_per_device}"
+                if plan.device_count != plan.stages else "")
         raise PlanError(
-            f"the job has {world} ranks but Plan(stages={plan.stages}, groups={plan.groups}) "
-            f"needs {plan.stages * plan.groups}; launch with torchrun --nproc-per-node "
-            f"{plan.stages * plan.groups} or change the plan."
+            f"the job has {world} ranks but Plan(stages={plan.stages}{each}, groups="
+            f"{plan.groups}) needs {need}; launch with torchrun --nproc-per-node {need} or "
+            "change the plan."
         )
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and plan.devices is None else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    return RankLayout(rank, world, plan.stages, plan.groups)
+    return RankLayout(rank, world, plan.stages, plan.groups, plan.placement)
 
 
 def rank_device(plan: Plan, layout: RankLayout) -> str:
     """The device of this rank's stage: the plan's, else this rank's GPU, else the CPU."""
     if plan.devices is not None:
-        device = torch.device(plan.devices[layout.stage])
+        device = torch.device(plan.devices[layout.device])
     elif torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", layout.rank))
                               % torch.cuda.device_count())

@@ -354,10 +354,19 @@ class CompiledPipeline(torch.nn.Module):
         held = set(self.executor.runners)
         devices = [d if self.owned is None else f"{d} (rank {self.rank})" if s in held
                    else "another rank" for s, d in enumerate(self.devices)]
+        schedule = self.executor.schedule
+        shared = schedule.devices < schedule.stages  # several stages per device
+        if shared:
+            devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
         table = format_stage_table(title, self.units, partition, self.comm, devices, params,
                                    self.shared_parameters(), timed, self.link, simulated)
         if timed:
             table += f"\ncosts: {self.cost.source}"
+        if shared:
+            table += (f"\n{schedule.name} runs {schedule.stages} stages on {schedule.devices} "
+                      "devices, one worker each: " + "; ".join(
+                          f"device {d} stages {', '.join(map(str, schedule.stages_on(d)))}"
+                          for d in range(schedule.devices)))
         if self.plan.schedule == "async-1f1b":
             table += "\n" + self._weight_copies_line()
         for split in self.intra_layer:

@@ -14,13 +14,17 @@ import torch
 
 from fxpipe.errors import PlanError
 from fxpipe.schedules.actions import ActionKind, Schedule, ScheduleError
+from fxpipe.schedules.interleaved import round_robin, v_shape
 from fxpipe.schedules.user import check_user_schedule, read_user_schedule
 
 __all__ = ["CONSISTENCY_POLICIES", "COSTS", "DP_SYNCS", "PARTITIONERS", "SCHEDULES", "TRACERS",
            "Plan"]
 
 PARTITIONERS = ("even", "params", "balanced", "ampa", "imd", "csimd", "exact")
-SCHEDULES = ("gpipe", "1f1b", "async-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "async-1f1b", "zb-h1", "interleaved-1f1b", "looped-bfs", "zbv")
+# several stages per device (stages_per_device=v): each device holds stages d, d+N, d+2N, ...
+# (round robin), or, for zbv, stages d and 2N-1-d (a V)
+VIRTUAL = ("interleaved-1f1b", "looped-bfs", "zbv")
 CONSISTENCY_POLICIES = ("none", "stash", "2bw", "predict")
 DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
@@ -49,6 +53,7 @@ class Plan:
     """
 
     stages: int
+    stages_per_device: int = 1  # v: stages // v devices (ranks), each running v stages
     partitioner: str | Sequence[int] | None = None  # balanced; ampa with groups; even sans costs
     schedule: str | Schedule | os.PathLike = "gpipe"  # a name, or your own (a .csv path)
     micro_batches: int | str | None = None  # None: one per stage (up to the batch), at compile
@@ -74,6 +79,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
+        _positive_int("stages_per_device", self.stages_per_device)
         self._check_partitioner()
         if (isinstance(self.schedule, str) and self.schedule not in SCHEDULES
                 and not self.schedule.endswith(".csv")):
@@ -85,6 +91,8 @@ class Plan:
         self._check_micro_batch_choice()
         if not isinstance(self.schedule, str) or self.schedule.endswith(".csv"):
             self._check_user_schedule()
+        else:
+            self._check_virtual_stages()
         if self.devices is not None:
             self._check_devices()
         _positive_int("groups", self.groups)
@@ -192,8 +200,68 @@ class Plan:
             raise PlanError(f"{given} all-reduces gradients inside the run (ALLREDUCE), but "
                             "Plan(dp_sync='naive') all-reduces them after it, a second time; "
                             "use dp_sync='delayed' or drop the ALLREDUCE actions.")
+        if schedule.placement is not None and schedule.devices < schedule.stages:
+            held = {len(schedule.stages_on(d)) for d in range(schedule.devices)}
+            if held != {self.stages_per_device}:
+                counts = [len(schedule.stages_on(d)) for d in range(schedule.devices)]
+                fix = (f"give stages_per_device={held.pop()}" if len(held) == 1 else
+                       "place the same number of stages on every device")
+                raise PlanError(f"{given} places {counts} stages on its {schedule.devices} "
+                                f"devices but Plan(stages_per_device={self.stages_per_device}); "
+                                f"{fix}.")
+        elif self.stages_per_device != 1:
+            raise PlanError(f"{given} runs one stage per device (it has no placement) but "
+                            f"Plan(stages_per_device={self.stages_per_device}); give "
+                            "stages_per_device=1, or a schedule with a placement and programs.")
         object.__setattr__(self, "schedule", schedule)
         object.__setattr__(self, "micro_batches", p)
+
+    def _check_virtual_stages(self) -> None:
+        """A named schedule against stages_per_device: several stages per device need a
+        schedule that interleaves them (and zbv exactly two), and divide the stages evenly."""
+        v, s, name = self.stages_per_device, self.stages, self.schedule
+        given = f"Plan(stages={s}, stages_per_device={v}, schedule={name!r})"
+        if s % v:
+            fits = [k for k in range(1, s + 1) if s % k == 0]
+            raise PlanError(f"{given}: the {s} stages do not split evenly over devices of {v} "
+                            f"stages each; give stages_per_device in {fits}, or a multiple of "
+                            f"{v} stages.")
+        if name == "zbv" and v != 2:
+            raise PlanError(f"{given}: zbv places exactly two stages on each device (a V: stages "
+                            f"d and 2N-1-d); give stages_per_device=2 (and an even number of "
+                            f"stages), or schedule='interleaved-1f1b' or 'looped-bfs' for v={v}.")
+        if v > 1 and name not in VIRTUAL:
+            raise PlanError(f"{given}: {name!r} runs one stage per device; with several stages "
+                            f"per device pick a schedule that interleaves them: "
+                            f"'interleaved-1f1b', 'looped-bfs' or 'zbv' (v=2), or give "
+                            f"stages_per_device=1.")
+        n, p = s // v, self.micro_batches
+        if name == "interleaved-1f1b" and v > 1 and isinstance(p, int) and p % n:
+            near = " or ".join(str(c) for c in sorted({p - p % n, p - p % n + n}) if c)
+            raise PlanError(f"{given} runs micro-batches through each device's stages in groups "
+                            f"of one per device, so micro_batches={p} must be a multiple of the "
+                            f"{n} devices; give micro_batches={near}.")
+        if name in VIRTUAL and p == "auto":
+            raise PlanError(f"{given} fixes its micro-batch count by its devices, so it cannot be "
+                            "chosen (micro_batches='auto', or partitioner='csimd'); give "
+                            "micro_batches=N and another partitioner.")
+
+    @property
+    def device_count(self) -> int:
+        """Devices (ranks, under torchrun) of one pipeline: one per stage unless the schedule
+        places several stages on each."""
+        if isinstance(self.schedule, Schedule):
+            return self.schedule.devices
+        return self.stages // self.stages_per_device
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The device (index into `devices`) of each stage, as the schedule places them."""
+        if isinstance(self.schedule, Schedule):
+            return tuple(self.schedule.device(s) for s in range(self.stages))
+        if self.schedule == "zbv":
+            return v_shape(self.stages)
+        return round_robin(self.stages, self.device_count)
 
     @property
     def schedule_name(self) -> str:
@@ -286,13 +354,17 @@ class Plan:
 
     def _check_devices(self) -> None:
         if isinstance(self.devices, (str, torch.device)):  # one device for every stage
-            object.__setattr__(self, "devices", (str(self.devices),) * self.stages)
+            object.__setattr__(self, "devices", (str(self.devices),) * self.device_count)
         devices = tuple(str(d) if isinstance(d, torch.device) else d for d in self.devices)
         object.__setattr__(self, "devices", devices)
-        if len(devices) != self.stages:
+        n = self.device_count
+        if len(devices) != n:
+            each = ("; give one device per stage" if n == self.stages else
+                    f" on {n} devices; give one device per {self.stages // n} stages "
+                    "(stages_per_device)")
             raise PlanError(
                 f"Plan(devices={list(devices)}) names {len(devices)} devices for "
-                f"stages={self.stages}; give one device per stage, e.g. {['cpu'] * self.stages}."
+                f"stages={self.stages}{each}, e.g. {['cpu'] * n}."
             )
         for device in devices:
             try:
@@ -317,8 +389,13 @@ class Plan:
                 data[name] = list(data[name])
         data["concrete_args"] = dict(self.concrete_args) if self.concrete_args else None
         if isinstance(self.schedule, Schedule):  # its actions, in their compact form
-            data["schedule"] = {"name": self.schedule.name, "actions": [
-                [str(a) for a in stage] for stage in self.schedule.actions]}
+            schedule = self.schedule
+            data["schedule"] = {"name": schedule.name, "actions": [
+                [str(a) for a in stage] for stage in schedule.actions]}
+            if schedule.placement is not None:
+                data["schedule"]["placement"] = list(schedule.placement)
+                data["schedule"]["programs"] = [[str(a) for a in program]
+                                                for program in schedule.device_programs]
         return data
 
     def save(self, path: str | os.PathLike, **extra: Any) -> None:
@@ -353,8 +430,10 @@ class Plan:
                             "have; remove them from the file.")
         if isinstance(data.get("schedule"), dict):  # your own schedule, as to_dict wrote it
             try:
-                data["schedule"] = Schedule.from_lists(data["schedule"]["actions"],
-                                                       data["schedule"]["name"])
+                saved = data["schedule"]
+                data["schedule"] = Schedule.from_lists(
+                    saved["actions"], saved["name"], placement=saved.get("placement"),
+                    programs=saved.get("programs"))
             except (KeyError, TypeError, ValueError) as e:
                 raise PlanError(f"{str(path)!r} holds a schedule fxpipe cannot read ({e}); "
                                 "save the plan again with Plan.save.") from e
@@ -367,8 +446,11 @@ class Plan:
         stage, which fills the pipeline, as far as each group's share of the batch allows."""
         if self.micro_batches is not None:
             return self
-        return dataclasses.replace(
-            self, micro_batches=max(1, min(self.stages, batch // self.groups)))
+        p = max(1, min(self.stages, batch // self.groups))
+        n = self.device_count
+        if self.schedule == "interleaved-1f1b" and self.stages_per_device > 1 and p >= n:
+            p -= p % n  # its micro-batches go through the chunks in groups of one per device
+        return dataclasses.replace(self, micro_batches=p)
 
     @property
     def sizes(self) -> tuple[int, ...] | None:

@@ -95,8 +95,8 @@ class DistCoordinator(Coordinator):
                  tied: Sequence[tuple[torch.nn.Parameter, Any]] = (), *,
                  sync: GradientSync | None = None, data_parallel: Any = None,
                  group_index: int = 0, groups: int = 1, watchdog: Any = None) -> None:
-        self.ranks = list(ranks)
-        self.first, self.last = ranks[0], ranks[-1]
+        self.first, self.last = ranks[0], ranks[-1]  # of the first and the last stage
+        self.ranks = list(dict.fromkeys(ranks))  # each once: a rank may run several stages
         self.micro_batches = micro_batches
         self.group = group
         self.tied = list(tied)

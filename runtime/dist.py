@@ -113,7 +113,9 @@ class _Slot:
 
 
 class DistTransport:
-    """Moves values between this rank's stage and the stages of other ranks.
+    """Moves values between this rank's stages and the stages of other ranks; between two
+    stages of this rank, a message is handed over in the process (its program sends it
+    before it receives it, so it is there when received).
 
     Both ends know every message's layout ahead: the values of each (src, dst) edge in table
     order, each tensor's dtype from the shape pass and its shape as an expression of the
@@ -144,6 +146,7 @@ class DistTransport:
         self._pending: list[tuple[Any, str]] = []  # posted sends and what they carry
         self._posted: dict[Any, tuple[list[_Slot], list[torch.Tensor], list[Any]]] = {}
         self._error: BaseException | None = None
+        self._local: dict[Any, Mapping[str, Any]] = {}  # between two stages of this rank
 
     def prepare(self, run: Any, sizes: Sequence[int], seq: int | None) -> None:
         """The micro-batch sizes (and sequence length) of `run`, known to every rank."""
@@ -152,6 +155,9 @@ class DistTransport:
 
     def send(self, src: int, dst: int, direction: str, key: MicroBatchKey,
              values: Mapping[str, Any]) -> None:
+        if self.ranks[dst] == self.rank:
+            self._local[src, dst, direction, key] = dict(values)
+            return
         what = (f"{_NAMES[direction]} micro-batch {key.mb} to reach stage {dst} "
                 f"(rank {self.ranks[dst]})")
         for index, tensor in enumerate(self._encode(src, dst, direction, key, values)):
@@ -166,10 +172,17 @@ class DistTransport:
         """Post the receive of a message the stage will wait for later, so the transfer
         overlaps the compute before it (the driver calls this for the next RECV action)."""
         message = (src, dst, direction, key)
-        if message not in self._posted:
+        if self.ranks[src] != self.rank and message not in self._posted:
             self._posted[message] = self._post_receive(src, dst, direction, key)
 
     def recv(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> dict[str, Any]:
+        if self.ranks[src] == self.rank:
+            message = (src, dst, direction, key)
+            if message not in self._local:  # the lowered programs never let this happen
+                raise FxpipeError(f"stage {dst} receives {_NAMES[direction]} micro-batch "
+                                  f"{key.mb} from stage {src} on its own rank before it was "
+                                  "sent: the rank's program runs the receive before the send")
+            return self._local.pop(message)
         self.prefetch(src, dst, direction, key)
         slots, received, works = self._posted.pop((src, dst, direction, key))
         for work in works:
@@ -184,6 +197,7 @@ class DistTransport:
         self._error = error
         self._pending.clear()  # a failed run's sends and receives are never waited for
         self._posted.clear()
+        self._local.clear()
 
     def reset(self) -> None:
         self._error = None

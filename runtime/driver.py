@@ -1,4 +1,4 @@
-"""The driver: runs per-stage action lists over StageRunners, one worker thread per stage."""
+"""The driver: runs device programs over StageRunners, one worker thread per device."""
 
 from __future__ import annotations
 
@@ -40,12 +40,15 @@ class Run:
 
 
 class Driver:
-    """Executes action lists over the runners this process holds: every stage (one worker
-    thread each) in one process, or one stage under torch.distributed (run inline).
+    """Executes device programs over the runners this process holds: every device (one
+    worker thread each, walking the actions of the stages it holds) in one process, or one
+    rank's stages under torch.distributed (its one program, run inline).
 
-    Each worker walks its stage's list in order (GroPipe's PMPIA): F, B and W call the runner,
-    SEND/RECV go through the transport, so every schedule shares this loop. Every action is
-    recorded as a timeline Event; a failing stage aborts the transport so the others stop.
+    Each worker walks its device's program in order (GroPipe's PMPIA): F, B and W call the
+    stage's runner, SEND/RECV go through the transport (between two stages of one device too:
+    the lowered programs send before they receive, so a device never waits on itself), so
+    every schedule shares this loop. Every action is recorded as a timeline Event; a failing
+    stage aborts the transport so the others stop.
     """
 
     def __init__(self, runners: Mapping[int, StageRunner], comm: CommTable,
@@ -61,17 +64,19 @@ class Driver:
         self._state: dict[int, _StageState] = {}
 
     def run(self, programs: Sequence[Sequence[Action]], run: Run, run_id: Any = None) -> Run:
-        """Execute `programs[s]` on every stage s held here; `run_id` keeps this run's
-        in-flight micro-batches apart from another run's (a forward now, its backward later)."""
+        """Execute each of `programs` (a device's: the actions of the stages it holds, in the
+        order it runs them) on its own worker, those whose stages are held here; `run_id`
+        keeps this run's in-flight micro-batches apart from another run's (a forward now, its
+        backward later)."""
         self.transport.reset()
         # thread-local, like grad mode: carried over to the workers
         autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
                     if torch.is_autocast_enabled(kind)]
         run.started = time.time()
         start = time.perf_counter()
-        walks = [(self._walk, s, programs[s], run, run_id, start, autocast)
-                 for s in self.runners]
-        if self.pool is None:
+        walks = [(self._walk, program, run, run_id, start, autocast) for program in programs
+                 if program and program[0].stage in self.runners]
+        if self.pool is None or len(walks) == 1:
             outcomes = [_error_of(*walk) for walk in walks]
         else:
             outcomes = [f.exception() for f in [self.pool.submit(*walk) for walk in walks]]
@@ -89,12 +94,21 @@ class Driver:
         run.events.sort(key=lambda e: (e.stage, e.start))
         return run
 
-    def _walk(self, s: int, program: Sequence[Action], run: Run, run_id: Any, start: float,
+    def _walk(self, program: Sequence[Action], run: Run, run_id: Any, start: float,
               autocast: Sequence[tuple[str, torch.dtype]]) -> None:
-        """Walk stage s's program in order on this thread, blocking in its receives. A failure
-        aborts the transport and is raised as the stage's (_StageFailed)."""
+        """Walk a device's program in order on this thread, blocking in its receives: each
+        action goes to its stage's runner, with that stage's own bookkeeping (a `_Walk` of
+        the stage's actions). A failure aborts the transport and is raised as the failing
+        action's stage's (_StageFailed)."""
+        held = sorted({a.stage for a in program})
+        s = held[0]
         try:
-            walk = _Walk(s, program, self._state.setdefault(s, _StageState()))
+            walks = {t: _Walk(t, [a for a in program if a.stage == t],
+                              self._state.setdefault(t, _StageState())) for t in held}
+            devices = {self.runners[t].device for t in held}
+            if len(devices) > 1:  # one worker runs on one device
+                raise FxpipeError(f"stages {held} run on one worker but sit on devices "
+                                  f"{sorted(map(str, devices))}; place them on one device")
             with contextlib.ExitStack() as context:  # undone after, on the caller's thread too
                 context.enter_context(torch.set_grad_enabled(run.grad_enabled))
                 context.enter_context(device_context(self.runners[s].device))
@@ -104,12 +118,16 @@ class Driver:
                 # a receive posted while data arrives on its connection stalls); otherwise
                 # only the next receive is posted ahead, which keeps 1F1B's bound on the
                 # micro-batches in flight
-                if forwards_first(program):
-                    for ahead in (program[i] for i in walk.receives):
-                        self.transport.prefetch(ahead.peer, s, _direction(ahead),
-                                                MicroBatchKey(run_id, ahead.mb))
-                for i in range(len(program)):
-                    self._advance(walk, i, run, run_id, start)
+                for walk in walks.values():
+                    if forwards_first(walk.program):
+                        for ahead in (walk.program[i] for i in walk.receives):
+                            self.transport.prefetch(ahead.peer, walk.stage, _direction(ahead),
+                                                    MicroBatchKey(run_id, ahead.mb))
+                position = dict.fromkeys(held, 0)  # each stage's next action in its own list
+                for a in program:
+                    s = a.stage
+                    self._advance(walks[s], position[s], run, run_id, start)
+                    position[s] += 1
         except BaseException as error:
             self.transport.abort(error)
             raise _StageFailed(s, error) from error

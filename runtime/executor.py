@@ -46,7 +46,8 @@ _BACKWARD = (K.RECV_B, K.B, K.SEND_B, K.W)
 
 
 class PipelineExecutor:
-    """Runs the stages this process holds: all of them on worker threads, or one rank's.
+    """Runs the stages this process holds: all of them, one worker thread per device (a
+    device's stages share its thread), or one rank's.
 
     `schedule` is the lowered schedule of a step; `forward_schedule` the flushed one the
     drop-in forward and backward run (the same but for asynchronous schedules); for an
@@ -99,7 +100,8 @@ class PipelineExecutor:
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
               devices: Sequence[str], timeout: float = 300.0, **kwargs: Any
               ) -> PipelineExecutor:
-        """Every stage in this process, one worker thread each; `kwargs` as __init__'s."""
+        """Every stage in this process, one worker thread per device of the schedule;
+        `kwargs` as __init__'s."""
         needs_grad = comm.carries_grad()
         runners = {io.stage: StageRunner(stage, hook, io, device, needs_grad)
                    for stage, hook, io, device in zip(stages, hooks, comm.stages, devices)}
@@ -352,8 +354,8 @@ class PipelineExecutor:
         for runner in self.runners.values():
             if runner.policy is not None:  # the weight versions it meets, by micro-batch
                 runner.policy.follow(schedule)
-        programs = [[a for a in stage if kinds is None or a.kind in kinds]
-                    for stage in schedule.actions]
+        programs = [[a for a in program if kinds is None or a.kind in kinds]
+                    for program in schedule.device_programs]  # per device, its stages' actions
         offset = max((e.end for e in self._trace), default=0.0) if append else 0.0
         self.transport.prepare(call.key, call.sizes, call.seq)
         self.driver.run(programs, run, call.key)

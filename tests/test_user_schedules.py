@@ -221,10 +221,12 @@ def test_schedules_the_runtime_cannot_train_with_are_refused(lists, message) -> 
         Plan(stages=2, schedule=Schedule.from_lists(lists))
 
 
-def test_several_stages_per_device_are_refused_until_the_runtime_runs_them() -> None:
-    with pytest.raises(PlanError, match=r"places 4 stages on 2 devices; fxpipe's runtime runs "
-                       r"one stage per device or rank so far"):
-        Plan(stages=4, schedule=interleaved_one_f_one_b(4, 2, devices=2))
+def test_several_stages_per_device_need_plan_stages_per_device() -> None:
+    mine = interleaved_one_f_one_b(4, 2, devices=2)
+    with pytest.raises(PlanError, match=r"places \[2, 2\] stages on its 2 devices but "
+                       r"Plan\(stages_per_device=1\); give stages_per_device=2"):
+        Plan(stages=4, schedule=mine)
+    assert Plan(stages=4, stages_per_device=2, schedule=mine).device_count == 2
 
 
 def test_an_allreduce_in_the_schedule_is_refused_where_the_groups_reduce_after_it() -> None:
@@ -245,7 +247,8 @@ def test_unreadable_schedules_are_refused(tmp_path) -> None:
     with pytest.raises(PlanError, match=r"there is no schedule file .*nowhere.csv"):
         Plan(stages=2, schedule=str(tmp_path / "nowhere.csv"))
     with pytest.raises(PlanError, match=r"'zigzag'\) is not known; choose one of 'gpipe', "
-                       r"'1f1b', 'async-1f1b', 'zb-h1', or give your own: a "
+                       r"'1f1b', 'async-1f1b', 'zb-h1', 'interleaved-1f1b', 'looped-bfs', "
+                       r"'zbv', or give your own: a "
                        r"fxpipe.schedules.Schedule or a .csv file"):
         Plan(stages=2, schedule="zigzag")
     with pytest.raises(PlanError, match=r"not int"):

@@ -66,7 +66,8 @@ def compile(
     log = run_passes(PASSES, c)
     if c.distributed:
         executor, rank = build_rank_runtime(c), c.layout.rank
-        owned = owned_names(c.model, c.graph.get_submodule(f"stage{c.layout.stage}").module)
+        owned = owned_names(c.model, [c.graph.get_submodule(f"stage{s}").module
+                                      for s in c.layout.held])
     else:
         executor, owned, rank = build_local_runtime(c), None, None
     return CompiledPipeline(

@@ -1,4 +1,4 @@
-"""Compiling under torchrun: one stage per rank, its process groups and runtime."""
+"""Compiling under torchrun: a rank's stages, its process groups and runtime."""
 
 from __future__ import annotations
 
@@ -52,47 +52,53 @@ class LinkGroups:
 
     def get(self, src: int, dst: int) -> Any:
         """The group of `src` -> `dst` in this rank's pipeline (None where this rank is
-        neither)."""
+        neither, or where one rank runs both: their messages stay in the process)."""
         if (src, dst) not in self.made:
             layout = self.layout
+            if layout.device_of(src) == layout.device_of(dst):
+                self.made[src, dst] = None
+                return None
             self.made[src, dst] = _new_groups(
                 [[layout.rank_of(src, g), layout.rank_of(dst, g)] for g in range(layout.groups)],
                 layout.rank)
         return self.made[src, dst]
 
     def of_edges(self, comm: CommTable) -> dict[tuple[int, int], Any]:
-        """The groups of the directions to and from this rank's stage that the comm table's
+        """The groups of the directions to and from this rank's stages that the comm table's
         edges use (gradients flow back along them); made for every pair, kept for ours."""
         pairs = sorted({(e.src, e.dst) for e in comm.edges} | {(e.dst, e.src) for e in comm.edges})
         handles = {pair: self.get(*pair) for pair in pairs}
-        return {pair: handle for pair, handle in handles.items() if self.layout.stage in pair}
+        held = set(self.layout.held)
+        return {pair: handle for pair, handle in handles.items()
+                if handle is not None and held & set(pair)}
 
 
 def ping_pong(plan: Plan, layout: RankLayout, groups: LinkGroups, device: str) -> Link:
     """A link fitted to a ping-pong between the first two stages' ranks (the default link on
     the ranks that take no part, and with one stage; the partition pass shares rank 0's)."""
     link = default_link(device, device, True)
-    if plan.stages < 2:
+    if plan.stages < 2 or layout.rank_of(0, 0) == layout.rank_of(1, 0):
         return link
     return measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), groups.get(0, 1),
                              device, reply_group=groups.get(1, 0)) or link
 
 
 def build_rank_runtime(c: Compilation) -> PipelineExecutor:
-    """This rank's stage made real on its device and its runtime: the executor, over the
+    """This rank's stages made real on its device and its runtime: the executor, over the
     process groups of its pipeline, of its data-parallel group and of its tied weights."""
     layout, device = c.layout, c.devices[0]
     stages = [c.graph.get_submodule(f"stage{s}") for s in range(c.plan.stages)]
-    materialize_stages(c, [layout.stage])
-    stage = stages[layout.stage]
-    stage.to(device)
+    materialize_stages(c, layout.held)
+    runners = {}
+    for s in layout.held:
+        stages[s].to(device)
+        runners[s] = StageRunner(stages[s], c.graph.get_submodule(f"hook{s}"), c.comm.stages[s],
+                                 device, c.comm.carries_grad())
     pipeline = _pipeline_group(layout)
-    hook = c.graph.get_submodule(f"hook{layout.stage}")
-    runner = StageRunner(stage, hook, c.comm.stages[layout.stage], device,
-                         c.comm.carries_grad())
     transport = DistTransport(c.comm, layout.pipeline_ranks, device, group=pipeline,
                               links=c.link_groups.of_edges(c.comm), rank=layout.rank,
                               timeout=c.plan.timeout)
+    stage = stages[layout.stage]  # data parallelism runs one stage per rank (check pass)
     data_parallel = _data_parallel_group(layout, stage)
     sync = None
     if data_parallel is not None:
@@ -103,16 +109,17 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
                                   data_parallel=data_parallel, group_index=layout.group,
                                   groups=layout.groups, watchdog=transport.watchdog)
     return PipelineExecutor(
-        {layout.stage: runner}, c.comm, transport, output_names(c.cut_from), c.schedule,
+        runners, c.comm, transport, output_names(c.cut_from), c.schedule,
         c.forward_schedule, c.streamed, c.traced.bind.unflatten, coordinator, c.whole,
     )
 
 
-def owned_names(model: torch.nn.Module, stage: torch.nn.Module) -> frozenset[str]:
-    """Every name in the model of a tensor this rank's stage holds: the model's state dict
+def owned_names(model: torch.nn.Module, stages: Sequence[torch.nn.Module]) -> frozenset[str]:
+    """Every name in the model of a tensor this rank's stages hold: the model's state dict
     lists a tied weight under each of its names, a stage (an exported one) under one."""
-    held = {id(t) for t in [*stage.parameters(), *stage.buffers()]}
-    named = [*stage.named_parameters(), *stage.named_buffers(),
+    held = {id(t) for stage in stages for t in [*stage.parameters(), *stage.buffers()]}
+    named = [*(item for stage in stages for item in [*stage.named_parameters(),
+                                                     *stage.named_buffers()]),
              *model.named_parameters(remove_duplicate=False),
              *model.named_buffers(remove_duplicate=False)]
     return frozenset(name for name, tensor in named if id(tensor) in held)
@@ -157,8 +164,11 @@ def _tied_groups(model: torch.nn.Module, stages: Sequence[Any], layout: RankLayo
     copies start equal (broadcast from the first holder) and stay equal (summed gradients)."""
     tied = []
     for _, param, holders in tied_parameters(stages, model_names(model)):
-        handle = _new_groups([[layout.rank_of(s, g) for s in holders]
-                              for g in range(layout.groups)], layout.rank)
+        ranks = [list(dict.fromkeys(layout.rank_of(s, g) for s in holders))
+                 for g in range(layout.groups)]
+        if len(ranks[0]) == 1:  # one rank runs every stage using it: one Parameter there
+            continue
+        handle = _new_groups(ranks, layout.rank)
         if handle is not None:  # this rank holds the weight
             with torch.no_grad():
                 torch.distributed.broadcast(param.data, layout.rank_of(holders[0]), handle)

@@ -49,8 +49,8 @@ def example_args(example_inputs: Any, example_kwargs: Mapping[str, Any] | None
 
 
 def stage_devices(model: torch.nn.Module, plan: Plan) -> list[str]:
-    """One device per stage: the plan's, or the device the model's parameters are on (the
-    CPU for a model on the meta device)."""
+    """One device per stage: the plan's device of the stage's place (`Plan.placement`), or the
+    device the model's parameters are on (the CPU for a model on the meta device)."""
     if plan.devices is None:
         first = next(iter(model.parameters()), None)
         device = str(first.device) if first is not None and not first.is_meta else "cpu"
@@ -63,13 +63,14 @@ def stage_devices(model: torch.nn.Module, plan: Plan) -> list[str]:
             if index >= count:
                 raise PlanError(
                     f"Plan(devices=...) names {name!r}, but this machine has {count} CUDA "
-                    f"device{'s' if count != 1 else ''}; use devices={['cpu'] * plan.stages} "
+                    f"device{'s' if count != 1 else ''}; use "
+                    f"devices={['cpu'] * plan.device_count} "
                     "to run every stage on the CPU."
                 )
         elif device.type not in ("cpu", "meta") and not _backend_available(device.type):
             raise PlanError(f"Plan(devices=...) names {name!r}, but no {device.type} device "
                             "is available here.")
-    return list(plan.devices)
+    return [plan.devices[d] for d in plan.placement]
 
 
 def _backend_available(kind: str) -> bool:

@@ -12,8 +12,8 @@ from fxpipe.errors import PlanError
 from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
 from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.pipeline import CompiledPipeline
-from fxpipe.plan import TIMED_PARTITIONERS, Plan
-from fxpipe.schedules import Schedule
+from fxpipe.plan import TIMED_PARTITIONERS, VIRTUAL, Plan
+from fxpipe.schedules import Schedule, build
 from fxpipe.units import Unit
 
 __all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "compare_schedules",
@@ -55,7 +55,7 @@ def choose_partition_of(model_name: str, plan: Plan, cost: CostTable) -> Partiti
     p = plan.micro_batches if isinstance(plan.micro_batches, int) else 1
     if plan.sizes is not None:  # which cover the units (checked by the units pass)
         bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
-        return Partition.evaluate(cost, bounds, p, "given", schedule=plan.schedule)
+        return Partition.evaluate(cost, bounds, p, "given", schedule=_scored(plan, p))
     if plan.micro_batches == "auto" and plan.partitioner != "csimd":  # CSIMD's choice of p
         p = PARTITIONERS["csimd"](cost, plan.stages, schedule=plan.schedule).micro_batches
     try:
@@ -68,10 +68,25 @@ def choose_partition_of(model_name: str, plan: Plan, cost: CostTable) -> Partiti
 def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
     """Partitioner `name`'s partition into exactly the plan's stages, scored for its schedule
     (csimd also chooses p by it)."""
-    extra = {"schedule": plan.schedule} if name == "csimd" else {}
+    # csimd scores by the schedule's simulated step; a virtual-stage schedule's by GPipe's
+    extra = {"schedule": plan.schedule} if name == "csimd" and plan.schedule not in VIRTUAL \
+        else {}
     chosen = PARTITIONERS[name](cost, plan.stages, p, **extra)
     bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
-    return Partition.evaluate(cost, bounds, chosen.micro_batches, name, schedule=plan.schedule)
+    return Partition.evaluate(cost, bounds, chosen.micro_batches, name,
+                              schedule=_scored(plan, chosen.micro_batches))
+
+
+def _scored(plan: Plan, p: int) -> str | Schedule:
+    """What the memory estimate counts activations by: the schedule's name, or, where it
+    places several stages per device, the schedule itself (its stages' most micro-batches in
+    flight), when it can run p micro-batches."""
+    if plan.schedule not in VIRTUAL:
+        return plan.schedule
+    try:
+        return build(plan.schedule, plan.stages, p, devices=plan.device_count)
+    except ValueError:  # a count it cannot run: the schedule pass says so
+        return plan.schedule
 
 
 def compare_schedules(pipe: CompiledPipeline, schedules: Sequence[str]) -> dict[str, Partition]:

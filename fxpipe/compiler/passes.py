@@ -45,7 +45,7 @@ from fxpipe.passes.analysis.profile import (
 )
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
-from fxpipe.plan import Plan
+from fxpipe.plan import VIRTUAL, Plan
 from fxpipe.schedules import ActionKind, Schedule, ScheduleError, add_step, lower
 from fxpipe.schedules.user import lower_user_schedule
 from fxpipe.trace import trace
@@ -67,12 +67,17 @@ def check(c: Compilation) -> None:
         check_meta_model(c.model, c.plan)
     check_whole_inputs(c.model, c.plan)
     if launched():
+        if c.plan.device_count < c.plan.stages and c.plan.groups > 1:
+            raise PlanError(
+                f"Plan(groups={c.plan.groups}) replicates a pipeline whose ranks run several "
+                "stages each; each rank of a replicated pipeline runs one stage so far. Use "
+                "groups=1 with several stages per rank, or stages_per_device=1.")
         if c.plan.intra_layer is not None:
             raise PlanError("Plan(intra_layer=...) splits layers over the devices of one "
                             "process; under torchrun each rank runs one stage on one device. "
                             "Drop intra_layer, or run in one process with Plan(devices=[...]).")
         c.layout = rank_layout(c.plan)  # joining torchrun's process group if not yet joined
-        c.devices = [rank_device(c.plan, c.layout)] * c.plan.stages  # its own stage's device
+        c.devices = [rank_device(c.plan, c.layout)] * c.plan.stages  # its own stages' device
         c.link_groups = LinkGroups(c.layout)
         return
     if c.plan.groups > 1:
@@ -132,7 +137,8 @@ def profile(c: Compilation) -> None:
         return
     device = c.devices[0]
     unit_graph, unit_table = _units_as_stages(c)
-    held = 1 / c.plan.stages if c.distributed else c.devices.count(device) / len(c.devices)
+    held = (len(c.layout.held) / c.plan.stages if c.distributed
+            else c.devices.count(device) / len(c.devices))
     sizes = profile_sizes(c.batch, c.plan)
     cache = c.cache if c.layout is None or c.layout.rank == 0 else None
     c.profile = profile_units(unit_graph, unit_table, c.flat, sizes, device, cache=cache,
@@ -222,7 +228,15 @@ def schedule(c: Compilation) -> None:
             raise PlanError(f"Plan(schedule={c.plan.schedule_name!r}) cannot run on this "
                             f"model's stages: {error}.") from error
     else:
-        c.schedule = lower(c.plan.schedule, n, p, edges)
+        virtual = c.plan.schedule in VIRTUAL
+        try:
+            c.schedule = lower(c.plan.schedule, n, p, edges,
+                               devices=c.plan.device_count if virtual else None)
+        except ValueError as error:  # e.g. a micro-batch count it cannot run
+            if not virtual or isinstance(error, ScheduleError):
+                raise
+            raise PlanError(f"Plan(schedule={c.plan.schedule!r}) cannot run {p} micro-batches "
+                            f"on {n} stages: {error}.") from error
     if _delayed_allreduce(c.plan):  # after the stage's last action, its last gradient sent
         # back included, so no stage waits for its launch; the optimizer step stays the user's
         c.schedule = add_step(c.schedule, allreduce=True, step=False)
@@ -313,7 +327,9 @@ def _schedule_made(c: Compilation) -> None:
 
 
 def _show_check(c: Compilation) -> str:
-    where = (f"rank {c.layout.rank} of {c.layout.world}, stage {c.layout.stage}"
+    held = c.layout.held if c.distributed else ()
+    where = (f"rank {c.layout.rank} of {c.layout.world}, stage"
+             f"{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}"
              if c.distributed else "one process")
     return f"{where}; devices {', '.join(dict.fromkeys(c.devices))}"
 
@@ -369,7 +385,11 @@ def _show_schedule(c: Compilation) -> str:
     actions = sum(len(stage) for stage in c.schedule.actions)
     reduce = (", each stage's all-reduce after its last action" if _delayed_allreduce(c.plan)
               else "")
-    return f"{c.schedule.name}: {actions} actions, sends and receives matched{reduce}"
+    placed = ("" if c.schedule.placement is None else
+              f", on {c.schedule.devices} devices (stage: device "
+              + " ".join(f"{s}:{d}" for s, d in enumerate(c.schedule.placement)) + ")")
+    return (f"{c.schedule.name}: {actions} actions, sends and receives matched{placed}"
+            f"{reduce}")
 
 
 PASSES = (

@@ -38,11 +38,6 @@ def check_user_schedule(schedule: Schedule) -> None:
             f"schedule {schedule.name!r} steps the optimizer inside the run (STEP actions, or "
             "several mini-batches): fxpipe runs only its own asynchronous schedule, "
             "schedule='async-1f1b'; give a flushed schedule of one mini-batch without STEP")
-    if schedule.placement is not None and schedule.devices < schedule.stages:
-        raise ScheduleError(
-            f"schedule {schedule.name!r} places {schedule.stages} stages on {schedule.devices} "
-            "devices; fxpipe's runtime runs one stage per device or rank so far: give one "
-            "action list per stage and no placement")
     for s, stage in enumerate(schedule.actions):
         _check_stage(schedule, s, stage)
     if schedule.lowered:

@@ -166,11 +166,14 @@ def train(name, stages, schedule, micro_batches, out):
         pipe.load_state_dict(initial.state_dict())
         losses = train_pipelined(pipe, data)
         _check_measures(pipe, data, stages)
-    else:
+    else:  # SCHEDULE*V: V stages per rank
+        schedule, _, per_rank = schedule.partition("*")
         model, data, loss_fn = build(name)
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
-                           loss_fn=loss_fn, costs="none")
+                           loss_fn=loss_fn, costs="none", stages_per_device=int(per_rank or 1))
         pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
+        held = sorted(pipe.executor.runners)
+        assert held == list(pipe.executor.schedule.stages_on(dist.get_rank())), held
         assert pipe.link.source.startswith("measured ping-pong")  # whatever the costs
         losses = train_pipelined(pipe, data)
     held = {id(p) for p in pipe.parameters()}  # each tied weight by its one name, if held
@@ -242,15 +245,17 @@ def _check_measures(pipe, data, stages):
 
 def _links(pipe):
     """This rank's one-way groups: (sending stage, receiving stage) -> the group's ranks, and
-    the directions the comm table's edges need to and from this rank's stage."""
+    the directions the comm table's edges need to and from this rank's stages (not between
+    two of them: those messages stay in the process)."""
     transport = pipe.executor.transport
-    stage = dist.get_rank() % len(pipe.stages)
+    held = set(pipe.executor.runners)
     needed = {pair for e in pipe.comm.edges for pair in ((e.src, e.dst), (e.dst, e.src))
-              if stage in pair}
+              if len(held & set(pair)) == 1}
     groups = {pair: dist.get_process_group_ranks(handle)
               for pair, handle in transport.links.items()}
     distinct = len({id(handle) for handle in transport.links.values()}) == len(transport.links)
-    return {"groups": groups, "needed": needed, "distinct": distinct}
+    return {"groups": groups, "needed": needed, "distinct": distinct,
+            "ranks": list(transport.ranks)}
 
 
 def _bytes_held(pipe):

@@ -49,7 +49,8 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
     for share in result["tied"]:
         for weight, tensor in share.items():
             copies.setdefault(weight, []).append(tensor)
-    assert all(len(same) > 1 for same in copies.values()), list(copies)
+    if "*" not in schedule:  # with several stages per rank, one rank may hold all its users
+        assert all(len(same) > 1 for same in copies.values()), list(copies)
     for same in copies.values():  # tied copies stay identical
         assert all(torch.equal(c, same[0]) for c in same)
     model, _, _ = dist_worker.build(name)
@@ -57,7 +58,8 @@ def _check(result_path: pathlib.Path, scenario: str) -> None:
     _check_binding(result["cpus"])
     for links in result["links"]:  # one group per direction, of its two ranks
         assert set(links["groups"]) == links["needed"] and links["distinct"], links
-        assert all(ranks == sorted(pair) for pair, ranks in links["groups"].items()), links
+        assert all(ranks == sorted(links["ranks"][s] for s in pair)  # the ranks of its stages
+               for pair, ranks in links["groups"].items()), links
 
 
 def _check_binding(ranks_threads) -> None:
@@ -70,7 +72,9 @@ def _check_binding(ranks_threads) -> None:
 @pytest.mark.parametrize("ranks, scenarios", [
     (2, ["skipnet:2:gpipe:3", "skipnet:2:1f1b:3", "gpt:2:1f1b:2", "skipnet:2:async-none:2",
          "skipnet:2:async-stash:2", "skipnet:2:async-2bw:2", "skipnet:2:async-predict:2",
-         "gpt-meta:2:1f1b:2", "gpt:2:zb-h1:3"]),
+         "gpt-meta:2:1f1b:2", "gpt:2:zb-h1:3",
+         # several stages per rank: GPT's tied weight on two ranks, then on rank 0 alone
+         "gpt:4:interleaved-1f1b*2:2", "gpt:4:zbv*2:3", "skipnet:4:looped-bfs*2:3"]),
     (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4", "skipnet:4:async-stash:1", "skipnet-meta:4:gpipe:3",
          "repeated:4:1f1b:3"]),  # a weight three ranks hold: all-reduced, not swapped
 ], ids=["2-ranks", "4-ranks"])
