@@ -72,7 +72,7 @@ def format_stage_table(
             f"micro-batch{'es' if partition.micro_batches != 1 else ''}, "
             + ("gpipe closed form" if partition.schedule == "gpipe" else
                f"{partition.schedule} simulated on a chain of stages")
-            + f", which the partitioners score): {format_ms(partition.predicted_time)} ms, bubble "
+            + f"): {format_ms(partition.predicted_time)} ms, bubble "
             f"{partition.bubble:.0%}, slowest forward {format_ms(partition.rho_f)} ms, slowest "
             f"backward {format_ms(partition.rho_b)} ms"
             + (f"; {simulated[0]} as the event simulator runs it: {format_ms(simulated[1])} ms"
