@@ -3,14 +3,14 @@
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \
         benchmarks/vs_torch_pipelining.py
 
-For each model and schedule of SCHEDULES (GPipe, 1F1B, ZB-H1), both runtimes run the same
-stages (the model is an nn.Sequential cut at the same children, Plan(unit_depth=1)), the same
-micro-batch count and the same loss, alternated round by round in one job (each rank sets one
-intra-op thread); a model's schedules take turns within each round as well, so that the
-machine's drift falls on every schedule alike. For ZB-H1 PyTorch runs
-ScheduleInterleavedZeroBubble with one stage per rank, whose action order is fxpipe's zb-h1
-action for action (checked before timing: a PyTorch schedule whose order differs from
-fxpipe's is refused).
+For each model and schedule of SCHEDULES (GPipe, 1F1B, ZB-H1, and with two stages per rank
+interleaved 1F1B, looped BFS and ZB-V), both runtimes run the same stages (the model is an
+nn.Sequential cut at the same children, Plan(unit_depth=1)), the same micro-batch count and the
+same loss, alternated round by round in one job (each rank sets one intra-op thread); a model's
+schedules take turns within each round as well, so that the machine's drift falls on every
+schedule alike. For ZB-H1 PyTorch runs ScheduleInterleavedZeroBubble with one stage per rank,
+whose action order is fxpipe's zb-h1 action for action (checked before timing: a PyTorch
+schedule whose order differs from fxpipe's is refused).
 
 Rank 0 prints a table, each cell the median (min-max) over rounds of that round's value: the
 step times (each round's median), fxpipe / torch, fxpipe's simulated step (`fxpipe.calibrate`
@@ -38,7 +38,10 @@ from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -48,15 +51,15 @@ from fxpipe.schedules import ActionKind, Schedule
 from fxpipe.schedules.csv_form import from_pytorch
 
 # fxpipe's schedule name: (PyTorch's schedule class, extra fxpipe.Plan arguments). The PyTorch
-# side takes its stages from fxpipe's compiled schedule (its stage count and `placement`), so a
-# schedule with several stages per rank is one more line here once fxpipe's Plan runs it, e.g.
-#   "interleaved-1f1b": (ScheduleInterleaved1F1B, {"stages": 4, ...}),
-#   "looped-bfs": (ScheduleLoopedBFS, {...}), "zbv": (ScheduleZBVZeroBubble, {...}),
-# with whatever Plan field then sets the stages per rank.
+# side takes its stages from fxpipe's compiled schedule (its stage count and `placement`).
+VIRTUAL = {"stages_per_device": 2}  # two stages per rank; Pair sets stages = 2 x ranks
 SCHEDULES: dict[str, tuple[type, dict]] = {
     "gpipe": (ScheduleGPipe, {}),
     "1f1b": (Schedule1F1B, {}),
     "zb-h1": (ScheduleInterleavedZeroBubble, {}),  # one stage per rank: ZB-H1, as fxpipe's
+    "interleaved-1f1b": (ScheduleInterleaved1F1B, VIRTUAL),
+    "looped-bfs": (ScheduleLoopedBFS, VIRTUAL),
+    "zbv": (ScheduleZBVZeroBubble, VIRTUAL),
 }
 _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W)
 
@@ -135,7 +138,8 @@ class Pair:
     def __init__(self, case: Callable, name: str, rank: int, world: int) -> None:
         self.label, model, self.x, self.y, loss_fn, self.chunks = case()
         kind, extra = SCHEDULES[name]
-        plan = fxpipe.Plan(**{"stages": world, "schedule": name, "micro_batches": self.chunks,
+        stages = world * extra.get("stages_per_device", 1)
+        plan = fxpipe.Plan(**{"stages": stages, "schedule": name, "micro_batches": self.chunks,
                               "unit_depth": 1, "loss_fn": loss_fn, **extra})
         self.pipe = fxpipe.compile(model, plan, example_inputs=(self.x,), example_target=self.y)
         self.name, self.schedule = name, self.pipe.executor.latest_schedule
