@@ -7,7 +7,7 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -62,12 +62,19 @@ class Driver:
         self.pool = (ThreadPoolExecutor(len(runners), thread_name_prefix="fxpipe-stage")
                      if len(runners) > 1 else None)
         self._state: dict[int, _StageState] = {}
+        self.stuck: list[int] = []  # stages whose worker never returned from a failed run
 
     def run(self, programs: Sequence[Sequence[Action]], run: Run, run_id: Any = None) -> Run:
         """Execute each of `programs` (a device's: the actions of the stages it holds, in the
         order it runs them) on its own worker, those whose stages are held here; `run_id`
         keeps this run's in-flight micro-batches apart from another run's (a forward now, its
         backward later)."""
+        if self.stuck:
+            raise FxpipeError(
+                f"the worker of stage(s) {self.stuck} is still running that stage's own code "
+                "from a step that failed, and a thread cannot be stopped, so this pipeline "
+                "cannot run again: compile the model again (and find why that code does not "
+                "return).")
         self.transport.reset()
         # thread-local, like grad mode: carried over to the workers
         autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
@@ -79,7 +86,7 @@ class Driver:
         if self.pool is None or len(walks) == 1:
             outcomes = [_error_of(*walk) for walk in walks]
         else:
-            outcomes = [f.exception() for f in [self.pool.submit(*walk) for walk in walks]]
+            outcomes = self._outcomes([self.pool.submit(*walk) for walk in walks], walks)
         failures = [(e.stage, e.error) for e in outcomes if e is not None]  # _StageFailed
         if not failures:
             self.transport.flush()
@@ -93,6 +100,24 @@ class Driver:
                                ) from error
         run.events.sort(key=lambda e: (e.stage, e.start))
         return run
+
+    def _outcomes(self, futures: Sequence[Future], walks: Sequence[tuple]) -> list[Any]:
+        """Each worker's failure, or None. Once one fails the others stop at their next
+        message (the transport is aborted), but a worker stuck in its stage's own code does
+        not: it gets the transport's timeout, then the run fails naming its stages."""
+        pending = wait(futures, return_when=FIRST_EXCEPTION).not_done
+        if pending:
+            pending = wait(pending, timeout=getattr(self.transport, "timeout", None)).not_done
+        if not pending:
+            return [f.exception() for f in futures]
+        self.stuck = sorted({a.stage for f, walk in zip(futures, walks) if f in pending
+                             for a in walk[1]})
+        failed = next(f.exception() for f in futures if f.done() and f.exception())
+        raise FxpipeError(
+            f"stage(s) {self.stuck} did not stop after the step failed ({failed.error!r}): "
+            "their worker is stuck in the stage's own code (a forward or backward that does not "
+            "return), and a thread cannot be stopped; this pipeline cannot run again: compile "
+            "the model again.") from failed.error
 
     def _walk(self, program: Sequence[Action], run: Run, run_id: Any, start: float,
               autocast: Sequence[tuple[str, torch.dtype]]) -> None:

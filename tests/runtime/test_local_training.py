@@ -4,6 +4,7 @@ optimizer, through the drop-in forward/backward and through step()."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -366,6 +367,35 @@ def test_a_failing_stage_stops_the_pipeline_with_its_error():
     with pytest.raises(RuntimeError, match="stage 1 failed: ValueError: boom on a micro-batch"):
         pipe.step(torch.randn(5, 4), torch.randn(5, 4))
     pipe.step(torch.randn(6, 4), torch.randn(6, 4))  # the pipeline still works afterwards
+
+
+def test_a_stage_stuck_in_its_own_code_fails_the_step_and_the_pipeline_says_so_after():
+    """Stage 1's forward does not return (it waits on an event the test sets at the end):
+    stage 2 gives up on its message at Plan(timeout=1), stage 1 gets as long again, then the
+    step fails naming it; the pipeline refuses to run again (its worker is still inside)."""
+    stick, release = threading.Event(), threading.Event()
+
+    class Stuck(nn.Module):
+        def forward(self, x):
+            if stick.is_set():  # once compiled: a forward that does not return
+                release.wait(60)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), Stuck(), nn.Linear(4, 4))
+    plan = fxpipe.Plan(stages=3, micro_batches=2, tracer="fx", leaf_modules=[Stuck],
+                       loss_fn=F.mse_loss, costs="none", timeout=1)
+    pipe = fxpipe.compile(model, plan, example_inputs=(torch.randn(4, 4),))
+    stick.set()
+    try:
+        with pytest.raises(fxpipe.FxpipeError, match=r"stage\(s\) \[1\] did not stop after the "
+                           r"step failed .* stuck in the stage's own code .* compile the model "
+                           r"again"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+        with pytest.raises(fxpipe.FxpipeError, match=r"the worker of stage\(s\) \[1\] is still "
+                           r"running that stage's own code .* cannot run again"):
+            pipe(torch.randn(4, 4))
+    finally:
+        release.set()
 
 
 def test_an_output_made_by_an_early_stage_gets_its_gradient_back():
