@@ -4,6 +4,7 @@ each gradient of each autograd node once (W does not walk the activation path ag
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import Counter
 
 import torch
@@ -129,3 +130,28 @@ def test_b_and_w_compute_each_gradient_once_like_the_unsplit_backward():
         assert Square.calls == 1  # an activation-only node runs once
         counts.append(log)
     assert counts[1] == counts[0]
+
+
+def test_nothing_of_a_micro_batch_outlives_its_w():
+    """Once W ran and the outputs are dropped, every tensor the forward saved is freed: the
+    gradients B captured are not kept (and a discarded B, never followed by W, frees them too)."""
+    model = Net(shared=True).double()
+    x, z = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    for run_w in (True, False):
+        saved = []
+
+        def pack(tensor, saved=saved):
+            held = tensor.detach()  # what the graph holds (the tensor itself would be a cycle)
+            saved.append(weakref.ref(held))
+            return held
+
+        leaves = [t.detach().requires_grad_() for t in (x, z)]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            outputs = model(*leaves)
+        grads = [torch.ones_like(outputs[0]), torch.ones_like(outputs[1]), None]
+        found, work = input_backward(outputs[:2], grads[:2], leaves)
+        assert work.captured and saved
+        if run_w:
+            weight_backward(work)
+        del outputs, work, found, leaves
+        assert all(ref() is None for ref in saved), run_w
