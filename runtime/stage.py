@@ -10,6 +10,7 @@ import torch
 
 from fxpipe.ir import Stage, StageArgs, StageHook, StageIO
 from fxpipe.runtime.consistency import WeightPolicy
+from fxpipe.runtime.split_backward import WeightWork, input_backward, weight_backward
 from fxpipe.runtime.transport import MicroBatchKey
 
 __all__ = ["StageRunner"]
@@ -35,9 +36,9 @@ class StageRunner:
         self.device = torch.device(device)
         self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
         self._in_flight: dict[Any, tuple[list[Any], tuple[Any, ...], list[torch.Tensor]]] = {}
-        # split backwards (zero-bubble): micro-batch -> the roots of its backward and their
-        # gradients, whose graph (and so activations) is kept until its weight gradient
-        self._awaiting_weights: dict[Any, tuple[list[torch.Tensor], list[Any]]] = {}
+        # split backwards (zero-bubble): micro-batch -> what its weight gradient still computes,
+        # whose graph (and so activations) is kept until then
+        self._awaiting_weights: dict[Any, WeightWork] = {}
         self.peak_in_flight = 0  # most micro-batches held at once so far
         self.policy: WeightPolicy | None = None  # asynchronous schedules: which weights to use
 
@@ -92,12 +93,9 @@ class StageRunner:
                 grad_tensors.append(grad)
         leaves = [(name, leaf) for name, leaf in zip(self.io.inputs, inputs)
                   if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        if split:
-            found = [None] * len(leaves)
-            if tensors and leaves:  # the weights' part of the graph stays for weight_backward
-                found = torch.autograd.grad(tensors, [leaf for _, leaf in leaves], grad_tensors,
-                                            retain_graph=True, allow_unused=True)
-            self._awaiting_weights[key] = (tensors, grad_tensors)
+        if split:  # the weights' part of the graph stays for weight_backward
+            found, self._awaiting_weights[key] = input_backward(
+                tensors, grad_tensors, [leaf for _, leaf in leaves])
         else:
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
@@ -117,10 +115,7 @@ class StageRunner:
         """The parameters' gradients of a micro-batch whose `backward(split=True)` ran,
         accumulated into `.grad` as the unsplit backward does; then its activations and graph
         are released and the hook fires (`last` as backward's)."""
-        tensors, grad_tensors = self._awaiting_weights.pop(key)
-        params = [p for p in self.stage.module.parameters() if p.requires_grad]
-        if tensors and params:
-            torch.autograd.backward(tensors, grad_tensors, inputs=params)
+        weight_backward(self._awaiting_weights.pop(key))
         self._finished(key, last)
 
     def _finished(self, key: MicroBatchKey, last: bool) -> None:

@@ -162,6 +162,41 @@ def test_the_split_backward_equals_the_unsplit_one_on_each_stage(name):
             torch.testing.assert_close(split_params[n], g, rtol=1e-12, atol=0, msg=n)
 
 
+def test_a_stages_b_and_w_run_each_gradient_once():
+    """On every stage of a compiled model: the gradients B and W compute together are the
+    unsplit backward's, each once."""
+    model, x, _, loss_fn = _case("skipnet", 4, 0)
+    pipe = _compile(model, x, loss_fn, 3, 1, schedule="1f1b")
+    values = _stage_values(pipe, x)
+    for runner in pipe.executor.runners.values():
+        feeds = {name: values[name] for name in runner.io.inputs}
+        counts = []
+        for split in (False, True):
+            log: Counter = Counter()
+            key = MicroBatchKey(("count", split), 0)
+            outputs = runner.forward(key, feeds)
+            _count_gradients([outputs[n] for n in runner.io.outputs], log)
+            grads = {n: torch.ones_like(outputs[n]) for n in runner.io.outputs}
+            runner.backward(key, grads, split=split)
+            if split:
+                runner.weight_backward(key)
+            counts.append(log)
+        assert counts[0] and counts[1] == counts[0], runner.index
+
+
+def _count_gradients(roots, log: Counter) -> None:
+    """Count, per autograd node kind and edge, every gradient the graph below `roots` computes."""
+    seen, stack = set(), [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        node.register_hook(lambda grads_in, _, node=node: log.update(
+            (node.name(), i) for i, g in enumerate(grads_in) if g is not None))
+        stack += [c for c, _ in node.next_functions if c is not None]
+
+
 def _stage_values(pipe, x):
     """Every value the stages exchange, by name, from one forward through the runners."""
     values = {pipe.comm.graph_inputs[0]: x}
