@@ -91,10 +91,15 @@ class Pipelined(torch.autograd.Function):
             if grad is None:
                 continue
             if position in call.shares:  # one number, its micro-batches' added by their shares
-                pieces = [scaled(grad, share) for share in call.shares[position]]
+                # none for a micro-batch that counts nothing: its own loss may be 0/0, and a
+                # zero gradient through it nan
+                pieces = [None if float(share) == 0 else scaled(grad, share)
+                          for share in call.shares[position]]
             else:
                 pieces = torch.tensor_split(grad, ends) if grad.dim() > 0 else [grad]
             for mb, piece in enumerate(pieces):
+                if piece is None:
+                    continue
                 previous = output_grads[mb].get(name)
                 output_grads[mb][name] = piece if previous is None else previous + piece
         run = executor.run_backward(call, output_grads)

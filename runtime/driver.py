@@ -116,8 +116,9 @@ class Driver:
         raise FxpipeError(
             f"stage(s) {self.stuck} did not stop after the step failed ({failed.error!r}): "
             "their worker is stuck in the stage's own code (a forward or backward that does not "
-            "return), and a thread cannot be stopped; this pipeline cannot run again: compile "
-            "the model again.") from failed.error
+            "return), and a thread cannot be stopped; this pipeline cannot run again (compile "
+            "the model again), and the process exits only once that code returns.") \
+            from failed.error
 
     def _walk(self, program: Sequence[Action], run: Run, run_id: Any, start: float,
               autocast: Sequence[tuple[str, torch.dtype]]) -> None:

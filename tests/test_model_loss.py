@@ -148,3 +148,65 @@ def test_decide_keeps_the_rules_whose_join_of_the_halves_gives_the_whole(whole, 
                                                                           kept):
     weights = {"shifted": [0, 4], "tokens": [3, 1], "samples": [2, 2], "sum": [2, 2]}
     assert decide(list(weights), weights, whole, first, second, 1e-4) == kept
+
+
+def test_the_rule_is_found_when_the_examples_first_label_column_is_all_ignored():
+    """A prompt masked in the example (column 0 all -100) still tells a token mean from a
+    shifted one: the probes count entries of their own."""
+    example = torch.randint(0, VOCAB, (4, 6))
+    labels = example.clone()
+    labels[:, 0] = -100
+    pipe = fxpipe.compile(TokenModel("tokens"), fxpipe.Plan(stages=2, micro_batches=2,
+                                                            costs="none"),
+                          example_inputs=(example,), example_kwargs={"labels": labels})
+    assert "a mean over the entries of labels other than -100\n" in repr(pipe) + "\n"
+
+
+class Targets(nn.Module):
+    """Labels given as `targets=`, and a masked token mean written out by hand (a micro-batch
+    with nothing counted divides 0 by 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.embed(idx))
+        counted = targets != -100
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(),
+                                 reduction="none").view_as(targets)
+        return (losses * counted).sum() / counted.sum(), logits
+
+
+def test_targets_are_labels_too_and_a_micro_batch_counting_nothing_adds_no_gradient():
+    model = Targets().double()
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, VOCAB, (8, 5))
+    pipe = fxpipe.compile(model, fxpipe.Plan(stages=2, micro_batches=2, costs="none"),
+                          example_inputs=(idx, idx))
+    assert "a mean over the entries of targets other than -100" in repr(pipe)
+    targets = idx.clone()
+    targets[:4] = -100  # the first micro-batch counts nothing
+    pipe(idx, targets)[0].backward()
+    reference(idx, targets)[0].backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+class OneHot(nn.Module):
+    """A per-sample mean over labels that cannot be -100 (one_hot refuses them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 3), nn.Linear(3, VOCAB)
+
+    def forward(self, x, labels):
+        logits = self.head(self.body(x))
+        return -(F.one_hot(labels, VOCAB) * logits.log_softmax(-1)).sum(-1).mean(), logits
+
+
+def test_a_loss_whose_labels_cannot_be_ignored_is_a_mean_over_samples():
+    x, labels = torch.randn(6, 3), torch.randint(0, VOCAB, (6,))
+    pipe = fxpipe.compile(OneHot(), fxpipe.Plan(stages=2, micro_batches=3, costs="none"),
+                          example_inputs=(x,), example_kwargs={"labels": labels})
+    assert "joins over micro-batches as a mean over samples" in repr(pipe)

@@ -15,17 +15,19 @@ from fxpipe.errors import PlanError
 from fxpipe.materialize import has_meta_tensors
 from fxpipe.preserve import modes_kept, preserved_state
 
-__all__ = ["PREFERENCE", "decide", "scalar_joins"]
+__all__ = ["LABEL_NAMES", "PREFERENCE", "decide", "scalar_joins"]
 
 # the order in which rules no probe could tell apart are taken: each agrees with the later
 # ones on every batch without ignored labels
 PREFERENCE = ("shifted", "tokens", "samples", "sum")
+LABEL_NAMES = ("labels", "label", "targets", "target")  # arguments a loss's labels come as
 PROBE_ROWS = 4  # of the example, which the probes run on: enough for every probe
 
 
 def scalar_joins(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
                  positions: Sequence[int], batch: int, given_whole: set[str],
-                 labels_input: str | None, distributed: bool) -> dict[int, ScalarJoin]:
+                 labels_input: tuple[str, str] | None, distributed: bool
+                 ) -> dict[int, ScalarJoin]:
     """How each one-number output at `positions` of the flat model output joins over
     micro-batches: the model is run (in eval mode, without side effects) on the example and on
     its two halves, with some of the `labels` argument's entries set to IGNORE_INDEX, and the
@@ -48,15 +50,23 @@ def scalar_joins(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
     bound = _first_rows(inspect.signature(model.forward).bind(*args, **kwargs), rows, batch,
                         given_whole)
     batch = rows
-    labels = _labels(bound, batch) if labels_input is not None else None
-    possible = ["samples", "sum"]
-    if labels is not None:  # a shifted count needs a sequence in each row
-        possible = ["shifted", "tokens", *possible] if labels.dim() >= 2 else ["tokens", *possible]
-    rules = {p: list(possible) for p in positions}
+    name = labels_input[1] if labels_input is not None else None
+    labels = _labels(bound, batch, name) if name is not None else None
+    counted = () if labels is None else ("shifted", "tokens") if labels.dim() >= 2 else ("tokens",)
+    rules = {p: [r for r in PREFERENCE if r in ("samples", "sum", *counted)] for p in positions}
     sizes = split_sizes(batch, 2)
     for probe in _probes(labels, sizes):
-        runs = [_outputs(model, bound, probe, half, given_whole, positions, batch)
-                for half in (None, 0, 1)]
+        try:
+            runs = [_outputs(model, bound, probe, half, given_whole, positions, batch, name)
+                    for half in (None, 0, 1)]
+        except PlanError:
+            raise
+        except Exception:  # the model cannot take -100 labels: its loss counts no tokens
+            if probe is labels:
+                raise
+            rules = {p: [r for r in r_ if r not in ("shifted", "tokens")]
+                     for p, r_ in rules.items()}
+            continue
         values = [[float(v) for v in run] for run in runs]
         pieces = None if probe is None else split([probe], 2, batch=batch)
         for i, position in enumerate(positions):
@@ -73,7 +83,7 @@ def scalar_joins(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any],
                     "whole, so its micro-batches' values cannot make the batch's: train with "
                     "Plan(loss_fn=...) and pipe.step(x, target) (compile(example_target=...) "
                     "times the loss), passing no labels, or use micro_batches=1.")
-    return {p: ScalarJoin(r[0], labels_input if r[0] in ("tokens", "shifted") else None)
+    return {p: ScalarJoin(r[0], labels_input[0] if r[0] in ("tokens", "shifted") else None)
             for p, r in rules.items()}
 
 
@@ -116,12 +126,12 @@ def _first_rows(bound: inspect.BoundArguments, rows: int, batch: int, given_whol
         for name, value in bound.arguments.items()})
 
 
-def _labels(bound: inspect.BoundArguments, batch: int) -> torch.Tensor | None:
-    """The labels argument, when it is an integer tensor with a row per sample."""
-    labels = bound.arguments.get("labels")
-    for name, parameter in bound.signature.parameters.items():
+def _labels(bound: inspect.BoundArguments, batch: int, name: str) -> torch.Tensor | None:
+    """The labels argument `name`, when it is an integer tensor with a row per sample."""
+    labels = bound.arguments.get(name)
+    for kind, parameter in bound.signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD and labels is None:
-            labels = bound.arguments.get(name, {}).get("labels")
+            labels = bound.arguments.get(kind, {}).get(name)
     if (isinstance(labels, torch.Tensor) and labels.dim() > 0 and labels.shape[0] == batch
             and not labels.is_floating_point() and not labels.is_complex()):
         return labels
@@ -134,28 +144,31 @@ def _probes(labels: torch.Tensor | None, sizes: Sequence[int]) -> Iterator[torch
     then the labels as given."""
     if labels is not None:
         first = sizes[0]
+        counted = labels[labels != IGNORE_INDEX]  # a kept entry is counted: a valid label
+        valid = counted[0] if counted.numel() else torch.zeros((), dtype=labels.dtype)
         if labels.dim() >= 2:
             for column in range(min(labels.shape[1], 2)):
                 probe = labels.clone()
                 keep = probe[:first, column].clone()
                 probe[:first] = IGNORE_INDEX
-                probe[:first, column] = keep
+                probe[:first, column] = torch.where(keep == IGNORE_INDEX, valid, keep)
                 yield probe
         if first >= 2:
             probe = labels.clone()
             probe[1:first] = IGNORE_INDEX
+            probe[0] = torch.where(probe[0] == IGNORE_INDEX, valid, probe[0])
             yield probe
     yield labels
 
 
 def _outputs(model: torch.nn.Module, bound: inspect.BoundArguments,
              labels: torch.Tensor | None, half: int | None, given_whole: set[str],
-             positions: Sequence[int], batch: int) -> list[torch.Tensor]:
+             positions: Sequence[int], batch: int, name: str | None) -> list[torch.Tensor]:
     """The model's one-number outputs at `positions`, run on the example (its first or second
     half) with `labels` in place of its labels."""
     arguments = dict(bound.arguments)
     if labels is not None:
-        _replace_labels(bound.signature, arguments, labels)
+        _replace_labels(bound.signature, arguments, labels, name)
     if half is not None:
         names = list(arguments)
         pieces = split([arguments[n] for n in names], 2,
@@ -175,12 +188,12 @@ def _outputs(model: torch.nn.Module, bound: inspect.BoundArguments,
 
 
 def _replace_labels(signature: inspect.Signature, arguments: dict[str, Any],
-                    labels: torch.Tensor) -> None:
-    if "labels" in arguments:
-        arguments["labels"] = labels
+                    labels: torch.Tensor, name: str) -> None:
+    if name in arguments:
+        arguments[name] = labels
         return
-    for name, parameter in signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD and "labels" in arguments.get(name, {}):
-            arguments[name] = {**arguments[name], "labels": labels}
+    for kind, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in arguments.get(kind, {}):
+            arguments[kind] = {**arguments[kind], name: labels}
 
 

@@ -24,7 +24,7 @@ from fxpipe.compiler.inputs import (
 )
 from fxpipe.compiler.intra_layer import split_heavy_layers
 from fxpipe.compiler.loss import check_target, traced_loss
-from fxpipe.compiler.model_loss import scalar_joins
+from fxpipe.compiler.model_loss import LABEL_NAMES, scalar_joins
 from fxpipe.compiler.partitioning import choose_partition
 from fxpipe.compiler.state import Compilation, Pass, ensure
 from fxpipe.cost import CostTable, Link, fit_to_flops
@@ -114,7 +114,8 @@ def cut(c: Compilation) -> None:
     owners = c.traced.bind.argument_of_each_input(c.args, c.kwargs)  # per graph input
     check_batched_inputs(c.traced, c.plan, c.flat, owners, c.whole)
     placeholders = [n.name for n in c.traced.gm.graph.nodes if n.op == "placeholder"]
-    labels = next((name for name, owner in zip(placeholders, owners) if owner == "labels"), None)
+    labels = next(((name, owner) for name, owner in zip(placeholders, owners)
+                   if owner in LABEL_NAMES), None)
     c.scalar_joins = scalar_joins(
         c.model, c.args, c.kwargs, check_per_sample_outputs(c.traced, c.plan, c.batch), c.batch,
         {owners[i] for i in c.whole}, labels, c.distributed or c.plan.groups > 1)
