@@ -76,14 +76,14 @@ def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
         return statistics.median(measured) - predicted if measured else 0.0
 
     def backward(stage: int) -> float:
-        """Per B action; where the schedule split the backward, per B or W action, each
-        against its share of the stage's backward, as the simulator splits it."""
+        """Per B action, against the stage's backward, or where the schedule split it, against
+        B's share of it, as the simulator splits it."""
         b = partition.stages[stage].b
-        if (stage, K.W) not in took:
-            return beyond(stage, K.B, b)
-        excess = ([d - b * (1 - WEIGHT_SHARE) for d in took.get((stage, K.B), [])]
-                  + [d - b * WEIGHT_SHARE for d in took[stage, K.W]])
-        return statistics.median(excess)
+        return beyond(stage, K.B, b * (1 - WEIGHT_SHARE) if (stage, K.W) in took else b)
+
+    def weight(stage: int) -> float:
+        """Per W action, against W's share of the stage's backward (0 without W)."""
+        return beyond(stage, K.W, partition.stages[stage].b * WEIGHT_SHARE)
 
     def sending(stage: int) -> float:
         sends = took.get((stage, K.SEND_F), []) + took.get((stage, K.SEND_B), [])
@@ -94,4 +94,5 @@ def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
         tuple(backward(s) for s in range(stages)),
         tuple(sending(s) for s in range(stages)),
         statistics.median(outside), len(runs), tuple(sizes or ()), tuple(partition.bounds),
+        tuple(weight(s) for s in range(stages)) if any(kind is K.W for _, kind in took) else (),
     )

@@ -25,19 +25,24 @@ class Calibration:
     """
 
     forward: tuple[float, ...]  # per F action, beyond the stage's predicted forward
-    backward: tuple[float, ...]  # per B (and W) action, beyond the stage's predicted backward
-    # (its share of it where the schedule splits the backward)
+    backward: tuple[float, ...]  # per B action, beyond the stage's predicted backward (its
+    # share of it where the schedule splits the backward)
     send: tuple[float, ...]  # per SEND action: the stage's time to hand a message over
     step: float  # per step, outside the span of its actions (splitting, starting the workers)
     steps: int  # how many steps were measured
     sizes: tuple[int, ...]  # the micro-batch sizes the steps ran (samples)
     bounds: tuple[int, ...]  # the partition it was measured against
+    # per W action, beyond its share of the stage's backward (apart from B's: a first stage's
+    # B has no input gradient to compute, and its W is the whole backward); () for backward's
+    weight: tuple[float, ...] = ()
 
     def overheads(self) -> dict[tuple[int, ActionKind], float]:
         """The simulator's per-action overhead table (simulate(overhead=...))."""
         table = {}
-        for s, (f, b, send) in enumerate(zip(self.forward, self.backward, self.send)):
-            table.update({(s, K.F): f, (s, K.B): b, (s, K.W): b, (s, K.SEND_F): send,
+        weight = self.weight or self.backward
+        for s, (f, b, w, send) in enumerate(zip(self.forward, self.backward, weight,
+                                                self.send)):
+            table.update({(s, K.F): f, (s, K.B): b, (s, K.W): w, (s, K.SEND_F): send,
                           (s, K.SEND_B): send})
         return table
 
@@ -46,7 +51,8 @@ class Calibration:
             return "/".join(f"{v * 1e6:+.0f}" for v in values)
 
         return (f"calibration over {self.steps} steps: per action beyond the stage's predicted "
-                f"cost, forward {us(self.forward)} us, backward {us(self.backward)} us; per "
+                f"cost, forward {us(self.forward)} us, backward {us(self.backward)} us"
+                + (f", weight gradient {us(self.weight)} us" if self.weight else "") + "; per "
                 f"message sent {us(self.send)} us (per stage); per step outside its actions "
                 f"{self.step * 1e3:.2f} ms")
 

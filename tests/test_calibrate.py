@@ -63,6 +63,26 @@ def test_a_calibration_is_what_each_action_took_beyond_its_stages_predicted_cost
             assert e.duration == pytest.approx(expected, abs=1e-12)
 
 
+@given(b=st.lists(st.floats(1e-4, 1e-2), min_size=2, max_size=2),
+       took_b=st.lists(st.floats(0, 1e-2), min_size=2, max_size=2),
+       took_w=st.lists(st.floats(1e-4, 1e-2), min_size=2, max_size=2))
+def test_a_split_backward_is_calibrated_apart_for_b_and_w(b, took_b, took_w):
+    """zb-h1: every B of stage s took took_b[s] and every W took_w[s] (a first stage's B
+    computes no input gradient: near 0); the calibrated simulation gives each what it took,
+    where one median of both would give neither."""
+    partition = _partition([1e-3, 1e-3], b)
+    schedule = lower("zb-h1", 2, 2, [(0, 1)])
+    steps = [simulate(schedule, [1e-3, 1e-3], took_b, weight=took_w).events for _ in range(3)]
+    walls = [max(e.end for e in events) for events in steps]
+    calibration = calibration_from(steps, walls, partition, [3, 3])
+    calibrated = simulate(schedule, [s.f for s in partition.stages],
+                          [s.b for s in partition.stages], overhead=calibration.overheads())
+    for e in calibrated.events:
+        if e.action.kind in (K.B, K.W):
+            expected = (took_b if e.action.kind is K.B else took_w)[e.stage]
+            assert e.duration == pytest.approx(expected, abs=1e-12)
+
+
 def test_the_medians_of_the_actions_count():
     partition = _partition([1.0, 1.0], [1.0, 1.0], p=1)
     runs = [[Event(0, Action(0, K.F, 0), 0.0, seconds)] for seconds in (2.0, 9.0, 3.0)]
