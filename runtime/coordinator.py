@@ -11,7 +11,7 @@ import torch.distributed as dist
 from fxpipe.batching import input_dims, split
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import Event
-from fxpipe.runtime.hooks import GradientSync
+from fxpipe.runtime.gradient_sync import GradientSync
 from fxpipe.schedules import Action
 
 __all__ = ["Coordinator", "DistCoordinator"]

@@ -19,7 +19,7 @@ from fxpipe.plan import Plan
 from fxpipe.runtime.coordinator import DistCoordinator
 from fxpipe.runtime.dist import DistTransport
 from fxpipe.runtime.executor import PipelineExecutor
-from fxpipe.runtime.hooks import GradientSync
+from fxpipe.runtime.gradient_sync import GradientSync
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.units import Unit
 

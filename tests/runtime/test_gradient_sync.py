@@ -16,9 +16,9 @@ from torch import nn
 import fxpipe
 from fxpipe import Plan
 from fxpipe.compiler import passes
-from fxpipe.runtime import hooks
+from fxpipe.runtime import gradient_sync
 from fxpipe.runtime.coordinator import Coordinator
-from fxpipe.runtime.hooks import GradientSync
+from fxpipe.runtime.gradient_sync import GradientSync
 from fxpipe.schedules import ActionKind as K
 from fxpipe.schedules import add_step
 
@@ -51,7 +51,7 @@ def _step(mode: str, shapes, bucket_bytes: int):
     finish() before the optimizer step. Returns the collectives, the gradients before and
     after, and the number of buckets."""
     recorder = _Recorder()
-    with mock.patch.object(hooks, "dist", recorder):
+    with mock.patch.object(gradient_sync, "dist", recorder):
         return (recorder.calls, *_run(recorder, mode, shapes, bucket_bytes))
 
 
@@ -104,7 +104,7 @@ def test_a_parameter_without_a_gradient_is_reduced_as_zeros(mode, launched, monk
     buckets (a group that skipped it would misalign the others' all-reduce); gradients are
     reduced once, by finish() where no ALLREDUCE action launched them."""
     recorder = _Recorder()
-    monkeypatch.setattr(hooks, "dist", recorder)
+    monkeypatch.setattr(gradient_sync, "dist", recorder)
     used, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
     used.grad = torch.ones(3)
     sync = GradientSync(0, [used, unused], group="data-parallel", mode=mode)
