@@ -12,7 +12,7 @@ from fxpipe.schedules import Schedule, build, peak_activations
 from fxpipe.simulate import Timeline, simulate
 
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
-           "simulate_stages", "step_times"]
+           "simulate_stages", "stage_costs_at", "step_times"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,17 +322,22 @@ def _affine_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return alpha, beta
 
 
-def step_times(cost: CostTable, bounds: Sequence[int], counts: Sequence[int]) -> np.ndarray:
-    """T(λ, p) of ALGORITHMS §1 for every micro-batch count in `counts`, in one numpy pass."""
+def stage_costs_at(cost: CostTable, bounds: Sequence[int], counts: Sequence[int]
+                   ) -> tuple[np.ndarray, ...]:
+    """Per micro-batch count in `counts` (rows) and stage (columns): forward, backward, and
+    the links after each stage but the last, forward and backward."""
     bounds = check_bounds(bounds, cost.units)
-    counts = np.asarray(counts, dtype=np.float64)
-    f, b, cf, cb = cost.at(counts)  # (P, K)
+    f, b, cf, cb = cost.at(np.asarray(counts, dtype=np.float64))  # (P, K)
     ends = np.asarray(bounds)
     starts = np.concatenate([[0], ends[:-1]])
-    stage_f = np.add.reduceat(f, starts, axis=1)
-    stage_b = np.add.reduceat(b, starts, axis=1)
-    link_f = cf[:, ends[:-1] - 1]
-    link_b = cb[:, ends[:-1] - 1]
+    return (np.add.reduceat(f, starts, axis=1), np.add.reduceat(b, starts, axis=1),
+            cf[:, ends[:-1] - 1], cb[:, ends[:-1] - 1])
+
+
+def step_times(cost: CostTable, bounds: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+    """T(λ, p) of ALGORITHMS §1 for every micro-batch count in `counts`, in one numpy pass."""
+    counts = np.asarray(counts, dtype=np.float64)
+    stage_f, stage_b, link_f, link_b = stage_costs_at(cost, bounds, counts)
     rho_f = np.maximum(stage_f.max(axis=1), link_f.max(axis=1, initial=0.0))
     rho_b = np.maximum(stage_b.max(axis=1), link_b.max(axis=1, initial=0.0))
     trip = stage_f.sum(1) + stage_b.sum(1) + link_f.sum(1) + link_b.sum(1)

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from fxpipe.cost import CostTable, Partition, check_bounds
+from fxpipe.cost import CostTable, Partition, check_bounds, stage_costs_at
 from fxpipe.passes.partition.balanced import TIE
 from fxpipe.simulate import WEIGHT_SHARE
 
@@ -47,17 +47,12 @@ def step_lower_bounds(cost: CostTable, bounds: Sequence[int], counts: Sequence[i
     For balanced stages without links it is the 1F1B step itself (and ZB-H1's where F, B and W
     take the same time), so it prunes well.
     """
-    bounds = check_bounds(bounds, cost.units)
     streams = SCORED_SCHEDULES[schedule]
     w = 0.0 if schedule in _WHOLE_BACKWARD else WEIGHT_SHARE
     counts = np.asarray(counts, dtype=np.float64)
-    f, b, cf, cb = cost.at(counts)  # (P, K)
-    ends = np.asarray(bounds)
-    starts = np.concatenate([[0], ends[:-1]])
-    stage_f = np.add.reduceat(f, starts, axis=1)
-    stage_b = np.add.reduceat(b, starts, axis=1)
-    link_f, link_b = np.zeros_like(stage_f), np.zeros_like(stage_b)
-    link_f[:, :-1], link_b[:, :-1] = cf[:, ends[:-1] - 1], cb[:, ends[:-1] - 1]
+    stage_f, stage_b, cf, cb = stage_costs_at(cost, bounds, counts)
+    link_f, link_b = np.zeros_like(stage_f), np.zeros_like(stage_b)  # none after the last
+    link_f[:, :-1], link_b[:, :-1] = cf, cb
     head = np.cumsum(stage_f + link_f, axis=1) - (stage_f + link_f)
     tail = np.cumsum(stage_b * (1 - w) + link_b, axis=1) - (stage_b * (1 - w) + link_b)
     tail[:, 1:] += w * stage_b[:, :1]
