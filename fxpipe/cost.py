@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.schedules import Schedule, build, peak_activations
+from fxpipe.memory import in_flight, stage_memory
+from fxpipe.schedules import Schedule, build
 from fxpipe.simulate import Timeline, simulate
 
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
@@ -203,23 +204,21 @@ class Partition:
         GPipe's simulated step on a chain of stages; for any other `schedule`, its step as
         `simulate_stages` plays it (per mini-batch for async-1f1b, which streams two).
 
-        The memory estimate per stage counts weights, gradients and `optimizer_slots` more
-        copies (2: Adam's moments), plus the activations of the micro-batches in flight (p for
-        gpipe, at most N − s on stage s for the 1F1B schedules, at most N on every stage for
-        zb-h1, which holds them until their deferred weight gradient, the most a user's
-        `Schedule` holds at once on each stage).
+        The memory estimate per stage (`fxpipe.memory.stage_memory`) counts weights,
+        gradients and `optimizer_slots` more copies (2: Adam's moments), plus the activations
+        of the most micro-batches the schedule holds in flight on that stage
+        (`peak_activations`: p for gpipe, at most N − s on stage s for 1f1b).
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
         saved = cost.saved_bytes(p)
         starts = (0, *bounds[:-1])
+        held = in_flight(schedule, len(bounds), p)
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
-            in_flight = (peak_activations(schedule)[s] if isinstance(schedule, Schedule)
-                         else p if schedule == "gpipe" else min(len(bounds), p)
-                         if schedule == "zb-h1" else min(len(bounds) - s, p))
-            weights = float(cost.param_bytes[start:end].sum()) * (2 + optimizer_slots)
+            memory = stage_memory(cost.param_bytes[start:end], saved[start:end], held[s],
+                                  optimizer_slots=optimizer_slots)
             stages.append(StageCost(
                 (start, end),
                 float(f[start:end].sum()),
@@ -227,7 +226,7 @@ class Partition:
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
-                weights + in_flight * float(saved[start:end].sum()),
+                memory.total,
             ))
         time, rho_f, rho_b = _closed_form(stages, p)
         busy = p * sum(s.f + s.b for s in stages)
