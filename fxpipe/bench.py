@@ -151,7 +151,8 @@ class _Configuration:
     def row(self, stages: int) -> BenchRow:
         pipe, calibration = self.pipe, self.calibration
         predicted = pipe.predicted_timeline(calibration)
-        measured = step_time(pipe.full_trace(), stages)  # the last timed step's
+        measured = step_time(pipe.full_trace(), stages,  # the last timed step's
+                             pipe.executor.latest_schedule.placement)
         every = [t for times in self.rounds for t in times]
         medians = [statistics.median(times) for times in self.rounds]
         return BenchRow(

@@ -30,7 +30,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.loading import bench_build, bundled_model, factory, load_model
 from fxpipe.models import MODELS
-from fxpipe.plan import PARTITIONERS, SCHEDULES, Plan
+from fxpipe.plan import PARTITIONERS, SCHEDULES, VIRTUAL, Plan
 from fxpipe.schedules import build, peak_activations
 
 __all__ = ["at_least_one", "main"]
@@ -46,13 +46,14 @@ _ONE_PER_STAGE = "default: one per stage (up to the batch), as Plan's"
 
 def _demo(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
-    _threads_per_stage(args.threads, args.stages)
+    _threads_per_stage(args.threads, args.stages // args.stages_per_device)
     spec = bundled_model(args.model)
     model = spec.build()
     data = torch.Generator().manual_seed(args.seed)
     x, y = spec.batch(args.batch, data)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
-                micro_batches=args.micro_batches, schedule=args.schedule, loss_fn=spec.loss_fn)
+                micro_batches=args.micro_batches, schedule=args.schedule, loss_fn=spec.loss_fn,
+                stages_per_device=args.stages_per_device)
     pipe = compile(model, plan, example_inputs=(x,), example_target=y)
     print(pipe)
     print()
@@ -64,7 +65,7 @@ def _demo(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     print(f"training {args.steps} steps on one fixed batch of {args.batch} "
           f"(SGD, lr={args.lr}, momentum 0.9) through the compiled pipeline, "
-          f"{args.schedule} over {plan.stages} stage threads:")
+          f"{args.schedule} over {plan.device_count} worker threads:")
     for step in range(args.steps):
         optimizer.zero_grad()
         loss = pipe.step(x, y)
@@ -110,7 +111,8 @@ def _plan(args: argparse.Namespace) -> None:
     if args.json:
         check_output_path("--json", args.json)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
-                micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer)
+                micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer,
+                stages_per_device=args.stages_per_device)
     schedules = _compared_schedules(args, plan)
     model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
@@ -252,7 +254,8 @@ def _compared_schedules(args: argparse.Namespace, plan: Plan) -> list[str]:
 def _schedule_comparison(pipe, schedules: Sequence[str]) -> str:
     rows = []
     for name, part in compare_schedules(pipe, schedules).items():
-        peaks = peak_activations(build(name, len(part.stages), part.micro_batches))
+        placed = {"devices": pipe.plan.device_count} if name in VIRTUAL else {}
+        peaks = peak_activations(build(name, len(part.stages), part.micro_batches, **placed))
         rows.append([name, format_sizes(part.sizes), part.micro_batches,
                      f"{part.predicted_time * 1e3:.2f}", f"{part.bubble:.0%}",
                      "/".join(map(str, peaks)), format_bytes(max(s.memory for s in part.stages))])
@@ -339,6 +342,11 @@ def _model_inputs(command: argparse.ArgumentParser) -> None:
     command.add_argument("--input-high", type=int, default=2, help="integer inputs: upper bound")
 
 
+def _stages_per_device_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--stages-per-device", type=at_least_one, default=1,
+                         help=f"stages each device runs ({', '.join(VIRTUAL)}: 2 or more)")
+
+
 def _threads_option(command: argparse.ArgumentParser) -> None:
     command.add_argument("--threads", type=_threads, default="auto",
                          help="intra-op threads per stage thread (torch.set_num_threads): auto "
@@ -360,12 +368,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="how to split the model into stages")
     demo.add_argument("--micro-batches", type=_micro_batches,
                       help=f"micro-batches per step, or auto; {_ONE_PER_STAGE}")
-    demo.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb-h1"],
+    demo.add_argument("--schedule", default="1f1b",
+                      choices=[s for s in SCHEDULES if s != "async-1f1b"],
                       help="the pipeline schedule")
     demo.add_argument("--batch", type=at_least_one, default=32, help="mini-batch size")
     demo.add_argument("--steps", type=at_least_one, default=5, help="training steps")
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
+    _stages_per_device_option(demo)
     _threads_option(demo)
     demo.set_defaults(run=_demo)
 
@@ -380,6 +390,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro-batches", type=_micro_batches,
                       help=f"a number, or auto; {_ONE_PER_STAGE}")
     plan.add_argument("--schedule", default="gpipe", help="the pipeline schedule")
+    _stages_per_device_option(plan)
     plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
     _model_inputs(plan)
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")

@@ -48,11 +48,13 @@ def format_stage_table(
     timed: bool = True,
     link: Link | None = None,
     simulated: tuple[str, float] | None = None,
+    placed: bool = False,
 ) -> str:
     """One row per stage: device, units, parameters, predicted times and memory, and what
     crosses its boundaries; then the prediction for the whole step the partitioners score
     (GPipe's closed form, or the plan's schedule simulated on a chain of stages), and
-    `simulated`, (schedule, seconds) from the event simulator on the model's stage edges."""
+    `simulated`, (schedule, seconds) from the event simulator on the model's stage edges.
+    `placed`: the schedule runs several stages per device (its simulation serialises them)."""
     rows = []
     for s, stage in enumerate(partition.stages):
         start, end = stage.units
@@ -71,7 +73,8 @@ def format_stage_table(
             f"fwd/bwd ms: per micro-batch; predicted step ({partition.micro_batches} "
             f"micro-batch{'es' if partition.micro_batches != 1 else ''}, "
             + ("gpipe closed form" if partition.schedule == "gpipe" else
-               f"{partition.schedule} simulated on a chain of stages")
+               f"{partition.schedule} simulated on a chain of stages"
+               + (", several per device" if placed else ""))
             + f"): {format_ms(partition.predicted_time)} ms, bubble "
             f"{partition.bubble:.0%}, slowest forward {format_ms(partition.rho_f)} ms, slowest "
             f"backward {format_ms(partition.rho_b)} ms"

@@ -190,11 +190,12 @@ class CompiledPipeline(torch.nn.Module):
         _check_calibration("report", calibration)
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(calibration).events
-        stages = self.plan.stages
+        stages, placement = self.plan.stages, self.executor.latest_schedule.placement
         notes = unlike_prediction_lines(
             self._predicted_sizes() or None, self.executor.last_sizes or [],
             any(e.action.kind is ActionKind.B for e in measured))
-        text = format_report(step_time(measured, stages), step_time(predicted, stages),
+        text = format_report(step_time(measured, stages, placement),
+                             step_time(predicted, stages, placement),
                              self.executor.latest_schedule.name,
                              calibration.step if calibration else None, notes)
         if self._speaks():
@@ -359,7 +360,8 @@ class CompiledPipeline(torch.nn.Module):
         if shared:
             devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
         table = format_stage_table(title, self.units, partition, self.comm, devices, params,
-                                   self.shared_parameters(), timed, self.link, simulated)
+                                   self.shared_parameters(), timed, self.link, simulated,
+                                   placed=shared)
         if timed:
             table += f"\ncosts: {self.cost.source}"
         if shared:

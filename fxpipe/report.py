@@ -33,21 +33,36 @@ class StageTime:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    """A whole step: its length and each stage's breakdown."""
+    """A whole step: its length and each stage's breakdown; `placement[s]` is stage s's device
+    (several stages share one under interleaved 1F1B, looped BFS and ZB-V)."""
 
     makespan: float
     stages: tuple[StageTime, ...]
+    placement: tuple[int, ...] = ()  # () : stage s on device s
+
+    @property
+    def devices(self) -> int:
+        return len(set(self.placement)) if self.placement else len(self.stages)
 
     @property
     def bubble(self) -> float:
-        """Share of stage time not spent computing (the simulator's definition)."""
+        """Share of device time not spent computing (the simulator's definition)."""
         if self.makespan <= 0:
             return 0.0
-        return 1.0 - sum(s.compute for s in self.stages) / (len(self.stages) * self.makespan)
+        return 1.0 - sum(s.compute for s in self.stages) / (self.devices * self.makespan)
 
     def share(self, field: str) -> float:
-        total = len(self.stages) * self.makespan
-        return sum(getattr(s, field) for s in self.stages) / total if total > 0 else 0.0
+        """`field`'s share of all device time: a device's idle time counts once, however many
+        stages it runs (each of its stages' rows shows it)."""
+        total = self.devices * self.makespan
+        if total <= 0:
+            return 0.0
+        if field == "idle":
+            return sum({self.device(s.stage): s.idle for s in self.stages}.values()) / total
+        return sum(getattr(s, field) for s in self.stages) / total
+
+    def device(self, stage: int) -> int:
+        return self.placement[stage] if self.placement else stage
 
     @property
     def bounding_stage(self) -> int:
@@ -55,10 +70,15 @@ class StepTime:
         return max(self.stages, key=lambda s: s.compute).stage
 
 
-def step_time(events: Sequence[Event], stages: int) -> StepTime:
-    """Break a timeline (measured or simulated) down per stage."""
+def step_time(events: Sequence[Event], stages: int,
+              placement: Sequence[int] | None = None) -> StepTime:
+    """Break a timeline (measured or simulated) down per stage. `placement[s]`: stage s's
+    device where several stages share one; a stage's idle time is then its device's, the
+    time none of the device's stages computes, sends, receives or reduces."""
+    placement = tuple(placement) if placement is not None else ()
     if not events:
-        return StepTime(0.0, tuple(StageTime(s, 0, 0, 0, 0, 0, 0) for s in range(stages)))
+        return StepTime(0.0, tuple(StageTime(s, 0, 0, 0, 0, 0, 0) for s in range(stages)),
+                        placement)
     start = min(e.start for e in events)
     makespan = max(e.end for e in events) - start
     rows = []
@@ -74,10 +94,15 @@ def step_time(events: Sequence[Event], stages: int) -> StepTime:
             s, statistics.fmean(forward) if forward else 0.0,
             # a micro-batch's backward: its B, and its W where the schedule split it off
             statistics.fmean(backward) + weight / len(backward) if backward else 0.0, compute,
-            comm, reduction,
-            max(makespan - compute - comm - reduction, 0.0),
-        ))
-    return StepTime(makespan, tuple(rows))
+            comm, reduction, 0.0))
+    step = StepTime(makespan, tuple(rows), placement)
+    busy: dict[int, float] = {}  # per device: the time its stages are doing anything
+    for row in rows:
+        device = step.device(row.stage)
+        busy[device] = busy.get(device, 0.0) + row.compute + row.communication + row.reduction
+    return dataclasses.replace(step, stages=tuple(
+        dataclasses.replace(row, idle=max(makespan - busy[step.device(row.stage)], 0.0))
+        for row in rows))
 
 
 def format_report(measured: StepTime, predicted: StepTime, schedule: str,
@@ -105,7 +130,8 @@ def format_report(measured: StepTime, predicted: StepTime, schedule: str,
         format_table(header, rows),
         f"bubble: measured {measured.bubble:.0%}, predicted {predicted.bubble:.0%}; "
         f"sends and receives {measured.share('communication'):.0%} (with the waits for a "
-        f"message) and idle {measured.share('idle'):.0%} of all stage time",
+        f"message) and idle {measured.share('idle'):.0%} of all "
+        f"{'stage' if measured.devices == len(measured.stages) else 'device'} time",
         f"bounding stage: {bound} (computes {_ms(measured.stages[bound].compute)} ms of the "
         f"{_ms(measured.makespan)} ms step)",
     ])

@@ -216,6 +216,26 @@ def test_plan_compares_schedules_for_the_chosen_partition(capsys):
     assert rows[0][3] == closed.group(1)  # GPipe's simulated step is the closed form
 
 
+def test_plan_and_demo_run_several_stages_per_device(capsys):
+    from fxpipe.schedules import build, peak_activations
+
+    assert main(["plan", "mlp", "--stages", "4", "--stages-per-device", "2", "--batch", "8",
+                 "--schedule", "zbv", "--micro-batches", "4", "--partitioner", "even",
+                 "--compare", "--schedules", "interleaved-1f1b,looped-bfs"]) == 0
+    out = capsys.readouterr().out
+    assert "zbv runs 4 stages on 2 devices, one worker each: device 0 stages 0, 3" in out
+    rows = out[out.index("schedules compared"):].splitlines()[2:4]
+    for name, row in zip(["interleaved-1f1b", "looped-bfs"], rows):
+        peaks = peak_activations(build(name, 4, 4, devices=2))
+        assert row.split()[0] == name and row.split()[5] == "/".join(map(str, peaks))
+    assert main(["demo", "--model", "mlp", "--stages", "4", "--stages-per-device", "2",
+                 "--schedule", "looped-bfs", "--micro-batches", "4", "--steps", "1",
+                 "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "looped-bfs over 2 worker threads" in out
+    assert out.count("of all device time") == 2  # the report counts idle per device
+
+
 def test_plan_needs_an_input_description(capsys):
     assert main(["plan", "fxpipe.models:MLP", "--stages", "2"]) == 2
     assert "describe the model's input: --input-shape" in capsys.readouterr().err
@@ -242,6 +262,9 @@ def test_plan_needs_an_input_description(capsys):
     (["plan", "mlp", "--stages", "2", "--compare", "--schedules", "gpipe,"],
      "--schedules 'gpipe,' has an empty name"),
     (["plan", "fxpipe.models:", "--stages", "2"], "'fxpipe.models:' names no factory"),
+    (["plan", "mlp", "--stages", "3", "--stages-per-device", "2", "--schedule",
+      "interleaved-1f1b"], "the 3 stages do not split evenly over devices of 2 stages each"),
+    (["demo", "--stages-per-device", "2"], "'1f1b' runs one stage per device"),
     (["bench", "mlp", "--partitioners", "even,nope"], "Plan(partitioner='nope') is not known"),
     (["bench", "mlp", "--schedules", "gpipe,zb"], "Plan(schedule='zb') is not known"),
     (["bench", "mlp", "--stages", "2", "--nproc", "2", "--partitioners", "nope"],

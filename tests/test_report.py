@@ -277,3 +277,24 @@ def test_replan_proposes_as_many_stages_as_the_plan_has(partitioner):
     vars(pipe)["cost"] = dataclasses.replace(pipe.cost, cf=dear, cb=dear)
     result = fxpipe.replan(pipe, threshold=0.0)
     assert len(result.proposed.bounds) == len(result.plan_sizes) == 2
+
+
+@given(st.sampled_from(["interleaved-1f1b", "looped-bfs", "zbv"]), st.integers(1, 3),
+       st.lists(st.floats(0.5, 3.0), min_size=4, max_size=4))
+def test_with_several_stages_per_device_a_device_is_idle_only_when_none_of_its_stages_works(
+        name, rounds, times):
+    from fxpipe.schedules import build
+    from fxpipe.simulate import simulate
+
+    schedule = build(name, 4, 2 * rounds, devices=2)
+    timeline = simulate(schedule, times, [2 * t for t in times], [0.0] * 4, [0.0] * 4)
+    step = step_time(timeline.events, 4, schedule.placement)
+    assert step.devices == 2
+    assert step.bubble == pytest.approx(timeline.bubble)  # the simulator's, per device
+    for row in step.stages:  # one device: both its stages show its idle time
+        partner = next(r for r in step.stages
+                       if r.stage != row.stage and step.device(r.stage) == step.device(row.stage))
+        assert row.idle == pytest.approx(partner.idle)
+        busy = row.compute + partner.compute  # (waits for messages are not idle)
+        assert row.idle <= step.makespan - busy + 1e-9
+    assert step.share("idle") <= step.bubble + 1e-9
