@@ -132,7 +132,8 @@ def profile_units(
                                                          for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, device)
     where = cache.put(key, profile) if cache is not None else "not cached"
-    return dataclasses.replace(profile, origin=f"measured now on {device}, {where}{stale}")
+    under = f" under {precision} autocast" if precision else ""
+    return dataclasses.replace(profile, origin=f"measured now on {device}{under}, {where}{stale}")
 
 
 def time_loss(outputs: Callable[[int], Mapping[str, Any]], sizes: Sequence[int],
