@@ -172,3 +172,28 @@ def test_bf16_plan_predicts_fewer_activation_bytes():
         memory[precision] = [stage.memory for stage in pipe.partition.stages]
     assert saved["bf16"].sum() < 0.6 * saved[None].sum()  # half, and a little fp32 (the mask)
     assert all(half < full for half, full in zip(memory["bf16"], memory[None]))
+
+
+def test_a_stage_that_steps_inside_the_run_casts_its_new_weights():
+    """async-1f1b steps inside the run, where the stage's weight casts are kept: each step
+    drops them, so the next forward casts the updated weights (one stage: a plain loop)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    data = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(3)]
+    plan = fxpipe.Plan(stages=1, schedule="async-1f1b", micro_batches=1, costs="none",
+                       loss_fn=F.cross_entropy, precision="bf16")
+    pipe = fxpipe.compile(model, plan, (data[0][0],))
+    pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.5))
+    losses = [loss.item() for loss in pipe.step_many(data)]
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+    expected = []
+    for x, y in data:
+        with autocast("cpu", "bf16"):
+            loss = F.cross_entropy(plain(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-6)
+    for mine, theirs in zip(pipe.parameters(), plain.parameters()):
+        torch.testing.assert_close(mine, theirs)
