@@ -11,24 +11,27 @@ import torch.nn.functional as F
 from poison import Poison, poisoned_net  # this script's folder is on the path
 
 import fxpipe
-from fxpipe.distributed import shutdown
+from fxpipe.distributed import gather_state_dict, shutdown
 
 
-def main() -> None:
-    out = sys.argv[1]
-    torch.set_num_threads(1)
+def pipeline(devices=None) -> tuple[fxpipe.CompiledPipeline, torch.Tensor, torch.Tensor]:
+    """The fp16 pipeline of the scenario (`devices`: one process) and its batch."""
     torch.manual_seed(0)
     model = poisoned_net()
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
     plan = fxpipe.Plan(stages=2, micro_batches=2, partitioner=[3, 3], costs="none",
                        loss_fn=F.cross_entropy, precision="fp16", leaf_modules=[Poison],
-                       timeout=60)
-    pipe = fxpipe.compile(model, plan, (x,))
+                       timeout=60, devices=devices)
+    return fxpipe.compile(model, plan, (x,)), x, y
+
+
+def train(pipe, x, y) -> dict:
+    """Three steps, the first with an inf gradient on stage 0: what each did, and the losses."""
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    record = {"rank": torch.distributed.get_rank(), "steps": []}
+    record = {"steps": [], "losses": []}
     for armed in (True, False, False):
         Poison.armed = armed
-        pipe.step(x, y)
+        record["losses"].append(pipe.step(x, y).item())
         local_inf = any(not torch.isfinite(p.grad).all() for p in pipe.parameters())
         before = [p.detach().clone() for p in pipe.parameters()]
         scale = pipe.scaler.get_scale()
@@ -38,6 +41,18 @@ def main() -> None:
         changed = any(not torch.equal(b, p) for b, p in zip(before, pipe.parameters()))
         record["steps"].append({"armed": armed, "local_inf": local_inf, "stepped": changed,
                                 "scale": scale, "next_scale": pipe.scaler.get_scale()})
+    Poison.armed = False
+    return record
+
+
+def main() -> None:
+    out = sys.argv[1]
+    torch.set_num_threads(1)
+    pipe, x, y = pipeline()
+    record = {"rank": torch.distributed.get_rank(), **train(pipe, x, y)}
+    state = gather_state_dict(pipe)
+    if record["rank"] == 0:
+        torch.save(state, f"{out}.state")
     with open(f"{out}.{record['rank']}", "w") as file:
         json.dump(record, file)
     shutdown()

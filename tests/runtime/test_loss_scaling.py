@@ -148,3 +148,11 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
         assert all(step["stepped"] and not step["local_inf"] for step in later)
     assert [s["next_scale"] for s in ranks[0]["steps"]] == [s["next_scale"]
                                                             for s in ranks[1]["steps"]]
+    # the same training in one process: the same losses and weights (a value crossing ranks
+    # travels in fp32, which holds its fp16 value exactly)
+    pipe, x, y = scaler_worker.pipeline(["cpu", "cpu"])
+    alone = scaler_worker.train(pipe, x, y)
+    assert ranks[1]["losses"] == pytest.approx(alone["losses"], rel=1e-6)
+    state = torch.load(f"{out}.state")
+    for key, value in pipe.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=key)
