@@ -113,6 +113,12 @@ class CompiledPipeline(torch.nn.Module):
                           "the target as its last positional argument: pipe.step(x, target)).")
         return self.executor.step(flat, target, self.plan.loss_fn)
 
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        """fp16's loss scaler (disabled otherwise): pipe.step scales the loss; then
+        pipe.scaler.step(optimizer) (skipped on inf/nan on every stage) and .update()."""
+        return self.executor.scaler
+
     def attach_optimizer(self, factory: Callable[[list[torch.nn.Parameter]], Any],
                          predictor: Callable[..., torch.Tensor] | None = None) -> None:
         """Give each stage its own optimizer, `factory(stage_parameters)`, stepped by

@@ -14,6 +14,7 @@ import torch
 
 from fxpipe.errors import PlanError
 from fxpipe.intra_layer_spec import intra_layer_spec
+from fxpipe.precision import check_precision
 from fxpipe.schedules.actions import ActionKind, Schedule, ScheduleError
 from fxpipe.schedules.interleaved import round_robin, v_shape
 from fxpipe.schedules.user import check_user_schedule, read_user_schedule
@@ -77,6 +78,7 @@ class Plan:
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
     dump: bool = False  # print each compiler pass's result as it completes
+    precision: str | None = None  # bf16 | fp16: stages under autocast (fp16: pipe.scaler)
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -155,6 +157,7 @@ class Plan:
         object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
         if not isinstance(self.dump, bool):
             raise PlanError(f"Plan(dump={self.dump!r}) must be True or False.")
+        check_precision(self.precision, self.devices, self.schedule_name)
 
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""

@@ -227,8 +227,9 @@ class DistTransport:
                 tensor = torch.tensor(value, dtype=slot.dtype)
             elif value is None:  # a gradient that is zero: send zeros, the receiver expects it
                 tensor = torch.zeros(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
-            else:
-                tensor = value.detach().contiguous()
+            else:  # under autocast a value may be in a lower precision than the trace's: it
+                # travels in the traced dtype, the receiver's buffer's (a lossless cast)
+                tensor = value.detach().to(slot.dtype).contiguous()
             yield tensor
 
     def _post_receive(self, src, dst, direction, key):

@@ -14,6 +14,7 @@ import torch
 
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Event
+from fxpipe.precision import weight_casts_kept
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import MicroBatchKey, PipelineAborted, Transport, device_context
 from fxpipe.schedules import Action, ActionKind, forwards_first
@@ -36,6 +37,7 @@ class Run:
     input_grads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     events: list[Event] = dataclasses.field(default_factory=list)
     on_action: Callable[[Action], None] | None = None  # STEP / ALLREDUCE handler
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # a loss -> its backward's root
     started: float = 0.0  # wall-clock time (time.time()) the run began: events are relative
 
 
@@ -140,6 +142,8 @@ class Driver:
                 context.enter_context(device_context(self.runners[s].device))
                 for device_type, dtype in autocast:
                     context.enter_context(torch.autocast(device_type, dtype=dtype))
+                if any(self.runners[t].precision for t in held):  # one cast of each weight
+                    context.enter_context(weight_casts_kept())
                 # GPipe: post every receive now, as its messages come back to back (over gloo
                 # a receive posted while data arrives on its connection stalls); otherwise
                 # only the next receive is posted ahead, which keeps 1F1B's bound on the
@@ -210,6 +214,8 @@ class Driver:
         elif a.kind in (K.STEP, K.ALLREDUCE):
             if run.on_action is not None:
                 run.on_action(a)
+            if a.kind is K.STEP:  # the weights changed: autocast's casts of them are stale
+                torch.clear_autocast_cache()
         else:
             raise FxpipeError(f"the runtime cannot run {a} ({a.kind.name}) yet")
 
@@ -218,9 +224,10 @@ class Driver:
         outputs = {name: values[name] for name in self.comm.graph_outputs}
         run.outputs[key.mb] = outputs
         if run.loss is not None:
-            loss = run.loss(key.mb, outputs)
-            if run.grad_enabled:
-                runner.add_root(key, loss)
+            with runner.autocast():
+                loss = run.loss(key.mb, outputs)
+            if run.grad_enabled:  # fp16: the loss scaled, so that small gradients stay above 0
+                runner.add_root(key, run.scale(loss) if run.scale is not None else loss)
             run.losses[key.mb] = loss.detach()
 
     def discard(self, run: Any) -> None:

@@ -34,6 +34,7 @@ from fxpipe.runtime.bridge import (
 from fxpipe.runtime.consistency import make_policy
 from fxpipe.runtime.coordinator import Coordinator
 from fxpipe.runtime.driver import Driver, Run
+from fxpipe.runtime.loss_scaling import PipelineScaler
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import LocalTransport, Transport
 from fxpipe.schedules import ActionKind, Schedule
@@ -73,6 +74,7 @@ class PipelineExecutor:
         coordinator: Coordinator | None = None,
         whole: Sequence[int] = (),
         scalar_joins: Mapping[int, ScalarJoin] | None = None,
+        precision: str | None = None,
     ) -> None:
         self.runners = runners
         self.comm = comm
@@ -95,6 +97,10 @@ class PipelineExecutor:
         self.last_schedule: Schedule | None = None  # what the last run executed
         self.last_sizes: list[int] | None = None  # and its micro-batches' sizes (samples)
         self.loss_reduction: tuple | None = None  # ((loss_fn, its reduction), "mean"/"sum"/None)
+        for runner in runners.values():  # Plan(precision): each stage under its autocast
+            runner.precision = precision
+        home = runners[max(runners)].device  # the last stage's (held here), where the loss is
+        self.scaler = PipelineScaler(home, coordinator is not None, enabled=precision == "fp16")
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
@@ -160,8 +166,14 @@ class PipelineExecutor:
         losses = []
         for batch in batches:
             losses += self._train([batch], loss_fn, self.schedule)
-            for runner in self.runners.values():
-                runner.step()
+            # fp16: every stage steps, or (an inf or nan anywhere) none does
+            if not self.scaler.unscale_all_([r.policy.optimizer for r in self.runners.values()]):
+                for runner in self.runners.values():
+                    runner.step()
+            else:
+                for runner in self.runners.values():
+                    runner.policy.optimizer.zero_grad()
+            self.scaler.update()
         return losses
 
     def attach_optimizer(self, factory: Callable[[list[torch.nn.Parameter]], Any],
@@ -220,7 +232,9 @@ class PipelineExecutor:
                 self.coordinator.start_allreduce(action.stage)
 
         self.coordinator.expect(len(batches))  # once the inputs and targets passed their checks
-        run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action), call, schedule)
+        scale = self.scaler.scale if self.scaler.is_enabled() else None
+        run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action, scale=scale), call,
+                        schedule)
         losses = []  # shared first: the last stage sends them once its schedule ends
         for i in range(len(batches)):
             mine = (torch.stack([run.losses[i * p + m] for m in range(p)]).sum()

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fxpipe.ir import Stage, StageArgs, StageHook, StageIO
+from fxpipe.precision import autocast
 from fxpipe.runtime.consistency import WeightPolicy
 from fxpipe.runtime.split_backward import WeightWork, input_backward, weight_backward
 from fxpipe.runtime.transport import MicroBatchKey
@@ -41,6 +42,7 @@ class StageRunner:
         self._awaiting_weights: dict[Any, WeightWork] = {}
         self.peak_in_flight = 0  # most micro-batches held at once so far
         self.policy: WeightPolicy | None = None  # asynchronous schedules: which weights to use
+        self.precision: str | None = None  # Plan(precision): the forward runs under autocast
 
     @property
     def in_flight(self) -> int:
@@ -58,7 +60,7 @@ class StageRunner:
         weights = policy.forward_weights(key) if policy else None
         context = (policy.forward_context(key, weights or policy.weights) if policy
                    else contextlib.nullcontext())
-        with context:
+        with context, self.autocast():
             if weights:  # a weight version chosen by the consistency policy
                 outputs = self.stage(StageArgs(tuple(inputs), weights))
             else:
@@ -67,6 +69,11 @@ class StageRunner:
             self._in_flight[key] = (inputs, outputs, [])
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return {**dict(zip(self.io.inputs, inputs)), **dict(zip(self.io.outputs, outputs))}
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The stage's autocast on its device (none in full precision): its forward runs under
+        it, and so does the loss on the last stage, as in a plain torch.amp loop."""
+        return autocast(self.device, self.precision)
 
     def add_root(self, key: MicroBatchKey, tensor: torch.Tensor) -> None:
         """Make `tensor` (the micro-batch's loss, on the last stage) a root of its backward."""

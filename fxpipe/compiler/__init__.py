@@ -74,20 +74,22 @@ def compile(
         model, c.plan, traced=c.traced, units=c.units, partition=c.partition, graph=c.graph,
         comm=c.comm, devices=c.devices, cost=c.cost, link=c.link, executor=executor,
         passes=log, splits=c.splits, rank=rank, owned=owned,
-        retrace=None if c.distributed or plan.intra_layer else _retracer(model, c),
+        retrace=None if c.distributed or plan.intra_layer else _retracer(model, c, executor),
     )
 
 
-def _retracer(model: torch.nn.Module, c: Compilation):
+def _retracer(model: torch.nn.Module, c: Compilation, executor: Any):
     """compile again from the model in another train/eval mode, for a graph that fixed its
-    mode: the same stages and micro-batch count, nothing timed."""
+    mode: the same stages and micro-batch count, nothing timed, and the same loss scaler."""
     plan = dataclasses.replace(c.plan, partitioner=list(c.partition.sizes), costs="none",
                                micro_batches=c.partition.micro_batches, dump=False)
     args, kwargs = c.args, c.kwargs
 
     def retrace(mode: bool) -> CompiledPipeline:
         with modes_kept(model):
-            return compile(model.train(mode), plan, args, kwargs, cache=False)
+            twin = compile(model.train(mode), plan, args, kwargs, cache=False)
+        twin.executor.scaler = executor.scaler  # one scale, whichever pipeline steps
+        return twin
     return retrace
 
 

@@ -54,5 +54,5 @@ def build_local_runtime(c: Compilation) -> PipelineExecutor:
         stages, hooks, c.comm, c.devices, outputs=output_names(c.cut_from),
         schedule=c.schedule, forward_schedule=c.forward_schedule, streamed=c.streamed,
         unflatten=c.traced.bind.unflatten, whole=c.whole, timeout=c.plan.timeout or 300.0,
-        scalar_joins=c.scalar_joins,
+        scalar_joins=c.scalar_joins, precision=c.plan.precision,
     )

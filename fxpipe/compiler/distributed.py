@@ -111,6 +111,7 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     return PipelineExecutor(
         runners, c.comm, transport, output_names(c.cut_from), c.schedule,
         c.forward_schedule, c.streamed, c.traced.bind.unflatten, coordinator, c.whole,
+        precision=c.plan.precision,
     )
 
 

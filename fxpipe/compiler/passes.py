@@ -46,6 +46,7 @@ from fxpipe.passes.analysis.profile import (
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import VIRTUAL, Plan
+from fxpipe.precision import check_autocast_runs
 from fxpipe.schedules import ActionKind, Schedule, ScheduleError, add_step, lower
 from fxpipe.schedules.user import lower_user_schedule
 from fxpipe.trace import trace
@@ -79,6 +80,7 @@ def check(c: Compilation) -> None:
         c.layout = rank_layout(c.plan)  # joining torchrun's process group if not yet joined
         c.devices = [rank_device(c.plan, c.layout)] * c.plan.stages  # its own stages' device
         c.link_groups = LinkGroups(c.layout)
+        check_autocast_runs(c.plan.precision, c.devices[:1])
         return
     if c.plan.groups > 1:
         raise PlanError(
@@ -87,6 +89,7 @@ def check(c: Compilation) -> None:
             "use groups=1 in one process."
         )
     c.devices = stage_devices(c.model, c.plan)
+    check_autocast_runs(c.plan.precision, c.devices)
 
 
 def trace_model(c: Compilation) -> None:
@@ -143,12 +146,12 @@ def profile(c: Compilation) -> None:
     sizes = profile_sizes(c.batch, c.plan)
     cache = c.cache if c.layout is None or c.layout.rank == 0 else None
     c.profile = profile_units(unit_graph, unit_table, c.flat, sizes, device, cache=cache,
-                              whole=c.whole,
+                              whole=c.whole, precision=c.plan.precision,
                               window=max(held * real_bytes(unit_graph), ALL_REAL_BELOW))
     annotate_profile(c.traced.gm, c.units, c.profile)
     if c.loss is not None:  # on the model's own outputs, as the last stage computes it
-        outputs = model_outputs(c.traced.gm, c.flat, c.whole, device)
-        c.loss_times = time_loss(outputs, sizes, c.loss, device)
+        outputs = model_outputs(c.traced.gm, c.flat, c.whole, device, c.plan.precision)
+        c.loss_times = time_loss(outputs, sizes, c.loss, device, precision=c.plan.precision)
 
 
 def _units_as_stages(c: Compilation) -> tuple[fx.GraphModule, CommTable]:

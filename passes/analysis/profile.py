@@ -25,6 +25,7 @@ from fxpipe.passes.analysis.profile_cache import (
     cache_key,
     describe_key,
 )
+from fxpipe.precision import autocast, is_weight_cast
 from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.units import Unit
 
@@ -74,6 +75,7 @@ def profile_units(
     cache: ProfileCache | None = None,
     whole: Sequence[int] = (),
     window: float = float("inf"),
+    precision: str | None = None,
 ) -> UnitProfile:
     """Measure every unit at each micro-batch size in `sizes`.
 
@@ -83,7 +85,8 @@ def profile_units(
     positions of inputs every micro-batch gets whole. `window`: the bytes of a meta model's
     parameters and buffers (a tied one once) made real at once to time its units, in runs of
     consecutive units whose tensors add up to no more (one unit at least); a real model is
-    timed in one run.
+    timed in one run. `precision` (Plan(precision)): each unit's forward runs under the
+    autocast its stage will, so its times and saved bytes are those of bf16 or fp16.
 
     Each repetition runs the units as training does, all forwards in order, then all
     backwards in reverse, each unit a module of its own on the outputs of the units before it;
@@ -101,13 +104,14 @@ def profile_units(
     meta = has_meta_tensors(graph)
     runs = _runs(_tensor_bytes(modules), window) if meta else [range(len(modules))]
     key, signature = cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time,
-                                whole, runs if meta else None)
+                                whole, runs if meta else None, precision)
     dims = input_dims(flat_inputs, whole)
 
     def measure(size: int, untimed: int, timed: int, least: float, which: list[range]):
         values = _on(resize(flat_inputs, dims, size), device)
         with preserved_state(graph), gradients_set_aside(graph):
-            return _measure(table, modules, values, device, untimed, timed, least, which, meta)
+            return _measure(table, modules, values, device, untimed, timed, least, which, meta,
+                            precision)
 
     stale = ""
     hit = cache.get(key) if cache is not None else None
@@ -128,36 +132,40 @@ def profile_units(
                                                          for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, device)
     where = cache.put(key, profile) if cache is not None else "not cached"
-    return dataclasses.replace(profile, origin=f"measured now on {device}, {where}{stale}")
+    under = f" under {precision} autocast" if precision else ""
+    return dataclasses.replace(profile, origin=f"measured now on {device}{under}, {where}{stale}")
 
 
 def time_loss(outputs: Callable[[int], Mapping[str, Any]], sizes: Sequence[int],
               loss: Callable[[Mapping[str, Any], int], torch.Tensor], device: str,
-              repeats: int = 5) -> tuple[np.ndarray, np.ndarray]:
+              repeats: int = 5, precision: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of `loss(outputs(size), size)`'s forward and of its backward at each micro-batch
     size: medians of `repeats` runs after one untimed. `outputs(size)`: the graph's output
-    values by name for a micro-batch of `size` samples (`model_outputs`)."""
+    values by name for a micro-batch of `size` samples (`model_outputs`). The loss runs under
+    `precision`'s autocast, as the last stage runs it."""
     timer = _timer(torch.device(device))
     forward, backward = [], []
     for size in sizes:
         values = outputs(size)
-        times = [_time_loss(loss, values, size, timer) for _ in range(repeats + 1)][1:]
+        times = [_time_loss(loss, values, size, timer, autocast(device, precision))
+                 for _ in range(repeats + 1)][1:]
         forward.append(statistics.median(t[0] for t in times))
         backward.append(statistics.median(t[1] for t in times))
     return np.array(forward), np.array(backward)
 
 
 def model_outputs(gm: fx.GraphModule, flat_inputs: Sequence[Any], whole: Sequence[int],
-                  device: str) -> Callable[[int], dict[str, Any]]:
+                  device: str, precision: str | None = None) -> Callable[[int], dict[str, Any]]:
     """size -> the graph's output values by name for the example cut to `size` samples, as the
     last stage holds them (leaves needing a gradient): computed by running the graph (its
     buffers and the random number generators put back after), or, for a model on the meta
-    device, stand-ins of their shapes and dtypes drawn from a generator of their own."""
+    device, stand-ins of their shapes and dtypes drawn from a generator of their own.
+    `precision`: the graph runs under its autocast, as the stages do."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     dims = input_dims(flat_inputs, whole)
 
     def computed(size: int) -> dict[str, Any]:
-        with preserved_state(gm), torch.no_grad():  # the placeholders' values, as they are
+        with preserved_state(gm), torch.no_grad(), autocast(device, precision):
             result = fx.Interpreter(gm).run(*_on(resize(flat_inputs, dims, size), device),
                                             enable_io_processing=False)
         values = zip(pytree.tree_leaves(output.args[0]), pytree.tree_leaves(result))
@@ -189,19 +197,21 @@ def _stand_in(info: ValueInfo, batch: int, size: int, device: str,
     return tensors[0] if info.is_tensor else tuple(tensors)
 
 
-def _time_loss(loss, values, size, timer) -> tuple[float, float]:
-    value, forward = timer(loss, values, size)
+def _time_loss(loss, values, size, timer, autocast) -> tuple[float, float]:
+    with autocast:
+        value, forward = timer(loss, values, size)
     if not (isinstance(value, torch.Tensor) and value.requires_grad):
         return forward, 0.0
     _, backward = timer(value.backward)
     return forward, backward
 
 
-def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, meta
-             ) -> tuple[list[float], ...]:
+def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, meta,
+             precision=None) -> tuple[list[float], ...]:
     """One micro-batch size: per-unit forward and backward times, the bytes crossing each cut,
     and the bytes each unit's forward saves for backward (counted in the first repetition,
-    which is untimed: the counting slows the forward)."""
+    which is untimed: the counting slows the forward); forwards under `precision`'s autocast
+    (the backwards not: autograd runs them in the forward's dtypes)."""
     needs_grad = table.carries_grad()
     timer = _timer(torch.device(device))
     units = len(modules)
@@ -220,11 +230,13 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     io = table.stages[i]
                     args = [_as_input(values[v], needs_grad.get(v, False)) for v in io.inputs]
                     if rep == 0:
-                        with _saved_storages(module) as counted:
+                        with (_saved_storages(module, precision is not None) as counted,
+                              autocast(device, precision)):
                             outputs, seconds = timer(module, *args)
                         saved[i] = float(sum(counted.values()))
                     else:
-                        outputs, seconds = timer(module, *args)
+                        with autocast(device, precision):
+                            outputs, seconds = timer(module, *args)
                     wants = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
                     wants += [p for p in module.parameters() if p.requires_grad]
                     pending.append((outputs, wants))
@@ -323,14 +335,18 @@ def _crossing_bytes(table, env, units: int) -> tuple[list[float], list[float]]:
 
 
 @contextlib.contextmanager
-def _saved_storages(module: torch.nn.Module) -> Iterator[dict[int, int]]:
-    """Bytes by storage of what autograd saves for backward meanwhile (parameters excluded)."""
+def _saved_storages(module: torch.nn.Module, autocast: bool = False
+                    ) -> Iterator[dict[int, int]]:
+    """Bytes by storage of what autograd saves for backward meanwhile (parameters excluded,
+    and, under `autocast`, its copies of them, which a stage casts once per step, not once per
+    micro-batch)."""
     params = {p.data_ptr() for p in module.parameters()}
+    weights = list(module.parameters())
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in params and not (autocast and is_weight_cast(tensor, weights)):
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 

@@ -87,10 +87,11 @@ class ProfileCache:
 
 
 def cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time, whole,
-               runs) -> tuple[str, dict[str, Any]]:
+              runs, precision=None) -> tuple[str, dict[str, Any]]:
     """What the timings depend on, hashed, and unhashed: the stages' code, the tensors' shapes
     and dtypes, train or eval mode, the micro-batch sizes, the device, this machine and the
-    CPUs this process may use, torch and its settings, and how the units were timed."""
+    CPUs this process may use, torch and its settings, how the units were timed, and the
+    precision they ran in (Plan(precision): an autocast dtype, or None)."""
     stages = [m for name, m in graph.named_children() if name.startswith("stage")]
     cuda = torch.device(device).type == "cuda"
     signature = {
@@ -101,7 +102,7 @@ def cache_key(graph, flat_inputs, sizes, device, warmup, repeats, min_time, whol
         "flags": [torch.backends.mkldnn.enabled, torch.get_float32_matmul_precision(),
                   torch.are_deterministic_algorithms_enabled()],
         "device": device, "sizes": sizes, "warmup": warmup, "repeats": repeats,
-        "min_time": min_time, "whole": list(whole),
+        "min_time": min_time, "whole": list(whole), "precision": precision,
         "runs": [(r.start, r.stop) for r in runs] if runs is not None else None,
         "code": [stage.module.code for stage in stages],
         "training": [m.training for m in graph.modules()],
@@ -119,7 +120,8 @@ def describe_key(signature: Mapping[str, Any]) -> str:
     dtypes = {s[2] for s in signature["state"]} | {
         i[1] for i in signature["inputs"] if isinstance(i, list)}
     threads = signature["threads"]
+    autocast = f" under {signature['precision']} autocast" if signature.get("precision") else ""
     return (f"{signature['device']} on {signature['machine'][0]}, {threads} thread"
             f"{'s' * (threads != 1)}, "
-            f"{'/'.join(d.removeprefix('torch.') for d in sorted(dtypes))}, "
+            f"{'/'.join(d.removeprefix('torch.') for d in sorted(dtypes))}{autocast}, "
             f"micro-batch sizes {list(signature['sizes'])}, torch {signature['torch']}")
