@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import os
 import statistics
 import sys
@@ -274,11 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             None, torch.cuda.device_count() if torch.cuda.is_available() else 0))
     check = Check(torchrun)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    try:
-        import transformers  # noqa: F401
-        hf = True
-    except ImportError:
-        hf = False
+    hf = importlib.util.find_spec("transformers") is not None
     names = ["mlp", "gpt"] if args.quick else ["mlp", "resnet", "vgg", "gpt"]
     if hf:
         names.append("hf-gpt2")
