@@ -238,3 +238,45 @@ def test_preserved_state_forks_the_rng_of_every_gpu_the_module_uses(monkeypatch)
         pass
     assert forked == [[torch.device("cuda:1")]]
 
+
+
+def test_torchrun_ranks_know_every_stage_device_type_and_time_links_on_the_shared_wire(
+        four_gpus, monkeypatch):
+    from fxpipe.compiler import distributed as compiler_distributed
+
+    layout = RankLayout(rank=1, world=3, stages=3, groups=1)
+    plan = fxpipe.Plan(stages=3, devices=["cpu", "cuda:0", "cuda:1"])
+    assert compiler_distributed.stage_device_types(plan, layout) == ["cpu", "cuda", "cuda"]
+    assert compiler_distributed.stage_device_types(fxpipe.Plan(stages=3), layout) == [
+        "cuda"] * 3
+    timed = []
+    monkeypatch.setattr(compiler_distributed, "measure_rank_link",
+                        lambda a, b, group, device, reply_group=None: timed.append(device))
+    monkeypatch.setattr(compiler_distributed.LinkGroups, "get", lambda self, src, dst: None)
+    groups = compiler_distributed.LinkGroups(layout)
+    compiler_distributed.ping_pong(plan, layout, groups, "cuda:0")  # stage 1, its peer the CPU
+    on_gpus = fxpipe.Plan(stages=3, devices=["cuda:0", "cuda:1", "cuda:2"])
+    compiler_distributed.ping_pong(on_gpus, layout, groups, "cuda:1")
+    assert timed == ["cpu", "cuda:1"]
+
+
+def test_the_cuda_calls_of_the_copies_are_torch_cudas(monkeypatch):
+    from fxpipe.runtime.transport import CudaOps
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: calls.append(("Stream", device)))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: calls.append(("current_stream", device)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: calls.append(("stream", stream)))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: calls.append(("Event",)))
+
+    class Recorded:
+        def record_stream(self, stream):
+            calls.append(("record_stream", stream))
+
+    ops, gpu = CudaOps(), torch.device("cuda:0")
+    ops.copy_stream(gpu), ops.current_stream(gpu), ops.use_stream("s"), ops.event()
+    ops.record(Recorded(), "s")
+    assert calls == [("Stream", gpu), ("current_stream", gpu), ("stream", "s"), ("Event",),
+                     ("record_stream", "s")]
+    assert ops.copy(torch.ones(2), torch.device("meta"), True).device.type == "meta"
