@@ -1,4 +1,4 @@
-"""Count the branches of fxpipe/, passes/ and runtime/ mentioning CUDA or NCCL, and those tests reach.
+"""Count the branches of fxpipe/, passes/, runtime/ mentioning CUDA or NCCL, and those tests reach.
 
 A branch is one arm of an `if`/`elif`/`else`, of a conditional expression or a comprehension's
 `if` filter, counted when its

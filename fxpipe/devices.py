@@ -12,7 +12,7 @@ from fxpipe.errors import PlanError
 
 __all__ = ["CopyRoute", "backend_for", "compute_stream", "copy_route", "job_backend",
            "plan_rank_device", "should_pin", "slot_device_types", "target_device", "timer_kind",
-           "wire_device"]
+           "timing_device", "wire_device"]
 
 Device = torch.device | str
 
@@ -82,6 +82,12 @@ def compute_stream(device: Device, workers_on_device: int) -> str:
     driver gives each device one worker, and the copies already run on side streams, so today
     this is "current"; the function states the rule for when that changes."""
     return "own" if _device(device).type == "cuda" and workers_on_device > 1 else "current"
+
+
+def timing_device(devices: Sequence[Device]) -> str:
+    """The device compile times the units on: the first GPU of the stages' devices (with a
+    CPU embedding stage before GPU stages, most stages run on GPUs), else the first device."""
+    return str(next((d for d in devices if _device(d).type == "cuda"), devices[0]))
 
 
 def timer_kind(device: Device) -> str:

@@ -280,3 +280,9 @@ def test_the_cuda_calls_of_the_copies_are_torch_cudas(monkeypatch):
     assert calls == [("Stream", gpu), ("current_stream", gpu), ("stream", "s"), ("Event",),
                      ("record_stream", "s")]
     assert ops.copy(torch.ones(2), torch.device("meta"), True).device.type == "meta"
+
+
+def test_units_are_timed_on_the_first_gpu_of_the_stages():
+    assert devices.timing_device(["cpu", "cuda:1", "cuda:0"]) == "cuda:1"
+    assert devices.timing_device(["cpu", "cpu"]) == "cpu"
+    assert devices.timing_device(["meta"]) == "meta"
