@@ -234,3 +234,18 @@ def test_an_nccl_coordinator_keeps_its_tensors_on_the_gpu(monkeypatch):
     assert on_nccl.device == torch.device("cuda:1") and not on_nccl._point_to_point
     monkeypatch.setattr(coordinator.dist, "get_backend", lambda group=None: "gloo")
     assert coordinator.DistCoordinator([0, 1], 2, "cuda:1").device == torch.device("cpu")
+
+
+def test_a_cpu_embedding_stage_feeds_a_stage_on_another_device():
+    """Mixed placement with the meta device standing for the GPU: the embedding computes on
+    the CPU, its output crosses to the next stage's device, which computes the rest."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x = torch.randint(0, 10, (4, 5))
+    plan = fxpipe.Plan(stages=2, micro_batches=2, devices=["cpu", "meta"], costs="none",
+                       partitioner=[1, 3])
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    assert [p.device.type for p in pipe.parameters()] == ["cpu"] + ["meta"] * 4
+    with torch.no_grad():
+        out = pipe(x)
+    assert out.device.type == "meta" and out.shape == (4, 5, 3)
