@@ -97,12 +97,13 @@ def timer_kind(device: Device) -> str:
 
 
 def backend_for(devices: Sequence[Device]) -> str:
-    """The torch.distributed backend of a job whose ranks run on `devices`: NCCL when all are
-    CUDA devices, gloo when none is, both (per device type) for a mixed job."""
-    kinds = {_device(d).type for d in devices}
-    if kinds == {"cuda"}:
-        return "nccl"
-    if "cuda" in kinds:
+    """The torch.distributed backend of a job whose ranks run on `devices`: gloo when none is
+    a GPU; else NCCL for tensors on GPUs and gloo for tensors on the host
+    ("cpu:gloo,cuda:nccl"). Gloo then also carries the object collectives and barriers
+    (compile's plan check, the traces, the state dict), which on NCCL alone would run on each
+    rank's *current* CUDA device (cuda:0 on every rank unless the script called
+    torch.cuda.set_device), and the small messages between a CPU rank and a GPU rank."""
+    if any(_device(d).type == "cuda" for d in devices):
         return "cpu:gloo,cuda:nccl"
     return "gloo"
 
@@ -147,8 +148,8 @@ def slot_device_types(given: Sequence[str] | None, cuda_count: int, slots: int) 
 
 
 def job_backend(given: Sequence[str] | None, cuda_count: int) -> str:
-    """The backend fxpipe starts a torchrun job with: from the plan's devices, or NCCL when
-    devices=None and the node has GPUs."""
+    """The backend fxpipe starts a torchrun job with: from the plan's devices, or as for GPUs
+    when devices=None and the node has GPUs (backend_for)."""
     if given is None:
-        return "nccl" if cuda_count else "gloo"
+        return backend_for(["cuda"] if cuda_count else ["cpu"])
     return backend_for(given)

@@ -66,7 +66,7 @@ def test_the_timer_follows_the_device(device, kind):
 
 
 @pytest.mark.parametrize("placed, backend", [
-    (["cuda:0", "cuda:1"], "nccl"), (["cpu", "cpu"], "gloo"),
+    (["cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl"), (["cpu", "cpu"], "gloo"),
     (["cpu", "cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl"), (["meta"], "gloo")])
 def test_the_backend_follows_the_devices(placed, backend):
     assert devices.backend_for(placed) == backend
@@ -74,7 +74,7 @@ def test_the_backend_follows_the_devices(placed, backend):
 
 
 def test_a_plan_without_devices_gets_nccl_on_a_gpu_node_and_gloo_elsewhere():
-    assert devices.job_backend(None, cuda_count=2) == "nccl"
+    assert devices.job_backend(None, cuda_count=2) == "cpu:gloo,cuda:nccl"
     assert devices.job_backend(None, cuda_count=0) == "gloo"
 
 
@@ -129,7 +129,8 @@ def test_torchrun_rank_device_without_gpus_is_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("placed, backend", [
-    (None, "nccl"), (["cuda:0", "cuda:1"], "nccl"), (["cpu", "cuda:1"], "cpu:gloo,cuda:nccl")])
+    (None, "cpu:gloo,cuda:nccl"), (["cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl"),
+    (["cpu", "cpu"], "gloo")])
 def test_torchrun_plan_with_devices_starts_nccl_not_gloo(four_gpus, monkeypatch, placed,
                                                            backend):
     started = []

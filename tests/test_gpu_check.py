@@ -28,7 +28,8 @@ def test_without_a_gpu_it_runs_the_cpu_half_says_what_it_skipped_and_passes():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no GPU found" in done.stdout and "running the CPU half" in done.stdout
     assert "skipped:" in done.stdout and "stages on CUDA devices" in done.stdout
-    assert "mlp / 1f1b on cpu, cpu: outputs, loss and gradients equal the plain model's" in done.stdout
+    assert ("mlp / 1f1b on cpu, cpu: outputs, loss and gradients equal the plain model's"
+            in done.stdout)
     assert "all 1 checks passed" in done.stdout
 
 
