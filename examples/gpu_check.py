@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxpipe
+from fxpipe.devices import job_backend, plan_rank_device
 from fxpipe.models import MLP, bundled
 from fxpipe.report import step_time
 
@@ -214,9 +215,9 @@ def _without_dropout(model: nn.Module) -> nn.Module:
 
 
 def _rank_device() -> str:
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
-    return "cpu"
+    """This rank's device, as fxpipe chooses it for Plan(devices=None)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return str(plan_rank_device(None, int(os.environ.get("LOCAL_RANK", "0")), count))
 
 
 def compare_with_torch_pipelining(schedule: str, check: Check) -> None:
@@ -293,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torchrun = fxpipe.distributed.launched()
     if torchrun:
-        dist.init_process_group(fxpipe.devices.job_backend(
+        dist.init_process_group(job_backend(
             None, torch.cuda.device_count() if torch.cuda.is_available() else 0))
     check = Check(torchrun)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
