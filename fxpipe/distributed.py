@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpipe.devices import job_backend, plan_rank_device
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
 
@@ -94,27 +95,19 @@ def rank_layout(plan: Plan, timeout: float = 300.0) -> RankLayout:
             "change the plan."
         )
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and plan.devices is None else "gloo"
+        backend = job_backend(plan.devices, torch.cuda.device_count()
+                              if torch.cuda.is_available() else 0)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return RankLayout(rank, world, plan.stages, plan.groups, plan.placement)
 
 
 def rank_device(plan: Plan, layout: RankLayout) -> str:
-    """The device of this rank's stage: the plan's, else this rank's GPU, else the CPU."""
-    if plan.devices is not None:
-        device = torch.device(plan.devices[layout.device])
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", layout.rank))
-                              % torch.cuda.device_count())
-    else:
-        device = torch.device("cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise PlanError(
-            f"rank {layout.rank} (stage {layout.stage}) is to run on {device}, but this node "
-            f"has {torch.cuda.device_count()} CUDA devices; give every rank a device, e.g. "
-            "launch fewer processes per node or pass Plan(devices=None)."
-        )
-    return str(device)
+    """The device of this rank's stage: the plan's (a bare "cuda": this node's GPU numbered
+    LOCAL_RANK), else this rank's GPU by LOCAL_RANK, else the CPU (fxpipe.devices)."""
+    given = None if plan.devices is None else plan.devices[layout.device]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", layout.rank))
+    return str(plan_rank_device(given, local_rank, count, layout.rank, layout.stage))
 
 
 def gather_state_dict(pipe: Any, dst: int = 0) -> dict[str, torch.Tensor] | None:

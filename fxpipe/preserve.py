@@ -28,7 +28,9 @@ def gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
 def preserved_state(module: torch.nn.Module) -> Iterator[None]:
     """Run something on `module` without a trace: buffers and RNG state are put back after."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = sorted({b.device for b, _ in buffers if b.device.type == "cuda"}, key=str)
+    # every GPU the module computes on draws random numbers (dropout), not only its buffers'
+    devices = sorted({t.device for t in [*module.parameters(), *module.buffers()]
+                      if t.device.type == "cuda"}, key=str)
     with torch.random.fork_rng(devices=devices):
         try:
             yield

@@ -138,5 +138,7 @@ def _input_grads(call: Call, run: Run) -> list[torch.Tensor | None]:
             grads.append(torch.cat(pieces))
         else:
             grads.append(torch.stack(pieces).sum(0))
+        if grads[-1] is not None:  # autograd wants it where the input is, not the stage
+            grads[-1] = grads[-1].to(call.feeds[0][name].device)
     return grads
 

@@ -13,9 +13,10 @@ import sympy
 import torch
 import torch.distributed as dist
 
+from fxpipe.devices import wire_device
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Edge
-from fxpipe.runtime.transport import MicroBatchKey, PipelineAborted
+from fxpipe.runtime.transport import DeviceCopies, MicroBatchKey, PipelineAborted, to_device
 
 __all__ = ["DistTransport", "ErrorBoard", "Watchdog"]
 
@@ -127,9 +128,15 @@ class DistTransport:
 
     def __init__(self, comm: CommTable, ranks: Sequence[int], device: str, *,
                  group: Any = None, links: Mapping[tuple[int, int], Any] | None = None,
-                 timeout: float | None = None, rank: int = 0) -> None:
+                 timeout: float | None = None, rank: int = 0,
+                 stage_types: Sequence[str] | None = None) -> None:
         self.ranks = list(ranks)  # rank of each stage in this pipeline
         self.device = torch.device(device)
+        # per stage, the device a message to or from it travels from: this rank's GPU when the
+        # peer's rank has one too (NCCL), else the host (gloo), where this rank stages it
+        kinds = stage_types or [self.device.type] * len(self.ranks)
+        self.wire = [wire_device(self.device, kind) for kind in kinds]
+        self.copies = DeviceCopies()
         self.group = group
         self.links = dict(links or {})  # (sending stage, receiving stage) -> its own group
         self.rank = rank
@@ -188,8 +195,9 @@ class DistTransport:
         for work in works:
             self._wait(work, f"{_NAMES[direction]} micro-batch {key.mb} from stage {src} "
                              f"(rank {self.ranks[src]})")
-        return {slot.value: buffer.item() if slot.number else buffer
-                for slot, buffer in zip(slots, received)}
+        values = {slot.value: buffer.item() if slot.number else buffer
+                  for slot, buffer in zip(slots, received)}
+        return to_device(values, self.device, self.copies)  # staged on the host: to the GPU
 
     def abort(self, error: BaseException) -> None:
         if self._error is None and not isinstance(error, PipelineAborted):
@@ -223,13 +231,14 @@ class DistTransport:
         batch, seq = self._micro_batch(key)
         for slot in self._slots(src, dst, direction):
             value = values.get(slot.value)
+            wire = self.wire[dst]
             if slot.number is not None:
-                tensor = torch.tensor(value, dtype=slot.dtype)
+                tensor = torch.tensor(value, dtype=slot.dtype, device=wire)
             elif value is None:  # a gradient that is zero: send zeros, the receiver expects it
-                tensor = torch.zeros(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
+                tensor = torch.zeros(slot.shape(batch, seq), dtype=slot.dtype, device=wire)
             else:  # under autocast a value may be in a lower precision than the trace's: it
                 # travels in the traced dtype, the receiver's buffer's (a lossless cast)
-                tensor = value.detach().to(slot.dtype).contiguous()
+                tensor = value.detach().to(wire, slot.dtype).contiguous()
             yield tensor
 
     def _post_receive(self, src, dst, direction, key):
@@ -238,7 +247,8 @@ class DistTransport:
         batch, seq = self._micro_batch(key)
         received, works = [], []
         for index, slot in enumerate(slots):
-            buffer = torch.empty(slot.shape(batch, seq), dtype=slot.dtype, device=self.device)
+            buffer = torch.empty(slot.shape(batch, seq), dtype=slot.dtype,
+                                 device=self.wire[src])
             received.append(buffer)
             works.append(dist.irecv(buffer, self.ranks[src], self._group(src, dst),
                                     _tag(direction, key, index)))

@@ -15,8 +15,16 @@ import torch
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Event
 from fxpipe.precision import weight_casts_kept
+from fxpipe.runtime.clock import action_clock
 from fxpipe.runtime.stage import StageRunner
-from fxpipe.runtime.transport import MicroBatchKey, PipelineAborted, Transport, device_context
+from fxpipe.runtime.transport import (
+    DeviceCopies,
+    MicroBatchKey,
+    PipelineAborted,
+    Transport,
+    device_context,
+    to_device,
+)
 from fxpipe.schedules import Action, ActionKind, forwards_first
 
 __all__ = ["Driver", "Run"]
@@ -65,6 +73,7 @@ class Driver:
                      if len(runners) > 1 else None)
         self._state: dict[int, _StageState] = {}
         self.stuck: list[int] = []  # stages whose worker never returned from a failed run
+        self.copies = DeviceCopies()  # the inputs' copies to the first stage's device
 
     def run(self, programs: Sequence[Sequence[Action]], run: Run, run_id: Any = None) -> Run:
         """Execute each of `programs` (a device's: the actions of the stages it holds, in the
@@ -137,9 +146,12 @@ class Driver:
             if len(devices) > 1:  # one worker runs on one device
                 raise FxpipeError(f"stages {held} run on one worker but sit on devices "
                                   f"{sorted(map(str, devices))}; place them on one device")
+            marks: list[tuple[int, Action, Any, Any]] = []
             with contextlib.ExitStack() as context:  # undone after, on the caller's thread too
                 context.enter_context(torch.set_grad_enabled(run.grad_enabled))
                 context.enter_context(device_context(self.runners[s].device))
+                # a GPU's actions are timed on its stream: the kernels, not their launch
+                clock = action_clock(self.runners[s].device, start)
                 for device_type, dtype in autocast:
                     context.enter_context(torch.autocast(device_type, dtype=dtype))
                 if any(self.runners[t].precision for t in held):  # one cast of each weight
@@ -156,27 +168,32 @@ class Driver:
                 position = dict.fromkeys(held, 0)  # each stage's next action in its own list
                 for a in program:
                     s = a.stage
-                    self._advance(walks[s], position[s], run, run_id, start)
+                    marks.append(self._advance(walks[s], position[s], run, run_id, clock))
                     position[s] += 1
+                run.events.extend(Event(t, a, clock.seconds(began), clock.seconds(ended))
+                                  for t, a, began, ended in marks)
         except BaseException as error:
             self.transport.abort(error)
             raise _StageFailed(s, error) from error
 
-    def _advance(self, walk: _Walk, i: int, run: Run, run_id: Any, start: float) -> None:
-        """Run the stage's action i, recorded, and drop what no later action of it needs."""
+    def _advance(self, walk: _Walk, i: int, run: Run, run_id: Any, clock: Any
+                 ) -> tuple[int, Action, Any, Any]:
+        """Run the stage's action i and drop what no later action of it needs; returns its
+        clock's marks around it."""
         s, state = walk.stage, walk.state
         action, ahead = walk.program[i], walk.ahead[i]
         if ahead is not None:  # start its transfer during this compute
             self.transport.prefetch(ahead.peer, s, _direction(ahead),
                                     MicroBatchKey(run_id, ahead.mb))
         key = MicroBatchKey(run_id, action.mb)
-        began = time.perf_counter()
+        began = clock.mark()
         self._execute(walk, action, run, key)
-        run.events.append(Event(s, action, began - start, time.perf_counter() - start))
+        ended = clock.mark()
         if walk.last_value_use.get(action.mb) == i:
             state.values.pop(key, None)
         if walk.last_grad_use.get(action.mb) == i:
             state.input_grads.pop(key, None)
+        return s, action, began, ended
 
     def _execute(self, walk: _Walk, a: Action, run: Run, key: MicroBatchKey) -> None:
         s, state = walk.stage, walk.state
@@ -185,8 +202,8 @@ class Driver:
             state.values[key].update(self.transport.recv(a.peer, s, "F", key))
         elif a.kind is K.F:
             values = state.values[key]
-            if s == 0:
-                values.update(run.feeds[a.mb])
+            if s == 0:  # the inputs, from wherever the caller has them
+                values.update(to_device(run.feeds[a.mb], runner.device, self.copies))
             values.update(runner.forward(key, values))
             if s == self.last_stage:
                 self._finish_forward(runner, key, values, run)

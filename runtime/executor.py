@@ -36,7 +36,7 @@ from fxpipe.runtime.coordinator import Coordinator
 from fxpipe.runtime.driver import Driver, Run
 from fxpipe.runtime.loss_scaling import PipelineScaler
 from fxpipe.runtime.stage import StageRunner
-from fxpipe.runtime.transport import LocalTransport, Transport
+from fxpipe.runtime.transport import LocalTransport, Transport, to_device
 from fxpipe.schedules import ActionKind, Schedule
 
 __all__ = ["PipelineExecutor"]
@@ -203,8 +203,13 @@ class PipelineExecutor:
                   if isinstance(total, torch.Tensor) else total for total in totals]
         checked = []  # this run's check of the reduction, when the last could not tell
 
+        last_device = self.runners[len(self.comm.stages) - 1].device if self.last else None
+
         def loss(mb: int, outputs: dict[str, Any]) -> torch.Tensor:
             output = self.model_output(outputs)
+            # the target on the last stage's device, copied on its worker thread and stream
+            targets[mb] = to_device({"target": targets[mb]}, last_device,
+                                    self.driver.copies)["target"]
             value = check_loss(loss_fn(output, targets[mb]))
             if call.sizes[mb] == calls[mb // p].total:  # the whole mini-batch: nothing to combine
                 return value
@@ -220,9 +225,10 @@ class PipelineExecutor:
             # counted target entries
             share = call.sizes[mb] / calls[mb // p].total
             if isinstance(weights[mb], torch.Tensor):
-                share = weights[mb].to(value.dtype) / totals[mb // p]
+                weight = weights[mb].to(value.device)  # counted on the host
+                share = weight.to(value.dtype) / totals[mb // p].to(value.device)
                 # nothing counted (all padding): its mean is nan, and it adds nothing
-                return torch.where(weights[mb] > 0, value * share, 0.0)
+                return torch.where(weight > 0, value * share, 0.0)
             return value * share
 
         def on_action(action) -> None:

@@ -11,6 +11,7 @@ from fxpipe.compiler.assemble import materialize_stages, model_names
 from fxpipe.compiler.inputs import output_names
 from fxpipe.compiler.state import Compilation
 from fxpipe.cost import Link
+from fxpipe.devices import slot_device_types, wire_device
 from fxpipe.distributed import RankLayout
 from fxpipe.errors import PlanError
 from fxpipe.ir import CommTable, tied_parameters
@@ -23,7 +24,8 @@ from fxpipe.runtime.gradient_sync import GradientSync
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.units import Unit
 
-__all__ = ["LinkGroups", "agree", "build_rank_runtime", "owned_names", "ping_pong"]
+__all__ = ["LinkGroups", "agree", "build_rank_runtime", "owned_names", "ping_pong",
+           "stage_device_types"]
 
 
 def agree(layout: RankLayout, plan: Plan, units: Sequence[Unit]) -> None:
@@ -79,8 +81,18 @@ def ping_pong(plan: Plan, layout: RankLayout, groups: LinkGroups, device: str) -
     link = default_link(device, device, True)
     if plan.stages < 2 or layout.rank_of(0, 0) == layout.rank_of(1, 0):
         return link
+    kinds = stage_device_types(plan, layout)
+    peer = kinds[1] if layout.rank == layout.rank_of(0, 0) else kinds[0]
+    wire = str(wire_device(device, peer))  # the device the pipeline's messages travel from
     return measure_rank_link(layout.rank_of(0, 0), layout.rank_of(1, 0), groups.get(0, 1),
-                             device, reply_group=groups.get(1, 0)) or link
+                             wire, reply_group=groups.get(1, 0)) or link
+
+
+def stage_device_types(plan: Plan, layout: RankLayout) -> list[str]:
+    """The device type ("cpu", "cuda") of every stage's rank, as every rank can tell."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kinds = slot_device_types(plan.devices, count, layout.devices)
+    return [kinds[layout.device_of(s)] for s in range(plan.stages)]
 
 
 def build_rank_runtime(c: Compilation) -> PipelineExecutor:
@@ -97,7 +109,8 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     pipeline = _pipeline_group(layout)
     transport = DistTransport(c.comm, layout.pipeline_ranks, device, group=pipeline,
                               links=c.link_groups.of_edges(c.comm), rank=layout.rank,
-                              timeout=c.plan.timeout)
+                              timeout=c.plan.timeout,
+                              stage_types=stage_device_types(c.plan, layout))
     stage = stages[layout.stage]  # data parallelism runs one stage per rank (check pass)
     data_parallel = _data_parallel_group(layout, stage)
     sync = None

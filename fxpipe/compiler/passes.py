@@ -28,6 +28,7 @@ from fxpipe.compiler.model_loss import LABEL_NAMES, scalar_joins
 from fxpipe.compiler.partitioning import choose_partition
 from fxpipe.compiler.state import Compilation, Pass, ensure
 from fxpipe.cost import CostTable, Link, fit_to_flops
+from fxpipe.devices import timing_device
 from fxpipe.distributed import launched, rank_device, rank_layout
 from fxpipe.errors import FxpipeTraceError, PlanError
 from fxpipe.inspect import format_bytes
@@ -122,7 +123,7 @@ def cut(c: Compilation) -> None:
     c.scalar_joins = scalar_joins(
         c.model, c.args, c.kwargs, check_per_sample_outputs(c.traced, c.plan, c.batch), c.batch,
         {owners[i] for i in c.whole}, labels, c.distributed or c.plan.groups > 1)
-    c.loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, c.devices[0])
+    c.loss = traced_loss(c.traced, c.plan, c.target, c.flat, c.whole, timing_device(c.devices))
     if c.distributed:
         agree(c.layout, c.plan, c.units)
 
@@ -139,7 +140,7 @@ def profile(c: Compilation) -> None:
     (under torchrun every rank times at once, rank 0's counting)."""
     if c.plan.costs == "none":
         return
-    device = c.devices[0]
+    device = timing_device(c.devices)
     unit_graph, unit_table = _units_as_stages(c)
     held = (len(c.layout.held) / c.plan.stages if c.distributed
             else c.devices.count(device) / len(c.devices))
@@ -158,7 +159,7 @@ def _units_as_stages(c: Compilation) -> tuple[fx.GraphModule, CommTable]:
     """The model split with one unit per stage, each on the timing device: what the units are
     timed and counted through."""
     return split_stages(c.traced.gm, c.units, range(1, len(c.units) + 1),
-                        [c.devices[0]] * len(c.units))
+                        [timing_device(c.devices)] * len(c.units))
 
 
 def profile_sizes(batch: int, plan: Plan) -> list[int]:

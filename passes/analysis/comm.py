@@ -96,6 +96,8 @@ def measure_rank_link(peer_a: int, peer_b: int, group: Any = None, device: str =
             else:
                 dist.recv(tensor, other, group)
                 dist.send(tensor, other, reply)
+            # NCCL's recv returns once queued on the stream: wait for it to have arrived
+            _synchronize(tensor.device)
             times.append((time.perf_counter() - start) / 2)
         seconds.append(statistics.median(times[1:]))
     for index in range(repeats + 1):  # the sender's own time to post a small tensor

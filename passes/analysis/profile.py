@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from fxpipe.batching import input_dims, resize
+from fxpipe.devices import timer_kind
 from fxpipe.ir import CommTable
 from fxpipe.materialize import has_meta_tensors, kept_from, materialized_copy
 from fxpipe.meta import PROFILE, SHAPE, ValueInfo
@@ -356,8 +357,8 @@ def _saved_storages(module: torch.nn.Module, autocast: bool = False
 
 def _timer(device: torch.device) -> Callable[..., tuple[Any, float]]:
     """timer(fn, *args, **kwargs) -> (result, seconds): CUDA events on a GPU (the kernels'
-    time, not their launch), perf_counter on the CPU."""
-    if device.type == "cuda":
+    time, not their launch), perf_counter on the CPU (fxpipe.devices.timer_kind)."""
+    if timer_kind(device) == "cuda-events":
         def cuda_timed(fn, *args, **kwargs):
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
