@@ -20,6 +20,7 @@ from fxpipe.ir import CommTable, Event, Stage, StageHook, tied_parameters
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.predict import Calibration, predict_step
+from fxpipe.recompute_spec import stage_recompute
 from fxpipe.report import format_report, step_time, unlike_prediction_lines
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Timeline
@@ -359,7 +360,8 @@ class CompiledPipeline(torch.nn.Module):
         if shared:
             devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
         table = format_stage_table(title, self.units, partition, self.comm, devices, params,
-                                   self.shared_parameters(), timed, self.link, simulated)
+                                   self.shared_parameters(), timed, self.link, simulated,
+                                   stage_recompute(self.plan, partition))
         if timed:
             table += f"\ncosts: {self.cost.source}"
         if shared:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 from fxpipe.ir import Stage, StageArgs, StageHook, StageIO
 from fxpipe.runtime.consistency import WeightPolicy
+from fxpipe.runtime.recompute import Recompute
 from fxpipe.runtime.split_backward import WeightWork, input_backward, weight_backward
 from fxpipe.runtime.transport import MicroBatchKey
 
@@ -30,8 +32,11 @@ class StageRunner:
     """
 
     def __init__(self, stage: Stage, hook: StageHook, io: StageIO, device: str,
-                 needs_grad: Mapping[str, bool]) -> None:
+                 needs_grad: Mapping[str, bool], recompute: bool = False,
+                 rng_lock: threading.Lock | None = None) -> None:
         self.stage, self.hook, self.io = stage, hook, io
+        # a training forward checkpointed (recompute) or not; rng_lock: see Recompute
+        self.recompute = Recompute(stage.module, recompute, rng_lock)
         self.index = io.stage
         self.device = torch.device(device)
         self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
@@ -58,11 +63,10 @@ class StageRunner:
         weights = policy.forward_weights(key) if policy else None
         context = (policy.forward_context(key, weights or policy.weights) if policy
                    else contextlib.nullcontext())
+        run = (self.stage.module if not weights  # else a version chosen by the policy
+               else lambda *x: self.stage(StageArgs(x, weights)))
         with context:
-            if weights:  # a weight version chosen by the consistency policy
-                outputs = self.stage(StageArgs(tuple(inputs), weights))
-            else:
-                outputs = self.stage.module(*inputs)
+            outputs = self.recompute.forward(run, inputs) if training else run(*inputs)
         if training:
             self._in_flight[key] = (inputs, outputs, [])
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -98,7 +102,8 @@ class StageRunner:
                 tensors, grad_tensors, [leaf for _, leaf in leaves])
         else:
             if tensors:
-                torch.autograd.backward(tensors, grad_tensors)
+                with self.recompute.backward():
+                    torch.autograd.backward(tensors, grad_tensors)
             found = [leaf.grad for _, leaf in leaves]
             self._finished(key, last)
         result = {name: grad for name, grad in grads.items()  # values it only forwarded

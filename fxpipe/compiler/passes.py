@@ -46,6 +46,7 @@ from fxpipe.passes.analysis.profile import (
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import VIRTUAL, Plan
+from fxpipe.recompute_spec import stage_recompute
 from fxpipe.schedules import ActionKind, Schedule, ScheduleError, add_step, lower
 from fxpipe.schedules.user import lower_user_schedule
 from fxpipe.trace import trace
@@ -296,6 +297,9 @@ def _costs_valid(c: Compilation) -> None:  # CostTable refuses negative or non-f
 
 def _partition_valid(c: Compilation) -> None:  # Partition.evaluate checked the bounds
     ensure(len(c.partition.bounds) == c.plan.stages, "one bound per stage")
+    chosen = tuple(getattr(c.partition, "recompute", ()) or ())
+    ensure(not chosen or c.plan.recompute == "auto" or chosen == stage_recompute(c.plan, None),
+           "the partition recomputes the stages the plan names")
 
 
 def _rewrite_valid(c: Compilation) -> None:
