@@ -8,7 +8,7 @@ from typing import Any
 from fxpipe.errors import PlanError
 from fxpipe.schedules.actions import ActionKind, Schedule
 
-__all__ = ["recompute_spec", "stage_recompute"]
+__all__ = ["cannot_recompute", "recompute_spec", "stage_recompute"]
 
 # zero-bubble schedules split each backward into B (input gradients) and W (weight gradients),
 # two passes over the graph: a checkpointed stage would recompute its forward in each of them
@@ -19,7 +19,8 @@ def recompute_spec(plan: Any) -> bool | str | tuple[bool, ...]:
     """The plan's `recompute`, checked against its stages and schedule: False (no stage),
     True (every stage), "auto" (the partitioner turns it on only for the stages that need it
     to fit Plan(memory_limit=...); with no cap every stage fits, so none recomputes), or one
-    bool per stage."""
+    bool per stage. A schedule no stage can recompute on (cannot_recompute) is refused for
+    True and lists, and makes "auto" recompute nothing."""
     value = plan.recompute
     if isinstance(value, str):
         if value != "auto":
@@ -34,28 +35,31 @@ def recompute_spec(plan: Any) -> bool | str | tuple[bool, ...]:
         if len(value) != plan.stages:
             raise PlanError(f"Plan(recompute={list(value)}) gives {len(value)} values for "
                             f"stages={plan.stages}; give exactly one True/False per stage.")
-    maybe = value is True or (isinstance(value, tuple) and any(value)) or (
-        value == "auto" and getattr(plan, "memory_limit", None) is not None)
-    if maybe:
-        _check_schedule(plan, value)
+    if value is True or (isinstance(value, tuple) and any(value)):
+        reason = cannot_recompute(plan)
+        if reason:
+            shown = list(value) if isinstance(value, tuple) else value
+            raise PlanError(f"Plan(recompute={shown!r}) {reason}")
     return value
 
 
-def _check_schedule(plan: Any, value: Any) -> None:
-    given = f"Plan(recompute={list(value) if isinstance(value, tuple) else value!r})"
+def cannot_recompute(plan: Any) -> str | None:
+    """Why no stage of `plan` can recompute (its schedule or weight policy), or None. "auto"
+    then recomputes nothing."""
     schedule = plan.schedule
     splits = (any(a.kind is ActionKind.W for stage in schedule.actions for a in stage)
               if isinstance(schedule, Schedule) else schedule in _SPLIT)
     if splits:
-        raise PlanError(f"{given} cannot run schedule={plan.schedule_name!r}: it computes "
-                        "weight gradients (W) apart from input gradients (B), and a stage "
-                        "that recomputes would run its forward again for each of them; use "
-                        "schedule='1f1b' or 'interleaved-1f1b', or recompute=False.")
+        return (f"cannot run schedule={plan.schedule_name!r}: it computes weight gradients "
+                "(W) apart from input gradients (B), and a stage that recomputes would run "
+                "its forward again for each of them; use schedule='1f1b' or "
+                "'interleaved-1f1b', or recompute=False.")
     if plan.schedule_name == "async-1f1b" and plan.consistency in ("none", "predict"):
-        raise PlanError(f"{given} with schedule='async-1f1b' needs consistency='stash' or "
-                        f"'2bw' (it is {plan.consistency!r}): the weights step between a "
-                        "micro-batch's forward and its backward, and only those policies keep "
-                        "the weights its forward saw for the recomputed forward to see again.")
+        return (f"with schedule='async-1f1b' needs consistency='stash' or '2bw' (it is "
+                f"{plan.consistency!r}): the weights step between a micro-batch's forward and "
+                "its backward, and only those policies keep the weights its forward saw for "
+                "the recomputed forward to see again.")
+    return None
 
 
 def stage_recompute(plan: Any, partition: Any) -> tuple[bool, ...]:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import fxpipe
 from fxpipe.errors import PlanError
-from fxpipe.recompute_spec import stage_recompute
+from fxpipe.recompute_spec import cannot_recompute, stage_recompute
 
 
 @pytest.mark.parametrize("value, says", [
@@ -32,7 +32,9 @@ def test_recompute_refuses_the_split_backward_of_zero_bubble_schedules(schedule,
                        rf"schedule='{schedule}': it computes weight gradients \(W\) apart .* "
                        r"use schedule='1f1b' or 'interleaved-1f1b', or recompute=False"):
         fxpipe.Plan(stages=2, schedule=schedule, recompute=[False, True], **extra)
-    fxpipe.Plan(stages=2, schedule=schedule, recompute=[False, False], **extra)  # nothing to do
+    for nothing in ([False, False], "auto"):  # "auto" then recomputes nothing
+        plan = fxpipe.Plan(stages=2, schedule=schedule, recompute=nothing, **extra)
+        assert "computes weight gradients (W)" in cannot_recompute(plan)
 
 
 @pytest.mark.parametrize("consistency", ["none", "predict"])
@@ -41,7 +43,8 @@ def test_recompute_under_async_1f1b_needs_a_policy_that_keeps_the_forwards_weigh
                        rf"needs consistency='stash' or '2bw' \(it is '{consistency}'\)"):
         fxpipe.Plan(stages=2, schedule="async-1f1b", consistency=consistency, recompute=True)
     for kept in ("stash", "2bw"):
-        fxpipe.Plan(stages=2, schedule="async-1f1b", consistency=kept, recompute=True)
+        assert cannot_recompute(fxpipe.Plan(stages=2, schedule="async-1f1b",
+                                            consistency=kept, recompute=True)) is None
 
 
 def test_each_value_names_the_stages_that_recompute():
