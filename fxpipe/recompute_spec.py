@@ -6,14 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fxpipe.errors import PlanError
-from fxpipe.schedules.actions import ActionKind, Schedule
 
 __all__ = ["cannot_recompute", "recompute_spec", "stage_recompute"]
-
-# zero-bubble schedules split each backward into B (input gradients) and W (weight gradients),
-# two passes over the graph: a checkpointed stage would recompute its forward in each of them
-_SPLIT = ("zb-h1", "zbv")
-
 
 def recompute_spec(plan: Any) -> bool | str | tuple[bool, ...]:
     """The plan's `recompute`, checked against its stages and schedule: False (no stage),
@@ -46,14 +40,6 @@ def recompute_spec(plan: Any) -> bool | str | tuple[bool, ...]:
 def cannot_recompute(plan: Any) -> str | None:
     """Why no stage of `plan` can recompute (its schedule or weight policy), or None. "auto"
     then recomputes nothing."""
-    schedule = plan.schedule
-    splits = (any(a.kind is ActionKind.W for stage in schedule.actions for a in stage)
-              if isinstance(schedule, Schedule) else schedule in _SPLIT)
-    if splits:
-        return (f"cannot run schedule={plan.schedule_name!r}: it computes weight gradients "
-                "(W) apart from input gradients (B), and a stage that recomputes would run "
-                "its forward again for each of them; use schedule='1f1b' or "
-                "'interleaved-1f1b', or recompute=False.")
     if plan.schedule_name == "async-1f1b" and plan.consistency in ("none", "predict"):
         return (f"with schedule='async-1f1b' needs consistency='stash' or '2bw' (it is "
                 f"{plan.consistency!r}): the weights step between a micro-batch's forward and "

@@ -26,17 +26,6 @@ def test_a_wrong_recompute_value_says_what_to_give(value, says):
         fxpipe.Plan(stages=2, recompute=value)
 
 
-@pytest.mark.parametrize("schedule, extra", [("zb-h1", {}), ("zbv", {"stages_per_device": 2})])
-def test_recompute_refuses_the_split_backward_of_zero_bubble_schedules(schedule, extra):
-    with pytest.raises(PlanError, match=rf"Plan\(recompute=\[False, True\]\) cannot run "
-                       rf"schedule='{schedule}': it computes weight gradients \(W\) apart .* "
-                       r"use schedule='1f1b' or 'interleaved-1f1b', or recompute=False"):
-        fxpipe.Plan(stages=2, schedule=schedule, recompute=[False, True], **extra)
-    for nothing in ([False, False], "auto"):  # "auto" then recomputes nothing
-        plan = fxpipe.Plan(stages=2, schedule=schedule, recompute=nothing, **extra)
-        assert "computes weight gradients (W)" in cannot_recompute(plan)
-
-
 @pytest.mark.parametrize("consistency", ["none", "predict"])
 def test_recompute_under_async_1f1b_needs_a_policy_that_keeps_the_forwards_weights(consistency):
     with pytest.raises(PlanError, match=rf"Plan\(recompute=True\) with schedule='async-1f1b' "

@@ -219,7 +219,7 @@ def recompute_pairs(out):
     data = [(torch.randn(8, 6, generator=gen, dtype=torch.float64),
              torch.randint(0, 3, (8,), generator=gen)) for _ in range(STEPS)]
     results = {}
-    for schedule, stages, per_rank in (("interleaved-1f1b", 4, 2),):  # 1f1b: gpt:2:1f1b@rc
+    for schedule, stages, per_rank in (("interleaved-1f1b", 4, 2), ("zbv", 4, 2)):
         for recompute in (False, True):
             torch.manual_seed(0)
             plan = fxpipe.Plan(stages=stages, stages_per_device=per_rank, schedule=schedule,

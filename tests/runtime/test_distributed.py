@@ -76,7 +76,8 @@ def _check_binding(ranks_threads) -> None:
          "gpt-meta:2:1f1b:2", "gpt:2:zb-h1:3",
          # several stages per rank: GPT's tied weight on two ranks, then on rank 0 alone
          "gpt:4:interleaved-1f1b*2:2", "gpt:4:zbv*2:3", "skipnet:4:looped-bfs*2:3",
-         "gpt:2:1f1b@rc:2", "skipnet:2:async-stash@rc:2", "gpt:4:interleaved-1f1b*2@rc:2"]),
+         "gpt:2:1f1b@rc:2", "skipnet:2:async-stash@rc:2", "gpt:4:interleaved-1f1b*2@rc:2",
+         "gpt:2:zb-h1@rc:3"]),
     (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4", "skipnet:4:async-stash:1", "skipnet-meta:4:gpipe:3",
          "repeated:4:1f1b:3"]),  # a weight three ranks hold: all-reduced, not swapped
 ], ids=["2-ranks", "4-ranks"])
@@ -94,7 +95,7 @@ def test_recomputing_across_ranks_changes_no_loss_buffer_or_weight(tmp_path):
     result = torchrun(2, "recompute", tmp_path / "result")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = torch.load(tmp_path / "result")
-    for schedule in ("interleaved-1f1b",):  # two stages per rank
+    for schedule in ("interleaved-1f1b", "zbv"):  # two stages per rank
         (losses, state), (again, state_again) = runs[schedule, False], runs[schedule, True]
         assert again == losses, schedule
         assert list(state_again) == list(state)

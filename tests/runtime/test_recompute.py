@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -38,6 +39,8 @@ SCHEDULES = {  # name: (stages, stages_per_device, micro-batch counts it runs)
     "1f1b": (None, 1, (1, 2, 3, 4)),
     "interleaved-1f1b": (4, 2, (2, 4)),
     "looped-bfs": (4, 2, (1, 2, 4)),
+    "zb-h1": (None, 1, (1, 2, 3, 4)),  # split backward: B, then W later
+    "zbv": (4, 2, (1, 2, 4)),
 }
 
 
@@ -95,21 +98,61 @@ def _counting(module: nn.Module) -> list[int]:
     return calls
 
 
-def test_a_recomputing_stage_runs_its_forward_again_in_backward_and_not_without_grad():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_recomputing_stage_runs_its_forward_once_more_in_backward_and_not_without_grad(
+        schedule):
+    """Once per micro-batch, also where the backward is split in two (B and W, several
+    autograd calls); a stage that does not recompute runs its forward once."""
     model = DropNet().double()
-    first, last = _counting(model.inp), _counting(model.out)
+    counts = [_counting(module) for module in (model.inp, model.layers[1], model.layers[2])]
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
-    plan = fxpipe.Plan(stages=2, partitioner=[3, 4], micro_batches=4, schedule="1f1b",
-                       recompute=[True, False], loss_fn=F.cross_entropy, costs="none")
+    plan = fxpipe.Plan(stages=3, partitioner=[3, 1, 3], micro_batches=4, schedule=schedule,
+                       recompute=[True, True, False], loss_fn=F.cross_entropy, costs="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(x,))
-    first.clear(), last.clear()
+    for calls in counts:
+        calls.clear()
     pipe.step(x, y)
-    assert (len(first), len(last)) == (8, 4)  # stage 0: forward and recompute
-    first.clear(), last.clear()
+    assert [len(calls) for calls in counts] == [8, 8, 4]  # forward, and recompute
+    for calls in counts:
+        calls.clear()
     with torch.no_grad():
         pipe(x)
-    assert (len(first), len(last)) == (4, 4)  # nothing to recompute for
-    assert "0 rc" in repr(pipe) and "1 rc" not in repr(pipe)
+    assert [len(calls) for calls in counts] == [4, 4, 4]  # nothing to recompute for
+    assert "0 rc" in repr(pipe) and "1 rc" in repr(pipe) and "2 rc" not in repr(pipe)
+
+
+class PassThrough(nn.Module):
+    """Returns a value of stage 0 beside the logits: the loss reaches the last stage's input
+    directly, not only through the stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b(h))), h
+
+
+def _both_outputs_loss(output, target):
+    return F.cross_entropy(output[0], target) + output[1].square().mean()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_loss_on_a_value_passed_through_the_last_stage_backpropagates_once(schedule):
+    model = PassThrough().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    plan = fxpipe.Plan(stages=2, micro_batches=2, schedule=schedule, recompute=True,
+                       loss_fn=_both_outputs_loss, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    loss = pipe.step(x, y)
+    expected = sum(_both_outputs_loss(reference(xm), ym) / 2
+                   for xm, ym in zip(x.chunk(2), y.chunk(2)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
 def test_async_pipelines_recompute_with_the_weights_their_forward_used():
