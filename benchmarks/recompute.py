@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--schedule", default="1f1b", help="1f1b (the target), or gpipe")
+    parser.add_argument("--schedule", default="1f1b", help="1f1b (the target), gpipe, zb-h1, ...")
     args = parser.parse_args()
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # a script, not the library: quiet kineto
     torch.set_num_threads(1)
