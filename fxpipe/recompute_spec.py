@@ -9,6 +9,7 @@ from fxpipe.errors import PlanError
 
 __all__ = ["cannot_recompute", "recompute_spec", "stage_recompute"]
 
+
 def recompute_spec(plan: Any) -> bool | str | tuple[bool, ...]:
     """The plan's `recompute`, checked against its stages and schedule: False (no stage),
     True (every stage), "auto" (the partitioner turns it on only for the stages that need it
