@@ -49,12 +49,14 @@ def format_stage_table(
     link: Link | None = None,
     simulated: tuple[str, float] | None = None,
     placed: bool = False,
+    recompute: Sequence[bool] = (),
 ) -> str:
     """One row per stage: device, units, parameters, predicted times and memory, and what
     crosses its boundaries; then the prediction for the whole step the partitioners score
     (GPipe's closed form, or the plan's schedule simulated on a chain of stages), and
     `simulated`, (schedule, seconds) from the event simulator on the model's stage edges.
-    `placed`: the schedule runs several stages per device (its simulation serialises them)."""
+    `placed`: the schedule runs several stages per device (its simulation serialises them);
+    `recompute`: per stage, whether it recomputes its forward in backward (marked "rc")."""
     rows = []
     for s, stage in enumerate(partition.stages):
         start, end = stage.units
@@ -62,7 +64,8 @@ def format_stage_table(
         names = (f"{units[start].name} .. {units[end - 1].name}" if end - start > 1
                  else units[start].name)
         times = ([format_ms(stage.f), format_ms(stage.b)] if timed else ["-", "-"])
-        rows.append([s, devices[s], span, names, f"{params[s]:,}", *times,
+        marked = f"{s} rc" if s < len(recompute) and recompute[s] else s
+        rows.append([marked, devices[s], span, names, f"{params[s]:,}", *times,
                      format_bytes(stage.memory), _traffic(table.recvs(s)),
                      _traffic(table.sends(s))])
     header = ["stage", "device", "units", "first .. last unit", "params", "fwd ms", "bwd ms",
@@ -84,6 +87,9 @@ def format_stage_table(
         )
     else:
         lines.append("no times measured (Plan(costs='none')): the partition ignores speed")
+    if any(recompute):
+        lines.append("rc: the stage keeps only its inputs and recomputes its forward in its "
+                     "backward (Plan(recompute))")
     for name, stages in (shared or {}).items():
         lines.append(f"shared parameter {name}: used by stages {', '.join(map(str, stages))} "
                      "(one Parameter, gradients summed; counted in each stage above)")

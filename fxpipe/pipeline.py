@@ -20,6 +20,7 @@ from fxpipe.ir import CommTable, Event, Stage, StageHook, tied_parameters
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.predict import Calibration, predict_step
+from fxpipe.recompute_spec import stage_recompute
 from fxpipe.report import format_report, step_time, unlike_prediction_lines
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Timeline
@@ -367,7 +368,7 @@ class CompiledPipeline(torch.nn.Module):
             devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
         table = format_stage_table(title, self.units, partition, self.comm, devices, params,
                                    self.shared_parameters(), timed, self.link, simulated,
-                                   placed=shared)
+                                   placed=shared, recompute=stage_recompute(self.plan, partition))
         if timed:
             table += f"\ncosts: {self.cost.source}"
         if shared:

@@ -15,6 +15,7 @@ import torch
 from fxpipe.errors import PlanError
 from fxpipe.intra_layer_spec import intra_layer_spec
 from fxpipe.precision import check_precision
+from fxpipe.recompute_spec import recompute_spec
 from fxpipe.schedules.actions import ActionKind, Schedule, ScheduleError
 from fxpipe.schedules.interleaved import round_robin, v_shape
 from fxpipe.schedules.user import check_user_schedule, read_user_schedule
@@ -77,6 +78,7 @@ class Plan:
     timeout: float | None = None
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
+    recompute: bool | str | Sequence[bool] = False  # True | False | "auto" | one bool a stage
     dump: bool = False  # print each compiler pass's result as it completes
     precision: str | None = None  # bf16 | fp16: stages under autocast (fp16: pipe.scaler)
 
@@ -112,6 +114,7 @@ class Plan:
                 f"{self.schedule_name!r})."
             )
         _choice("dp_sync", self.dp_sync, DP_SYNCS)
+        object.__setattr__(self, "recompute", recompute_spec(self))
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise PlanError(f"Plan(loss_fn={self.loss_fn!r}) must be callable(output, target).")
         try:  # it is called as loss_fn(output, target); a module's signature is its forward's
@@ -341,7 +344,7 @@ class Plan:
                 if f.name not in ("loss_fn", "dump")}
         data["leaf_modules"] = [leaf if isinstance(leaf, str) else leaf.__name__
                                 for leaf in self.leaf_modules]
-        for name in ("partitioner", "devices", "link", "whole_inputs"):
+        for name in ("partitioner", "devices", "link", "whole_inputs", "recompute"):
             if isinstance(data[name], tuple):
                 data[name] = list(data[name])
         data["concrete_args"] = dict(self.concrete_args) if self.concrete_args else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -104,13 +105,17 @@ class PipelineExecutor:
 
     @classmethod
     def local(cls, stages: Sequence[Stage], hooks: Sequence[StageHook], comm: CommTable,
-              devices: Sequence[str], timeout: float = 300.0, **kwargs: Any
-              ) -> PipelineExecutor:
+              devices: Sequence[str], timeout: float = 300.0,
+              recompute: Sequence[bool] = (), **kwargs: Any) -> PipelineExecutor:
         """Every stage in this process, one worker thread per device of the schedule;
-        `kwargs` as __init__'s."""
+        `recompute`: per stage, whether it recomputes its forward in backward; `kwargs` as
+        __init__'s."""
         needs_grad = comm.carries_grad()
-        runners = {io.stage: StageRunner(stage, hook, io, device, needs_grad)
-                   for stage, hook, io, device in zip(stages, hooks, comm.stages, devices)}
+        recompute = tuple(recompute) or (False,) * len(stages)
+        lock = threading.Lock() if any(recompute) else None  # the workers' shared RNG
+        runners = {io.stage: StageRunner(stage, hook, io, device, needs_grad, again, lock)
+                   for stage, hook, io, device, again
+                   in zip(stages, hooks, comm.stages, devices, recompute)}
         return cls(runners, comm, LocalTransport(devices, timeout), **kwargs)
 
     def forward(self, flat_inputs: Sequence[Any] | None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from fxpipe.ir import Stage, StageArgs, StageHook, StageIO
 from fxpipe.precision import autocast
 from fxpipe.runtime.consistency import WeightPolicy
+from fxpipe.runtime.recompute import Recompute
 from fxpipe.runtime.split_backward import WeightWork, input_backward, weight_backward
 from fxpipe.runtime.transport import MicroBatchKey
 
@@ -31,8 +33,11 @@ class StageRunner:
     """
 
     def __init__(self, stage: Stage, hook: StageHook, io: StageIO, device: str,
-                 needs_grad: Mapping[str, bool]) -> None:
+                 needs_grad: Mapping[str, bool], recompute: bool = False,
+                 rng_lock: threading.Lock | None = None) -> None:
         self.stage, self.hook, self.io = stage, hook, io
+        # a training forward checkpointed (recompute) or not; rng_lock: see Recompute
+        self.recompute = Recompute(stage.module, recompute, rng_lock, device)
         self.index = io.stage
         self.device = torch.device(device)
         self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
@@ -60,11 +65,10 @@ class StageRunner:
         weights = policy.forward_weights(key) if policy else None
         context = (policy.forward_context(key, weights or policy.weights) if policy
                    else contextlib.nullcontext())
+        run = (self.stage.module if not weights  # else a version chosen by the policy
+               else lambda *x: self.stage(StageArgs(x, weights)))
         with context, self.autocast():
-            if weights:  # a weight version chosen by the consistency policy
-                outputs = self.stage(StageArgs(tuple(inputs), weights))
-            else:
-                outputs = self.stage.module(*inputs)
+            outputs = self.recompute.forward(key, run, inputs) if training else run(*inputs)
         if training:
             self._in_flight[key] = (inputs, outputs, [])
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -101,11 +105,13 @@ class StageRunner:
         leaves = [(name, leaf) for name, leaf in zip(self.io.inputs, inputs)
                   if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if split:  # the weights' part of the graph stays for weight_backward
-            found, self._awaiting_weights[key] = input_backward(
-                tensors, grad_tensors, [leaf for _, leaf in leaves])
+            found, self._awaiting_weights[key] = self._input_backward(
+                key, inputs, outputs, len(roots), tensors, grad_tensors,
+                [leaf for _, leaf in leaves])
         else:
-            if tensors:
-                torch.autograd.backward(tensors, grad_tensors)
+            with self.recompute.backward(key):
+                if tensors:
+                    torch.autograd.backward(tensors, grad_tensors)
             found = [leaf.grad for _, leaf in leaves]
             self._finished(key, last)
         result = {name: grad for name, grad in grads.items()  # values it only forwarded
@@ -118,11 +124,23 @@ class StageRunner:
             result[name] = grad
         return result
 
+    def _input_backward(self, key, inputs, outputs, roots, tensors, grads, leaves):
+        """B of a split backward. A recomputing stage runs its forward again first, once,
+        and B and W share the graph that builds (Recompute.replay); where it cannot, the
+        checkpointed graph serves, recomputing in each autograd call."""
+        replayed = (self.recompute.replay(key, inputs, outputs, roots, tensors, grads)
+                    if self.recompute.enabled else None)
+        if replayed is None:
+            with self.recompute.backward(key):
+                return input_backward(tensors, grads, leaves)
+        return input_backward(*replayed)
+
     def weight_backward(self, key: MicroBatchKey, last: bool = False) -> None:
         """The parameters' gradients of a micro-batch whose `backward(split=True)` ran,
         accumulated into `.grad` as the unsplit backward does; then its activations and graph
         are released and the hook fires (`last` as backward's)."""
-        weight_backward(self._awaiting_weights.pop(key))
+        with self.recompute.locked():  # checkpoint may recompute here (Recompute.replay)
+            weight_backward(self._awaiting_weights.pop(key))
         self._finished(key, last)
 
     def _finished(self, key: MicroBatchKey, last: bool) -> None:
@@ -141,6 +159,7 @@ class StageRunner:
         for held in (self._in_flight, self._awaiting_weights):
             for key in [key for key in held if key.run == run]:
                 del held[key]
+                self.recompute.forget(key)
                 if self.policy is not None:
                     self.policy.forget(key)
 

@@ -22,6 +22,7 @@ from fxpipe.passes.analysis.profile_cache import ProfileCache, default_cache_dir
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
 from fxpipe.preserve import modes_kept
+from fxpipe.recompute_spec import stage_recompute
 
 __all__ = ["PASSES", "PassLog", "Replan", "compare_partitioners", "compile", "replan", "units_of"]
 
@@ -82,7 +83,8 @@ def _retracer(model: torch.nn.Module, c: Compilation, executor: Any):
     """compile again from the model in another train/eval mode, for a graph that fixed its
     mode: the same stages and micro-batch count, nothing timed, and the same loss scaler."""
     plan = dataclasses.replace(c.plan, partitioner=list(c.partition.sizes), costs="none",
-                               micro_batches=c.partition.micro_batches, dump=False)
+                               micro_batches=c.partition.micro_batches, dump=False,
+                               recompute=list(stage_recompute(c.plan, c.partition)))
     args, kwargs = c.args, c.kwargs
 
     def retrace(mode: bool) -> CompiledPipeline:

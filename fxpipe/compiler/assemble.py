@@ -12,6 +12,7 @@ from fxpipe.compiler.state import Compilation
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import tied_parameters
 from fxpipe.materialize import materialize
+from fxpipe.recompute_spec import stage_recompute
 from fxpipe.runtime.executor import PipelineExecutor
 
 __all__ = ["build_local_runtime", "materialize_stages", "model_names"]
@@ -55,4 +56,5 @@ def build_local_runtime(c: Compilation) -> PipelineExecutor:
         schedule=c.schedule, forward_schedule=c.forward_schedule, streamed=c.streamed,
         unflatten=c.traced.bind.unflatten, whole=c.whole, timeout=c.plan.timeout or 300.0,
         scalar_joins=c.scalar_joins, precision=c.plan.precision,
+        recompute=stage_recompute(c.plan, c.partition),
     )

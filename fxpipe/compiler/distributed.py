@@ -17,6 +17,7 @@ from fxpipe.errors import PlanError
 from fxpipe.ir import CommTable, tied_parameters
 from fxpipe.passes.analysis.comm import default_link, measure_rank_link
 from fxpipe.plan import Plan
+from fxpipe.recompute_spec import stage_recompute
 from fxpipe.runtime.coordinator import DistCoordinator
 from fxpipe.runtime.dist import DistTransport
 from fxpipe.runtime.executor import PipelineExecutor
@@ -101,11 +102,11 @@ def build_rank_runtime(c: Compilation) -> PipelineExecutor:
     layout, device = c.layout, c.devices[0]
     stages = [c.graph.get_submodule(f"stage{s}") for s in range(c.plan.stages)]
     materialize_stages(c, layout.held)
-    runners = {}
-    for s in layout.held:
+    runners, recompute = {}, stage_recompute(c.plan, c.partition)
+    for s in layout.held:  # one worker thread runs them all: no lock on the RNG between them
         stages[s].to(device)
         runners[s] = StageRunner(stages[s], c.graph.get_submodule(f"hook{s}"), c.comm.stages[s],
-                                 device, c.comm.carries_grad())
+                                 device, c.comm.carries_grad(), recompute[s])
     pipeline = _pipeline_group(layout)
     transport = DistTransport(c.comm, layout.pipeline_ranks, device, group=pipeline,
                               links=c.link_groups.of_edges(c.comm), rank=layout.rank,

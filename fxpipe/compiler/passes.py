@@ -48,6 +48,7 @@ from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import VIRTUAL, Plan
 from fxpipe.precision import check_autocast_runs
+from fxpipe.recompute_spec import cannot_recompute, stage_recompute
 from fxpipe.schedules import ActionKind, Schedule, ScheduleError, add_step, lower
 from fxpipe.schedules.user import lower_user_schedule
 from fxpipe.trace import trace
@@ -300,6 +301,11 @@ def _costs_valid(c: Compilation) -> None:  # CostTable refuses negative or non-f
 
 def _partition_valid(c: Compilation) -> None:  # Partition.evaluate checked the bounds
     ensure(len(c.partition.bounds) == c.plan.stages, "one bound per stage")
+    chosen = tuple(getattr(c.partition, "recompute", ()) or ())
+    ensure(not chosen or c.plan.recompute == "auto" or chosen == stage_recompute(c.plan, None),
+           "the partition recomputes the stages the plan names")
+    ensure(not any(chosen) or not cannot_recompute(c.plan), "no stage recomputes where the "
+           "schedule cannot run recomputation")
 
 
 def _rewrite_valid(c: Compilation) -> None:

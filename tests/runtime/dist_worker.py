@@ -132,20 +132,23 @@ def train_pipelined(pipe, data):
     return losses
 
 
-def async_pipeline(name, stages, policy, micro_batches):
+def async_pipeline(name, stages, policy, micro_batches, recompute=False):
     """An async-1f1b pipeline with per-stage optimizers (the same in one process or several)."""
     model, data, loss_fn = build(name)
     plan = fxpipe.Plan(stages=stages, schedule="async-1f1b", consistency=policy,
-                       micro_batches=micro_batches, loss_fn=loss_fn, costs="none")
+                       micro_batches=micro_batches, loss_fn=loss_fn, costs="none",
+                       recompute=recompute)
     pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
     pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     return pipe, data
 
 
 def train(name, stages, schedule, micro_batches, out):
+    schedule, _, flag = schedule.partition("@")  # SCHEDULE@rc: every stage recomputes
+    recompute = flag == "rc"
     if schedule.startswith("async-"):
         pipe, data = async_pipeline(name, stages, schedule.removeprefix("async-"),
-                                    micro_batches)
+                                    micro_batches, recompute)
         losses = [loss.item() for loss in pipe.step_many(data)]
     elif name.endswith("-meta"):  # built on the meta device, timed, then its weights loaded
         with torch.device("meta"):
@@ -170,7 +173,8 @@ def train(name, stages, schedule, micro_batches, out):
         schedule, _, per_rank = schedule.partition("*")
         model, data, loss_fn = build(name)
         plan = fxpipe.Plan(stages=stages, schedule=schedule, micro_batches=micro_batches,
-                           loss_fn=loss_fn, costs="none", stages_per_device=int(per_rank or 1))
+                           loss_fn=loss_fn, costs="none", stages_per_device=int(per_rank or 1),
+                           recompute=recompute)
         pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],))
         held = sorted(pipe.executor.runners)
         assert held == list(pipe.executor.schedule.stages_on(dist.get_rank())), held
@@ -193,6 +197,42 @@ def train(name, stages, schedule, micro_batches, out):
         torch.save({"state": state, "losses": losses, "tied": every_rank_tied,
                     "own_keys": sorted(pipe.state_dict()), "bytes": every_rank_bytes,
                     "links": every_rank_links, "cpus": every_rank_cpus}, out)
+
+
+class DropNet(nn.Module):
+    """Dropout and BatchNorm in every stage."""
+
+    def __init__(self, width: int = 6, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(m for _ in range(depth) for m in (
+            nn.Linear(width, width), nn.Dropout(0.3), nn.BatchNorm1d(width), nn.Tanh())))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.out(self.layers(x))
+
+
+def recompute_pairs(out):
+    """DropNet trained with and without recomputation (each rank draws its own dropout masks
+    from its own generator, the same in both): rank 0 saves both runs, per schedule."""
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randn(8, 6, generator=gen, dtype=torch.float64),
+             torch.randint(0, 3, (8,), generator=gen)) for _ in range(STEPS)]
+    results = {}
+    for schedule, stages, per_rank in (("interleaved-1f1b", 4, 2), ("zbv", 4, 2)):
+        for recompute in (False, True):
+            torch.manual_seed(0)
+            plan = fxpipe.Plan(stages=stages, stages_per_device=per_rank, schedule=schedule,
+                               micro_batches=2, loss_fn=F.cross_entropy, costs="none",
+                               recompute=recompute)
+            pipe = fxpipe.compile(DropNet().double(), plan, example_inputs=(data[0][0],))
+            runners = pipe.executor.runners.values()
+            assert all(runner.recompute.enabled is recompute for runner in runners)
+            torch.manual_seed(1)
+            losses = train_pipelined(pipe, data)
+            results[schedule, recompute] = (losses, fxpipe.gather_state_dict(pipe))
+    if dist.get_rank() == 0:
+        torch.save(results, out)
 
 
 def _thread_cpus():
@@ -438,6 +478,8 @@ def main() -> None:
         hybrid(*scenario.split(":")[1:], out)
     elif scenario == "leave":
         leave(out)
+    elif scenario == "recompute":
+        recompute_pairs(out)
     elif scenario == "mismatch":
         fxpipe.compile(SkipNet(), fxpipe.Plan(stages=3, costs="none"),
                        example_inputs=(torch.randn(4, 5),))

@@ -29,6 +29,7 @@ def torchrun(ranks: int, scenario: str, out: pathlib.Path, timeout: float = 180)
 def _check(result_path: pathlib.Path, scenario: str) -> None:
     result = torch.load(result_path)
     name, stages, schedule, micro_batches = scenario.split(":")
+    schedule = schedule.partition("@")[0]  # @rc: recomputing changes nothing
     if name.endswith("-meta"):  # each rank gave storage to its own stage's tensors only
         name = name.removesuffix("-meta")
         for held in result["bytes"]:
@@ -74,7 +75,9 @@ def _check_binding(ranks_threads) -> None:
          "skipnet:2:async-stash:2", "skipnet:2:async-2bw:2", "skipnet:2:async-predict:2",
          "gpt-meta:2:1f1b:2", "gpt:2:zb-h1:3",
          # several stages per rank: GPT's tied weight on two ranks, then on rank 0 alone
-         "gpt:4:interleaved-1f1b*2:2", "gpt:4:zbv*2:3", "skipnet:4:looped-bfs*2:3"]),
+         "gpt:4:interleaved-1f1b*2:2", "gpt:4:zbv*2:3", "skipnet:4:looped-bfs*2:3",
+         "gpt:2:1f1b@rc:2", "skipnet:2:async-stash@rc:2", "gpt:4:interleaved-1f1b*2@rc:2",
+         "gpt:2:zb-h1@rc:3"]),
     (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4", "skipnet:4:async-stash:1", "skipnet-meta:4:gpipe:3",
          "repeated:4:1f1b:3"]),  # a weight three ranks hold: all-reduced, not swapped
 ], ids=["2-ranks", "4-ranks"])
@@ -84,6 +87,20 @@ def test_training_across_ranks_matches_one_process(ranks, scenarios, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for index, scenario in enumerate(scenarios):
         _check(pathlib.Path(f"{out}.{index}"), scenario)
+
+
+def test_recomputing_across_ranks_changes_no_loss_buffer_or_weight(tmp_path):
+    """Dropout and BatchNorm in every stage: each rank's recompute draws the masks its forward
+    drew, and the running statistics are updated once."""
+    result = torchrun(2, "recompute", tmp_path / "result")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = torch.load(tmp_path / "result")
+    for schedule in ("interleaved-1f1b", "zbv"):  # two stages per rank
+        (losses, state), (again, state_again) = runs[schedule, False], runs[schedule, True]
+        assert again == losses, schedule
+        assert list(state_again) == list(state)
+        for key, value in state.items():
+            torch.testing.assert_close(state_again[key], value, rtol=1e-12, atol=0, msg=key)
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
