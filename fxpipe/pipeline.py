@@ -20,7 +20,14 @@ from fxpipe.ir import CommTable, Event, Stage, StageHook, tied_parameters
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.predict import Calibration, predict_step
-from fxpipe.report import format_report, step_time, unlike_prediction_lines
+from fxpipe.report import (
+    MeasuredMemory,
+    check_measured,
+    format_memory,
+    format_report,
+    step_time,
+    unlike_prediction_lines,
+)
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Timeline
 from fxpipe.snapshot import ModelSnapshot
@@ -177,17 +184,20 @@ class CompiledPipeline(torch.nn.Module):
             return []
         return split_sizes(self.cost.batch, self.partition.micro_batches)
 
-    def report(self, file: Any = None, calibration: Calibration | None = None) -> str:
+    def report(self, file: Any = None, calibration: Calibration | None = None,
+               memory: MeasuredMemory | None = None) -> str:
         """Predicted against measured for the last run, per stage and in total: bubble,
         send/receive (waits included) and idle shares, and the stage that bounds the pipeline;
         and when the last run is not the step predicted (forwards only, or micro-batches of
         other sizes than compile's example). `calibration` (`fxpipe.calibrate`): predict with
-        its overheads. Printed (to `file`, default stdout; rank 0 under torchrun, where every
+        its overheads; `memory` (`fxpipe.measure_memory`): each stage's predicted peak memory
+        beside it. Printed (to `file`, default stdout; rank 0 under torchrun, where every
         rank must call it) and returned."""
         if file is not None and not hasattr(file, "write"):
             raise FxpipeError(f"pipe.report(file=...) takes an open text file (or None for "
                               f"stdout), not {file!r}: e.g. open('report.txt', 'w').")
         _check_calibration("report", calibration)
+        check_measured(memory)
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(calibration).events
         stages = self.plan.stages
@@ -197,6 +207,8 @@ class CompiledPipeline(torch.nn.Module):
         text = format_report(step_time(measured, stages), step_time(predicted, stages),
                              self.executor.latest_schedule.name,
                              calibration.step if calibration else None, notes)
+        if memory is not None:
+            text += "\n" + format_memory([s.memory for s in self.partition.stages], memory)
         if self._speaks():
             print(text, file=file)
         return text
