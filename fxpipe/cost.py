@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.memory import in_flight, stage_memory
+from fxpipe.memory import boundary_buffers, in_flight, stage_memory, workspace_bytes
 from fxpipe.schedules import Schedule, build
 from fxpipe.simulate import Timeline, simulate
 
@@ -71,6 +71,11 @@ class CostTable:
     param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
     source: str = ""  # where the times come from (measured, read from a cache file, ...)
+    # (M, K) per micro-batch: bytes of the values crossing the cut after unit i, of their
+    # gradients, and of the part of them autograd saves (the memory model's boundary buffers)
+    boundary_bytes: np.ndarray | None = None
+    boundary_grad_bytes: np.ndarray | None = None
+    boundary_saved_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -95,6 +100,10 @@ class CostTable:
         object.__setattr__(self, "param_bytes", np.asarray(param_bytes, float))
         saved = np.zeros(shape) if self.activation_bytes is None else self.activation_bytes
         object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
+        for field in ("boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes"):
+            value = getattr(self, field)
+            object.__setattr__(self, field, np.zeros(shape) if value is None else
+                               np.atleast_2d(np.asarray(value, float)))
 
     @classmethod
     def from_arrays(
@@ -128,8 +137,22 @@ class CostTable:
 
     def saved_bytes(self, p: int) -> np.ndarray:
         """(K,) bytes each unit saves for backward per micro-batch, at micro-batch count p."""
-        return np.maximum(self._interpolation(np.array([float(p)]))[0] @ self.activation_bytes,
-                          0.0)
+        return np.maximum(self._bytes_weights(p) @ self.activation_bytes, 0.0)
+
+    def _bytes_weights(self, p: int) -> np.ndarray:
+        """(M,) weights of the rows for byte counts at micro-batch count p: interpolated as the
+        times are, or, measured at one size only, that row scaled to the micro-batch size
+        (tensors hold so many bytes a sample; a time, unlike them, is not assumed to scale)."""
+        if len(self.sizes) == 1 and self.batch is not None:
+            return np.array([self.batch / p / self.sizes[0]])
+        return self._interpolation(np.array([float(p)]))[0]
+
+    def crossing_bytes(self, p: int) -> tuple[np.ndarray, ...]:
+        """(K,) each per micro-batch at micro-batch count p: bytes crossing the cut after unit
+        i, their gradients' bytes, and the bytes of them autograd saves."""
+        weights = self._bytes_weights(p)
+        return tuple(np.maximum(weights @ table, 0.0) for table in
+                     (self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes))
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -212,13 +235,24 @@ class Partition:
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
         saved = cost.saved_bytes(p)
+        crossing, crossing_grad, crossing_saved = cost.crossing_bytes(p)
         starts = (0, *bounds[:-1])
         held = in_flight(schedule, len(bounds), p)
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
+            # per micro-batch: in from the cut before the stage (its gradient back), out over
+            # the cut after it (its gradient in)
+            into, back = (crossing[start - 1], crossing_grad[start - 1]) if s else (0.0, 0.0)
+            out, grads_in, out_saved = ((0.0,) * 3 if last else (
+                crossing[end - 1], crossing_grad[end - 1], crossing_saved[end - 1]))
+            boundary = boundary_buffers(into, grads_in, out, back, out_saved, held[s], p)
+            grads_in = np.concatenate([[0.0], crossing_grad])[start:end]  # cut before each
+            workspace = workspace_bytes(cost.param_bytes[start:end], grads_in,
+                                        crossing_grad[start:end], p)
             memory = stage_memory(cost.param_bytes[start:end], saved[start:end], held[s],
-                                  optimizer_slots=optimizer_slots)
+                                  optimizer_slots=optimizer_slots, boundary=boundary,
+                                  workspace=workspace)
             stages.append(StageCost(
                 (start, end),
                 float(f[start:end].sum()),
@@ -302,6 +336,8 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
+        **{field: np.maximum(links @ getattr(cost, field), 0.0) for field in (
+            "boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes")},
         source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )
 

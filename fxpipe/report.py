@@ -171,8 +171,11 @@ def format_memory(predicted: Sequence[float], measured: MeasuredMemory) -> str:
                      format_bytes(measured.optimizer[s]), format_bytes(measured.activations[s])])
     header = ["stage", "memory pred", "memory meas", "pred/meas", "meas: weights+grads",
               "optimizer", "activations"]
+    note = ([] if any(measured.optimizer) else [
+        "no optimizer state counted (fxpipe.measure_memory(..., optimizer=...) counts it); the "
+        "prediction counts Adam's two copies of the weights"])
     return "\n".join([f"peak memory per stage, predicted and measured ({measured.how}):",
-                      format_table(header, rows)])
+                      format_table(header, rows), *note])
 
 
 def check_measured(memory: object) -> None:
