@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.memory import boundary_buffers, in_flight, stage_memory, workspace_bytes
+from fxpipe.memory import Peak, StageBytes, device_peaks, in_flight, stage_memory, workspace_bytes
 from fxpipe.schedules import Schedule, build
 from fxpipe.simulate import Timeline, simulate
 
@@ -238,21 +238,26 @@ class Partition:
         crossing, crossing_grad, crossing_saved = cost.crossing_bytes(p)
         starts = (0, *bounds[:-1])
         held = in_flight(schedule, len(bounds), p)
-        stages = []
+        per_stage = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
-            last = s == len(bounds) - 1
             # per micro-batch: in from the cut before the stage (its gradient back), out over
             # the cut after it (its gradient in)
             into, back = (crossing[start - 1], crossing_grad[start - 1]) if s else (0.0, 0.0)
-            out, grads_in, out_saved = ((0.0,) * 3 if last else (
+            out, grads_in, out_saved = ((0.0,) * 3 if s == len(bounds) - 1 else (
                 crossing[end - 1], crossing_grad[end - 1], crossing_saved[end - 1]))
-            boundary = boundary_buffers(into, grads_in, out, back, out_saved, held[s], p)
-            grads_in = np.concatenate([[0.0], crossing_grad])[start:end]  # cut before each
-            workspace = workspace_bytes(cost.param_bytes[start:end], grads_in,
+            inner = np.concatenate([[0.0], crossing_grad])[start:end]  # the cut before each
+            workspace = workspace_bytes(cost.param_bytes[start:end], inner,
                                         crossing_grad[start:end], p)
+            per_stage.append(StageBytes(float(saved[start:end].sum()), into, out, out_saved,
+                                        grads_in, back, workspace, s == len(bounds) - 1))
+        peaks = device_peaks(schedule, len(bounds), p, per_stage)
+        stages = []
+        for s, (start, end) in enumerate(zip(starts, bounds)):
+            last = s == len(bounds) - 1
+            peak = peaks[s] if s < len(peaks) else Peak(held[s] * per_stage[s].saved, 0.0, 0.0)
             memory = stage_memory(cost.param_bytes[start:end], saved[start:end], held[s],
-                                  optimizer_slots=optimizer_slots, boundary=boundary,
-                                  workspace=workspace)
+                                  optimizer_slots=optimizer_slots, boundary=peak.boundary,
+                                  workspace=peak.workspace, activations=peak.activations)
             stages.append(StageCost(
                 (start, end),
                 float(f[start:end].sum()),

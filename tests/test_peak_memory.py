@@ -143,7 +143,7 @@ def wide_mlp():
 
 
 @settings(max_examples=3, deadline=None)
-@given(sizes=st.lists(st.sampled_from([2, 4, 8, 16, 32]), min_size=2, max_size=2, unique=True))
+@given(sizes=st.lists(st.sampled_from([2, 4, 8, 16]), min_size=2, max_size=2, unique=True))
 def test_the_prediction_grows_with_the_micro_batch_as_the_measured_peak_does(wide_mlp, sizes):
     """Between two micro-batch sizes (batches of 4 micro-batches), the predicted peak grows by
     what the measured one grows, within 15%: the bytes scale with the micro-batch."""
