@@ -76,6 +76,7 @@ class CostTable:
     boundary_bytes: np.ndarray | None = None
     boundary_grad_bytes: np.ndarray | None = None
     boundary_saved_bytes: np.ndarray | None = None
+    output_bytes: np.ndarray | None = None  # (M,) per micro-batch: the model's outputs
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -104,6 +105,8 @@ class CostTable:
             value = getattr(self, field)
             object.__setattr__(self, field, np.zeros(shape) if value is None else
                                np.atleast_2d(np.asarray(value, float)))
+        outputs = np.zeros(shape[0]) if self.output_bytes is None else self.output_bytes
+        object.__setattr__(self, "output_bytes", np.asarray(outputs, float).reshape(shape[0]))
 
     @classmethod
     def from_arrays(
@@ -148,11 +151,13 @@ class CostTable:
         return self._interpolation(np.array([float(p)]))[0]
 
     def crossing_bytes(self, p: int) -> tuple[np.ndarray, ...]:
-        """(K,) each per micro-batch at micro-batch count p: bytes crossing the cut after unit
-        i, their gradients' bytes, and the bytes of them autograd saves."""
+        """Per micro-batch at micro-batch count p: (K,) bytes crossing the cut after unit i,
+        their gradients' bytes, and the bytes of them autograd saves; and the bytes of the
+        model's outputs."""
         weights = self._bytes_weights(p)
-        return tuple(np.maximum(weights @ table, 0.0) for table in
-                     (self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes))
+        return (*(np.maximum(weights @ table, 0.0) for table in (
+            self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes)),
+            max(float(weights @ self.output_bytes), 0.0))
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -235,7 +240,7 @@ class Partition:
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
         saved = cost.saved_bytes(p)
-        crossing, crossing_grad, crossing_saved = cost.crossing_bytes(p)
+        crossing, crossing_grad, crossing_saved, outputs = cost.crossing_bytes(p)
         starts = (0, *bounds[:-1])
         held = in_flight(schedule, len(bounds), p)
         per_stage = []
@@ -243,7 +248,8 @@ class Partition:
             # per micro-batch: in from the cut before the stage (its gradient back), out over
             # the cut after it (its gradient in)
             into, back = (crossing[start - 1], crossing_grad[start - 1]) if s else (0.0, 0.0)
-            out, grads_in, out_saved = ((0.0,) * 3 if s == len(bounds) - 1 else (
+            # the last stage's "out": the model's outputs, which the step keeps to its end
+            out, grads_in, out_saved = ((outputs, 0.0, 0.0) if s == len(bounds) - 1 else (
                 crossing[end - 1], crossing_grad[end - 1], crossing_saved[end - 1]))
             inner = np.concatenate([[0.0], crossing_grad])[start:end]  # the cut before each
             workspace = workspace_bytes(cost.param_bytes[start:end], inner,
@@ -343,6 +349,7 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
         **{field: np.maximum(links @ getattr(cost, field), 0.0) for field in (
             "boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes")},
+        output_bytes=np.maximum(links @ cost.output_bytes, 0.0),
         source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )
 

@@ -125,10 +125,10 @@ def profile_units(
         stale = (f"; the cache's entry had times {ratio:.2g}x a re-time's, more than {STALE:g}x "
                  "off, so they were measured again")
     rows = [measure(size, warmup, repeats, min_time, runs) for size in sizes]
-    forward, backward, crossing, crossing_grad, saved, crossing_saved = (
+    forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs = (
         np.array(r, dtype=float) for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
-                          crossing_saved, device)
+                          crossing_saved, outputs, device)
     where = cache.put(key, profile) if cache is not None else "not cached"
     return dataclasses.replace(profile, origin=f"measured now on {device}, {where}{stale}")
 
@@ -263,7 +263,9 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
     crossing, crossing_grad, crossing_saved = _crossing_bytes(table, env, units, saved_values)
     forward = [statistics.median(t) if t else 0.0 for t in f_times]
     backward = [statistics.median(t) if t else 0.0 for t in b_times]
-    return forward, backward, crossing, crossing_grad, saved, crossing_saved
+    outputs = sum(env[v].nbytes for v in table.graph_outputs
+                  if isinstance(env.get(v), torch.Tensor))
+    return forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs
 
 
 def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:

@@ -39,6 +39,7 @@ class UnitProfile:
     # made it (a value saved by the unit after the one that made it counts in its maker)
     activation_bytes: np.ndarray
     boundary_saved_bytes: np.ndarray  # (M, K): the part of boundary_bytes autograd saves
+    output_bytes: np.ndarray  # (M,): the model's outputs (what the loss takes)
     device: str
     cached: pathlib.Path | None = None  # the cache file it was read from, if it was
     origin: str = ""  # where the times come from, in words: measured now, or which cache entry
