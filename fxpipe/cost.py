@@ -233,9 +233,10 @@ class Partition:
         `simulate_stages` plays it (per mini-batch for async-1f1b, which streams two).
 
         The memory estimate per stage (`fxpipe.memory.stage_memory`) counts weights,
-        gradients and `optimizer_slots` more copies (2: Adam's moments), plus the activations
-        of the most micro-batches the schedule holds in flight on that stage
-        (`peak_activations`: p for gpipe, at most N − s on stage s for 1f1b).
+        gradients and `optimizer_slots` more copies (2: Adam's moments), plus the most that
+        the schedule's actions hold at once on that stage (`fxpipe.memory.stage_peak`): the
+        activations of its micro-batches in flight (p for gpipe, at most N − s on stage s for
+        1f1b), its message buffers and its backward's workspace (docs/memory.md).
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)

@@ -28,13 +28,15 @@ def measure_memory(pipe: Any, *inputs: Any, target: Any, optimizer: Any = None,
 
     A stage's activation peak is its device's: CUDA's allocator statistics per device; on the
     CPU, torch.profiler's memory events of the thread that runs the stage, which is the calling
-    thread only when this process holds one stage (under torchrun, one stage per rank). The
-    steps leave no gradient, buffer, random number generator or last run changed. Under
+    thread only when this process holds one stage (under torchrun, one stage per rank).
+    Stages sharing a device (or a rank) each show that device's activation peak. The steps
+    leave no gradient, buffer, random number generator or last run changed. Under
     torchrun every rank calls it, as pipe.step, and gets every stage's figures."""
     _check(pipe, warmup)
     runners = pipe.executor.runners
     devices = {runner.device for runner in runners.values()}
-    if any(d.type != "cuda" for d in devices) and len(runners) > 1:
+    # one process runs each device's stages on a worker thread of its own; a rank, inline
+    if any(d.type != "cuda" for d in devices) and len(runners) > 1 and pipe.rank is None:
         raise FxpipeError(
             f"this process runs stages {sorted(runners)} on worker threads of one CPU, and the "
             "profiler sees only the calling thread's allocations, so a stage's peak cannot be "
