@@ -135,8 +135,9 @@ def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes]) -> Peak
         ahead = sum(stages[t].received_grads * (left_b[t] if first[t] else min(left_b[t], 1))
                     + (0.0 if first[t] or not left_f[t] else stages[t].received)
                     for t in own)
-        now = Peak(activations, buffers + ahead, 0.0 if a.kind is ActionKind.F else q.workspace)
-        best = max(best, now, key=lambda peak: peak.total)
+        workspace = 0.0 if a.kind is ActionKind.F else q.workspace
+        if activations + buffers + ahead + workspace > best.total:  # a Peak only when higher
+            best = Peak(activations, buffers + ahead, workspace)
         if a.kind is ActionKind.B:
             left_b[s] -= 1
             buffers += q.sent_grads
