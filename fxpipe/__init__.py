@@ -6,8 +6,10 @@ from fxpipe.compiler import Replan, compile, replan, units_of
 from fxpipe.cost import CostTable, Partition
 from fxpipe.distributed import gather_state_dict, shutdown
 from fxpipe.errors import FxpipeError, FxpipeTraceError, PlanError
+from fxpipe.peak_memory import measure_memory
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import Plan
+from fxpipe.report import MeasuredMemory
 
 __all__ = [
     "Calibration",
@@ -15,6 +17,7 @@ __all__ = [
     "CostTable",
     "FxpipeError",
     "FxpipeTraceError",
+    "MeasuredMemory",
     "Partition",
     "Plan",
     "PlanError",
@@ -22,6 +25,7 @@ __all__ = [
     "calibrate",
     "compile",
     "gather_state_dict",
+    "measure_memory",
     "models",
     "replan",
     "shutdown",

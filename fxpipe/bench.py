@@ -23,7 +23,9 @@ from fxpipe.compiler.inputs import check_stage_count
 from fxpipe.distributed import launched
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import format_bytes, format_sizes, format_table
+from fxpipe.peak_memory import measure_memory
 from fxpipe.plan import Plan
+from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.report import step_time
 
 __all__ = ["BenchRow", "against_even", "bench", "bench_plans", "bench_under_torchrun",
@@ -50,6 +52,9 @@ class BenchRow:
     memory: tuple[float, ...]  # per stage, bytes: the planner's estimate
     timed_steps: int
     rounds: int
+    # per stage, bytes: the measured peak (fxpipe.measure_memory, Adam's state); () where this
+    # run cannot tell stages apart (several CPU stages in one process: use --nproc)
+    measured_memory: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -95,7 +100,9 @@ def bench(build: Build, stages: int, micro_batches: int | str, partitioners: Seq
         plan = dataclasses.replace(plan, loss_fn=loss_fn)
         pipe = compile(model, plan, example_inputs=(x,), example_target=y, cache=False)
         calibration = calibrate(pipe, x, target=y, steps=calibration_steps)
-        configurations.append(_Configuration(partitioner, schedule, pipe, x, y, calibration))
+        memory = _measured_memory(pipe, x, y)
+        configurations.append(_Configuration(partitioner, schedule, pipe, x, y, calibration,
+                                             memory))
         if len(configurations) == 1:  # the first configuration's times stand for each one's
             step = pipe.predicted_timeline(calibration).makespan + calibration.step
             estimate = _estimate(clock() - started, step, len(plans), rounds * (warmup + steps))
@@ -129,6 +136,7 @@ class _Configuration:
     x: Any
     y: Any
     calibration: Any
+    memory: tuple[float, ...]
     rounds: list[list[float]] = dataclasses.field(default_factory=list)  # seconds per step
 
     @property
@@ -160,19 +168,44 @@ class _Configuration:
             pipe.partition.micro_batches, (predicted.makespan + calibration.step) * 1e3,
             statistics.median(every) * 1e3, min(medians) * 1e3, max(medians) * 1e3,
             predicted.bubble, measured.bubble,
-            tuple(s.memory for s in pipe.partition.stages), len(every), len(self.rounds))
+            tuple(s.memory for s in pipe.partition.stages), len(every), len(self.rounds),
+            self.memory)
 
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
     header = ["partitioner", "schedule", "units per stage", "p", "predicted ms", "measured ms",
               "rounds' range ms", "meas/pred", "bubble pred", "bubble meas",
-              "memory per stage (estimate)"]
+              "memory per stage pred (meas)"]
     table = [[r.partitioner, r.schedule, format_sizes(r.sizes), r.micro_batches,
               f"{r.predicted_ms:.1f}", f"{r.measured_ms:.1f}",
               f"{r.measured_low_ms:.1f}-{r.measured_high_ms:.1f}", f"{r.ratio:.2f}",
               f"{r.predicted_bubble:.0%}", f"{r.measured_bubble:.0%}",
-              " / ".join(format_bytes(m) for m in r.memory)] for r in rows]
-    return format_table(header, table)
+              _memory_cells(r)] for r in rows]
+    note = ("" if all(r.measured_memory for r in rows) else
+            "\nmemory per stage: predicted; measured (in parentheses) where each stage runs in "
+            "a process of its own (--nproc) or on a CUDA device of its own")
+    return format_table(header, table) + note
+
+
+def _memory_cells(row: BenchRow) -> str:
+    """Per stage, the predicted peak and, where measured, the measured one in parentheses."""
+    measured = row.measured_memory or (None,) * len(row.memory)
+    return " / ".join(format_bytes(p) + (f" ({format_bytes(m)})" if m is not None else "")
+                      for p, m in zip(row.memory, measured))
+
+
+def _measured_memory(pipe: Any, x: Any, y: Any) -> tuple[float, ...]:
+    """Each stage's measured peak in a step, with Adam's state (which the prediction counts)
+    made by a step of learning rate 0, which leaves the weights as they are; () where this
+    process runs several stages on CPU threads, whose peaks cannot be told apart."""
+    runners = pipe.executor.runners.values()
+    if len(runners) > 1 and any(r.device.type != "cuda" for r in runners):
+        return ()
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.0)
+    with preserved_state(pipe), gradients_set_aside(pipe), pipe.executor.runs_aside():
+        pipe.step(x, y)
+        optimizer.step()
+    return measure_memory(pipe, x, target=y, optimizer=optimizer).totals
 
 
 def against_even(rows: Sequence[BenchRow]) -> list[str]:
@@ -203,7 +236,8 @@ def write_csv(path: str, rows: Sequence[BenchRow]) -> None:
         writer.writerow([f.name for f in dataclasses.fields(BenchRow)] + ["ratio"])
         for r in rows:
             cells = {**dataclasses.asdict(r), "sizes": format_sizes(r.sizes),
-                     "memory": " ".join(f"{m:.0f}" for m in r.memory)}
+                     "memory": " ".join(f"{m:.0f}" for m in r.memory),
+                     "measured_memory": " ".join(f"{m:.0f}" for m in r.measured_memory)}
             writer.writerow([*cells.values(), r.ratio])
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.memory import in_flight, stage_memory
+from fxpipe.memory import Peak, StageBytes, device_peaks, in_flight, stage_memory, workspace_bytes
 from fxpipe.schedules import Schedule, build
 from fxpipe.simulate import Timeline, simulate
 
@@ -71,6 +71,12 @@ class CostTable:
     param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
     source: str = ""  # where the times come from (measured, read from a cache file, ...)
+    # (M, K) per micro-batch: bytes of the values crossing the cut after unit i, of their
+    # gradients, and of the part of them autograd saves (the memory model's boundary buffers)
+    boundary_bytes: np.ndarray | None = None
+    boundary_grad_bytes: np.ndarray | None = None
+    boundary_saved_bytes: np.ndarray | None = None
+    output_bytes: np.ndarray | None = None  # (M,) per micro-batch: the model's outputs
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -95,6 +101,12 @@ class CostTable:
         object.__setattr__(self, "param_bytes", np.asarray(param_bytes, float))
         saved = np.zeros(shape) if self.activation_bytes is None else self.activation_bytes
         object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
+        for field in ("boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes"):
+            value = getattr(self, field)
+            object.__setattr__(self, field, np.zeros(shape) if value is None else
+                               np.atleast_2d(np.asarray(value, float)))
+        outputs = np.zeros(shape[0]) if self.output_bytes is None else self.output_bytes
+        object.__setattr__(self, "output_bytes", np.asarray(outputs, float).reshape(shape[0]))
 
     @classmethod
     def from_arrays(
@@ -128,8 +140,24 @@ class CostTable:
 
     def saved_bytes(self, p: int) -> np.ndarray:
         """(K,) bytes each unit saves for backward per micro-batch, at micro-batch count p."""
-        return np.maximum(self._interpolation(np.array([float(p)]))[0] @ self.activation_bytes,
-                          0.0)
+        return np.maximum(self._bytes_weights(p) @ self.activation_bytes, 0.0)
+
+    def _bytes_weights(self, p: int) -> np.ndarray:
+        """(M,) weights of the rows for byte counts at micro-batch count p: interpolated as the
+        times are, or, measured at one size only, that row scaled to the micro-batch size
+        (tensors hold so many bytes a sample; a time, unlike them, is not assumed to scale)."""
+        if len(self.sizes) == 1 and self.batch is not None:
+            return np.array([self.batch / p / self.sizes[0]])
+        return self._interpolation(np.array([float(p)]))[0]
+
+    def crossing_bytes(self, p: int) -> tuple[np.ndarray, ...]:
+        """Per micro-batch at micro-batch count p: (K,) bytes crossing the cut after unit i,
+        their gradients' bytes, and the bytes of them autograd saves; and the bytes of the
+        model's outputs."""
+        weights = self._bytes_weights(p)
+        return (*(np.maximum(weights @ table, 0.0) for table in (
+            self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes)),
+            max(float(weights @ self.output_bytes), 0.0))
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -205,20 +233,38 @@ class Partition:
         `simulate_stages` plays it (per mini-batch for async-1f1b, which streams two).
 
         The memory estimate per stage (`fxpipe.memory.stage_memory`) counts weights,
-        gradients and `optimizer_slots` more copies (2: Adam's moments), plus the activations
-        of the most micro-batches the schedule holds in flight on that stage
-        (`peak_activations`: p for gpipe, at most N − s on stage s for 1f1b).
+        gradients and `optimizer_slots` more copies (2: Adam's moments), plus the most that
+        the schedule's actions hold at once on that stage (`fxpipe.memory.stage_peak`): the
+        activations of its micro-batches in flight (p for gpipe, at most N − s on stage s for
+        1f1b), its message buffers and its backward's workspace (docs/memory.md).
         """
         bounds = check_bounds(bounds, cost.units)
         f, b, cf, cb = cost.at(p)
         saved = cost.saved_bytes(p)
+        crossing, crossing_grad, crossing_saved, outputs = cost.crossing_bytes(p)
         starts = (0, *bounds[:-1])
         held = in_flight(schedule, len(bounds), p)
+        per_stage = []
+        for s, (start, end) in enumerate(zip(starts, bounds)):
+            # per micro-batch: in from the cut before the stage (its gradient back), out over
+            # the cut after it (its gradient in)
+            into, back = (crossing[start - 1], crossing_grad[start - 1]) if s else (0.0, 0.0)
+            # the last stage's "out": the model's outputs, which the step keeps to its end
+            out, grads_in, out_saved = ((outputs, 0.0, 0.0) if s == len(bounds) - 1 else (
+                crossing[end - 1], crossing_grad[end - 1], crossing_saved[end - 1]))
+            inner = np.concatenate([[0.0], crossing_grad])[start:end]  # the cut before each
+            workspace = workspace_bytes(cost.param_bytes[start:end], inner,
+                                        crossing_grad[start:end], p)
+            per_stage.append(StageBytes(float(saved[start:end].sum()), into, out, out_saved,
+                                        grads_in, back, workspace, s == len(bounds) - 1))
+        peaks = device_peaks(schedule, len(bounds), p, per_stage)
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
+            peak = peaks[s] if s < len(peaks) else Peak(held[s] * per_stage[s].saved, 0.0, 0.0)
             memory = stage_memory(cost.param_bytes[start:end], saved[start:end], held[s],
-                                  optimizer_slots=optimizer_slots)
+                                  optimizer_slots=optimizer_slots, boundary=peak.boundary,
+                                  workspace=peak.workspace, activations=peak.activations)
             stages.append(StageCost(
                 (start, end),
                 float(f[start:end].sum()),
@@ -302,6 +348,9 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
+        **{field: np.maximum(links @ getattr(cost, field), 0.0) for field in (
+            "boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes")},
+        output_bytes=np.maximum(links @ cost.output_bytes, 0.0),
         source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )
 

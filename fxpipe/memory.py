@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fxpipe.schedules import Schedule, build, peak_activations
+from fxpipe.schedules import Action, ActionKind, Schedule, build, forwards_first, peak_activations
 
-__all__ = ["StageMemory", "in_flight", "stage_memory"]
+__all__ = ["Peak", "StageBytes", "StageMemory", "device_peaks", "in_flight", "stage_memory",
+           "stage_peak", "workspace_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +23,12 @@ class StageMemory:
     optimizer: float  # the optimizer's state: slots × the weights' bytes
     activations: float  # what autograd saves, × the micro-batches in flight at the peak
     boundary: float = 0.0  # received inputs and sent outputs held between stages
+    workspace: float = 0.0  # transient: a weight's new gradient before it is accumulated
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.boundary
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + self.boundary + self.workspace)
 
 
 def in_flight(schedule: str | Schedule, stages: int, p: int,
@@ -48,10 +51,120 @@ def _named_in_flight(name: str, stages: int, p: int, devices: int | None) -> tup
 
 
 def stage_memory(param_bytes: np.ndarray | Sequence[float], saved_bytes: np.ndarray |
-                 Sequence[float], held: int, *, optimizer_slots: float = 2.0) -> StageMemory:
+                 Sequence[float], held: int, *, optimizer_slots: float = 2.0,
+                 boundary: float = 0.0, workspace: float = 0.0,
+                 activations: float | None = None) -> StageMemory:
     """The peak of a stage made of units with these `param_bytes` and per-micro-batch
     `saved_bytes` (what autograd saves), holding `held` micro-batches' activations at once,
-    trained by an optimizer with `optimizer_slots` copies of the weights (Adam: 2)."""
+    trained by an optimizer with `optimizer_slots` copies of the weights (Adam: 2), plus
+    `boundary` bytes of messages and `workspace` (`workspace_bytes`); `activations`: the
+    bytes of activations held at the peak where known (`stage_peak`), for held × saved."""
     weights = float(np.sum(param_bytes))
-    return StageMemory(weights, weights, optimizer_slots * weights,
-                       held * float(np.sum(saved_bytes)))
+    if activations is None:
+        activations = held * float(np.sum(saved_bytes))
+    return StageMemory(weights, weights, optimizer_slots * weights, activations, boundary,
+                       workspace)
+
+
+def workspace_bytes(param_bytes: np.ndarray, grads_in: np.ndarray, grads_out: np.ndarray,
+                    micro_batches: int) -> float:
+    """The most a stage's backward holds beyond its activations, over its units (per unit:
+    its `param_bytes`, and per micro-batch the gradients of its inputs and outputs): a
+    unit's backward holds its output's gradient while it makes its input's; over several
+    micro-batches a weight's new gradient is held beside .grad until added to it."""
+    accumulating = np.asarray(param_bytes) if micro_batches > 1 else 0.0
+    return float(np.max(np.asarray(grads_in) + grads_out + accumulating, initial=0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBytes:
+    """What one stage's micro-batch holds, in bytes, for `stage_peak`."""
+
+    saved: float  # what autograd saves (of its units' making)
+    received: float = 0.0  # inputs received, kept for the micro-batch's backward
+    sent: float = 0.0  # outputs sent on: held by the send until the step ends
+    sent_saved: float = 0.0  # of `sent`, what autograd saves (in `saved` until the backward)
+    received_grads: float = 0.0  # its outputs' gradients, received
+    sent_grads: float = 0.0  # its inputs' gradients, sent back: held until the step ends
+    workspace: float = 0.0  # the most a backward holds beyond these (`workspace_bytes`)
+    # the last stage: the step's model outputs keep their autograd graph, which holds the
+    # stage's received inputs, until the step ends
+    inputs_kept: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """A stage's (or a device's) peak over a step, in bytes: the activations it holds then,
+    and the message buffers and backward workspace it holds besides."""
+
+    activations: float  # what autograd saves, of the micro-batches held then
+    boundary: float
+    workspace: float
+
+    @property
+    def total(self) -> float:
+        return self.activations + self.boundary + self.workspace
+
+
+def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes]) -> Peak:
+    """The peak of a device running `actions` (one stage's, or a device's program of several)
+    with these per-micro-batch `stages` bytes, walked action by action as torchrun's
+    transport runs them: a stage keeps its received inputs until the micro-batch's backward
+    (its weight gradient's, where split) and every message it sends until the step ends
+    (sends complete at the step's flush); receives are posted ahead, all of a step's at its
+    start where the stage runs every forward before a backward (GPipe), else the next one.
+    Stages of one process on one device hand values over without these copies: for them
+    this is an upper bound."""
+    own = {s: [a for a in actions if a.stage == s] for s in {a.stage for a in actions}}
+    first = {s: forwards_first(mine) for s, mine in own.items()}
+    split = {(a.stage, a.mb) for a in actions if a.kind is ActionKind.W}
+    left_f = {s: sum(a.kind is ActionKind.F for a in mine) for s, mine in own.items()}
+    left_b = {s: sum(a.kind is ActionKind.B for a in mine) for s, mine in own.items()}
+    # posted at the start: a forwards-first stage's receives, all of them
+    buffers = sum(q.received * left_f[s] for s, q in stages.items() if s in own and first[s])
+    activations, best = 0.0, Peak(0.0, 0.0, 0.0)
+    for a in actions:
+        if not a.kind.is_compute:
+            continue
+        q, s = stages[a.stage], a.stage
+        left_f[s] -= a.kind is ActionKind.F
+        releases = a.kind is ActionKind.W or (a.kind is ActionKind.B and (s, a.mb) not in split)
+        if a.kind is ActionKind.F:
+            activations += q.saved
+            buffers += (0.0 if first[s] else q.received) + q.sent - q.sent_saved
+        ahead = sum(stages[t].received_grads * (left_b[t] if first[t] else min(left_b[t], 1))
+                    + (0.0 if first[t] or not left_f[t] else stages[t].received)
+                    for t in own)
+        workspace = 0.0 if a.kind is ActionKind.F else q.workspace
+        if activations + buffers + ahead + workspace > best.total:  # a Peak only when higher
+            best = Peak(activations, buffers + ahead, workspace)
+        if a.kind is ActionKind.B:
+            left_b[s] -= 1
+            buffers += q.sent_grads
+        if releases:
+            activations -= q.saved
+            buffers += q.sent_saved - (0.0 if q.inputs_kept else q.received)
+    return best
+
+
+def device_peaks(schedule: str | Schedule, stages: int, p: int,
+                 per_stage: Sequence[StageBytes]) -> tuple[Peak, ...]:
+    """`stage_peak` of every action list of `schedule` (a name, built for `stages` and `p`,
+    or a user's Schedule)."""
+    return tuple(stage_peak(actions, dict(enumerate(per_stage)))
+                 for actions in _compute_lists(schedule, stages, p))
+
+
+def _compute_lists(schedule: str | Schedule, stages: int, p: int):
+    if isinstance(schedule, Schedule):
+        return [tuple(a for a in actions if a.kind.is_compute) for actions in schedule.actions]
+    return _named_lists(schedule, stages, p)
+
+
+@functools.lru_cache(maxsize=256)  # planners ask for the same (schedule, stages, p) many times
+def _named_lists(name: str, stages: int, p: int) -> tuple[tuple[Action, ...], ...]:
+    try:
+        built = build(name, stages, p)
+    except ValueError:  # a count it cannot run: gpipe's order, every micro-batch at once
+        built = build("gpipe", stages, p)
+    return tuple(tuple(a for a in actions if a.kind.is_compute) for actions in built.actions)

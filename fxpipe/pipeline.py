@@ -21,7 +21,14 @@ from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.predict import Calibration, predict_step
 from fxpipe.recompute_spec import stage_recompute
-from fxpipe.report import format_report, step_time, unlike_prediction_lines
+from fxpipe.report import (
+    MeasuredMemory,
+    check_measured,
+    format_memory,
+    format_report,
+    step_time,
+    unlike_prediction_lines,
+)
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import Timeline
 from fxpipe.snapshot import ModelSnapshot
@@ -184,17 +191,20 @@ class CompiledPipeline(torch.nn.Module):
             return []
         return split_sizes(self.cost.batch, self.partition.micro_batches)
 
-    def report(self, file: Any = None, calibration: Calibration | None = None) -> str:
+    def report(self, file: Any = None, calibration: Calibration | None = None,
+               memory: MeasuredMemory | None = None) -> str:
         """Predicted against measured for the last run, per stage and in total: bubble,
         send/receive (waits included) and idle shares, and the stage that bounds the pipeline;
         and when the last run is not the step predicted (forwards only, or micro-batches of
         other sizes than compile's example). `calibration` (`fxpipe.calibrate`): predict with
-        its overheads. Printed (to `file`, default stdout; rank 0 under torchrun, where every
+        its overheads; `memory` (`fxpipe.measure_memory`): each stage's predicted peak memory
+        beside it. Printed (to `file`, default stdout; rank 0 under torchrun, where every
         rank must call it) and returned."""
         if file is not None and not hasattr(file, "write"):
             raise FxpipeError(f"pipe.report(file=...) takes an open text file (or None for "
                               f"stdout), not {file!r}: e.g. open('report.txt', 'w').")
         _check_calibration("report", calibration)
+        check_measured(memory)
         measured = self.full_trace("pipe.report()")
         predicted = self.predicted_timeline(calibration).events
         stages, placement = self.plan.stages, self.executor.latest_schedule.placement
@@ -205,6 +215,8 @@ class CompiledPipeline(torch.nn.Module):
                              step_time(predicted, stages, placement),
                              self.executor.latest_schedule.name,
                              calibration.step if calibration else None, notes)
+        if memory is not None:
+            text += "\n" + format_memory([s.memory for s in self.partition.stages], memory)
         if self._speaks():
             print(text, file=file)
         return text

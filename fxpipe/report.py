@@ -6,12 +6,14 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
+from fxpipe.errors import FxpipeError
+from fxpipe.inspect import format_bytes, format_table
 from fxpipe.inspect import format_ms as _ms
-from fxpipe.inspect import format_table
 from fxpipe.ir import Event
 from fxpipe.schedules import ActionKind
 
-__all__ = ["StageTime", "StepTime", "format_report", "step_time", "unlike_prediction_lines"]
+__all__ = ["MeasuredMemory", "StageTime", "StepTime", "check_measured", "format_memory",
+           "format_report", "step_time", "unlike_prediction_lines"]
 
 _COMPUTE = {ActionKind.F, ActionKind.B, ActionKind.W}
 _COMM = {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
@@ -163,3 +165,47 @@ def _samples(sizes: Sequence[int]) -> str:
 
 def _share(part: float, step: StepTime) -> str:
     return f"{part / step.makespan:.0%}" if step.makespan > 0 else "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredMemory:
+    """Per stage, bytes at its peak in one training step (pipe.step): its parameters and
+    buffers, gradients and optimizer state counted from the tensors, and `activations`, the
+    step's measured peak above what the stage's device held when the step began (what autograd
+    saves, boundary buffers, transient workspace, the loss on the last stage)."""
+
+    weights: tuple[float, ...]
+    gradients: tuple[float, ...]
+    optimizer: tuple[float, ...]
+    activations: tuple[float, ...]
+    how: str  # what measured the activations
+
+    @property
+    def totals(self) -> tuple[float, ...]:
+        return tuple(float(sum(parts)) for parts in
+                     zip(self.weights, self.gradients, self.optimizer, self.activations))
+
+
+def format_memory(predicted: Sequence[float], measured: MeasuredMemory) -> str:
+    """Per stage, the predicted peak beside the measured one and their ratio, and what the
+    measured one is made of."""
+    rows = []
+    for s, (pred, meas) in enumerate(zip(predicted, measured.totals)):
+        rows.append([s, format_bytes(pred), format_bytes(meas),
+                     f"{pred / meas:.2f}" if meas > 0 else "-",
+                     format_bytes(measured.weights[s] + measured.gradients[s]),
+                     format_bytes(measured.optimizer[s]), format_bytes(measured.activations[s])])
+    header = ["stage", "memory pred", "memory meas", "pred/meas", "meas: weights+grads",
+              "optimizer", "activations"]
+    note = ([] if any(measured.optimizer) else [
+        "no optimizer state counted (fxpipe.measure_memory(..., optimizer=...) counts it); the "
+        "prediction counts Adam's two copies of the weights"])
+    return "\n".join([f"peak memory per stage, predicted and measured ({measured.how}):",
+                      format_table(header, rows), *note])
+
+
+def check_measured(memory: object) -> None:
+    """Refuse, before any work, a `memory` that is not fxpipe.measure_memory's (None is fine)."""
+    if memory is not None and not isinstance(memory, MeasuredMemory):
+        raise FxpipeError(f"pipe.report(memory=...) takes what fxpipe.measure_memory(pipe, x, "
+                          f"target=y) returns, not {memory!r}.")

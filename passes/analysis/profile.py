@@ -92,8 +92,9 @@ def profile_units(
     Each repetition runs the units as training does, all forwards in order, then all
     backwards in reverse, each unit a module of its own on the outputs of the units before it;
     inputs that carry gradients in training get them, so a unit's backward includes its input
-    gradient. The medians count; the first, untimed, repetition also counts the bytes each unit
-    saves for backward. Nothing is left on the model (its .grad, buffers and random number
+    gradient. The medians count; the first, untimed, repetition also counts the bytes autograd
+    saves for backward, each storage once, in the unit that made it, and which of the values
+    crossing a cut it saves. Nothing is left on the model (its .grad, buffers and random number
     generators are restored). The times are what partitioning needs, the units' relative
     costs; what a stage costs inside a step beyond its units is calibration's. A profile is
     cached by what changes it (`_cache_key`); a cached one is checked by re-timing the first
@@ -129,9 +130,10 @@ def profile_units(
         stale = (f"; the cache's entry had times {ratio:.2g}x a re-time's, more than {STALE:g}x "
                  "off, so they were measured again")
     rows = [measure(size, warmup, repeats, min_time, runs) for size in sizes]
-    forward, backward, crossing, crossing_grad, saved = (np.array(r, dtype=float)
-                                                         for r in zip(*rows))
-    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved, device)
+    forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs = (
+        np.array(r, dtype=float) for r in zip(*rows))
+    profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
+                          crossing_saved, outputs, device)
     where = cache.put(key, profile) if cache is not None else "not cached"
     under = f" under {precision} autocast" if precision else ""
     return dataclasses.replace(profile, origin=f"measured now on {device}{under}, {where}{stale}")
@@ -219,6 +221,11 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
     saved = [0.0] * units
+    # storage -> the unit that made it (first repetition): a storage saved by several units,
+    # or by the unit after its maker, counts once, in its maker, as a stage holds it once
+    made_by: dict[int, int] = {}
+    counted: set[int] = set()
+    saved_values: set[str] = set()  # values autograd saves (in any unit)
     env = dict(zip(table.graph_inputs, inputs))
     for run in runs:
         # a meta model's units: real copies, made together (a tied weight stays one), freed after
@@ -231,10 +238,15 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     io = table.stages[i]
                     args = [_as_input(values[v], needs_grad.get(v, False)) for v in io.inputs]
                     if rep == 0:
-                        with (_saved_storages(module, precision is not None) as counted,
+                        with (_saved_storages(module, precision is not None) as found,
                               autocast(device, precision)):
                             outputs, seconds = timer(module, *args)
-                        saved[i] = float(sum(counted.values()))
+                        for storage in found.keys() - counted:
+                            saved[made_by.get(storage, i)] += found[storage]
+                        counted.update(found)
+                        for out in outputs:
+                            if isinstance(out, torch.Tensor):
+                                made_by.setdefault(out.untyped_storage().data_ptr(), i)
                     else:
                         with autocast(device, precision):
                             outputs, seconds = timer(module, *args)
@@ -246,6 +258,9 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                             out.detach() if isinstance(out, torch.Tensor) else out)
                     if rep >= warmup:
                         f_times[i].append(seconds)
+                if rep == 0:
+                    saved_values.update(v for v, t in values.items() if isinstance(
+                        t, torch.Tensor) and t.untyped_storage().data_ptr() in counted)
                 for i in reversed(run):
                     outputs, wants = pending.pop()
                     grads_for = [o for o in outputs
@@ -258,10 +273,12 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     if rep >= warmup:
                         b_times[i].append(seconds)
             env = values  # the next run starts from the last repetition's values
-    crossing, crossing_grad = _crossing_bytes(table, env, units)
+    crossing, crossing_grad, crossing_saved = _crossing_bytes(table, env, units, saved_values)
     forward = [statistics.median(t) if t else 0.0 for t in f_times]
     backward = [statistics.median(t) if t else 0.0 for t in b_times]
-    return forward, backward, crossing, crossing_grad, saved
+    outputs = sum(env[v].nbytes for v in table.graph_outputs
+                  if isinstance(env.get(v), torch.Tensor))
+    return forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs
 
 
 def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
@@ -317,13 +334,15 @@ def _as_input(value: Any, needs_grad: bool) -> Any:
     return value.detach().requires_grad_(needs_grad and value.is_floating_point())
 
 
-def _crossing_bytes(table, env, units: int) -> tuple[list[float], list[float]]:
-    """Bytes of the values crossing each cut (after unit i), and of their gradients."""
+def _crossing_bytes(table, env, units: int, saved: set[str]
+                    ) -> tuple[list[float], list[float], list[float]]:
+    """Bytes of the values crossing each cut (after unit i), of their gradients, and of those
+    of them autograd saves (the values named in `saved`)."""
     last_use: dict[str, tuple[int, int]] = {}
     for edge in table.edges:
         src, dst = last_use.get(edge.value, (edge.src, edge.dst))
         last_use[edge.value] = (src, max(dst, edge.dst))
-    crossing, crossing_grad = [0.0] * units, [0.0] * units
+    crossing, crossing_grad, crossing_saved = [0.0] * units, [0.0] * units, [0.0] * units
     for value, (src, dst) in last_use.items():
         tensor = env.get(value)
         if not isinstance(tensor, torch.Tensor):
@@ -332,7 +351,9 @@ def _crossing_bytes(table, env, units: int) -> tuple[list[float], list[float]]:
             crossing[cut] += tensor.nbytes
             if tensor.is_floating_point():
                 crossing_grad[cut] += tensor.nbytes
-    return crossing, crossing_grad
+            if value in saved:
+                crossing_saved[cut] += tensor.nbytes
+    return crossing, crossing_grad, crossing_saved
 
 
 @contextlib.contextmanager

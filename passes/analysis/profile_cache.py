@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 __all__ = ["STALE", "ProfileCache", "UnitProfile", "cache_key", "default_cache_dir",
            "describe_key"]
 
-_FORMAT = 13  # bump when the cached record changes (or how it is measured)
+_FORMAT = 14  # bump when the cached record changes (or how it is measured)
 # a cached profile is measured afresh when a short re-time of its units is off its times by
 # more than this factor either way: a second CPU-bound job on a 2-core machine doubles a
 # timing, which must not discard a good entry; a profile taken under other conditions the key
@@ -35,7 +35,11 @@ class UnitProfile:
     backward: np.ndarray  # (M, K)
     boundary_bytes: np.ndarray  # (M, K): values crossing the cut after unit i
     boundary_grad_bytes: np.ndarray  # (M, K): their gradients (floating values only)
-    activation_bytes: np.ndarray  # (M, K): tensors the unit saves for its backward
+    # (M, K): what autograd saves for backward, each storage counted once, in the unit that
+    # made it (a value saved by the unit after the one that made it counts in its maker)
+    activation_bytes: np.ndarray
+    boundary_saved_bytes: np.ndarray  # (M, K): the part of boundary_bytes autograd saves
+    output_bytes: np.ndarray  # (M,): the model's outputs (what the loss takes)
     device: str
     cached: pathlib.Path | None = None  # the cache file it was read from, if it was
     origin: str = ""  # where the times come from, in words: measured now, or which cache entry

@@ -255,5 +255,22 @@ def test_bench_under_torchrun_calibrates_and_times_every_configuration():
     assert [(r.partitioner, r.schedule) for r in rows] == [("even", "gpipe"), ("even", "1f1b")]
     for row in rows:
         assert len(row.memory) == 2 and all(m > 0 for m in row.memory)
+        # one stage per rank: each stage's peak measured, above its weights, gradients and
+        # Adam's two slots (4 copies of the weights)
+        weights = [sum(p.numel() * 4 for p in stage.parameters()) for stage in
+                   _mlp_stages(row.sizes)]
+        assert len(row.measured_memory) == 2
+        assert all(m > 4 * w for m, w in zip(row.measured_memory, weights))
         assert row.measured_ms > 0 and row.predicted_ms > 0
         assert (row.rounds, row.timed_steps) == (1, 2)
+
+
+def _mlp_stages(sizes):
+    """The bundled MLP's layers (its units) in stages of `sizes` units."""
+    from fxpipe.models import MLP
+
+    layers, stages, start = list(MLP()), [], 0
+    for size in sizes:
+        stages.append(torch.nn.Sequential(*layers[start:start + size]))
+        start += size
+    return stages

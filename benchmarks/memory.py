@@ -1,0 +1,116 @@
+"""Predicted against measured peak memory per stage: the bundled models in 2 and 4 stages,
+gpipe and 1f1b, each stage in a process of its own (torchrun, gloo on localhost).
+
+    python benchmarks/memory.py [--models mlp,resnet,vgg,gpt] [--batch 32] [--micro-batches 4]
+
+A stage's measured peak is `fxpipe.measure_memory`'s: its parameters, gradients and Adam's
+state counted from the tensors, and the peak a training step allocates above that (the
+profiler's memory events of its rank), the median of --repeats measured steps with their range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+THRESHOLD = 0.15  # the target: predicted within 15% of measured
+
+
+def worker(model_name: str, stages: int, schedule: str, batch: int, micro_batches: int,
+           repeats: int, out: str) -> None:
+    """One rank of one configuration: compile, create Adam's state, measure, and on rank 0
+    write every stage's predicted and measured figures."""
+    import torch
+
+    import fxpipe
+    from fxpipe.models import bundled
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    bundle = bundled(model_name)
+    model = bundle.build()
+    x, y = bundle.batch(batch, torch.Generator().manual_seed(0))
+    plan = fxpipe.Plan(stages=stages, partitioner="even", schedule=schedule,
+                       micro_batches=micro_batches, loss_fn=bundle.loss_fn)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.0)  # lr 0: the state, weights kept
+    pipe.step(x, y)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    runs = [fxpipe.measure_memory(pipe, x, target=y, optimizer=optimizer)
+            for _ in range(repeats)]
+    if pipe.rank == 0:
+        rows = []
+        for s, stage in enumerate(pipe.partition.stages):
+            totals = [run.totals[s] for run in runs]
+            rows.append({"stage": s, "units": list(stage.units), "predicted": stage.memory,
+                         "measured": totals, "activations": [r.activations[s] for r in runs],
+                         "state": runs[0].weights[s] + runs[0].gradients[s]
+                         + runs[0].optimizer[s]})
+        with open(out, "w") as handle:
+            json.dump(rows, handle)
+
+
+def run(model: str, stages: int, schedule: str, args: argparse.Namespace) -> list[dict]:
+    """One configuration under torchrun: its rows."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rows.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(stages), os.path.abspath(__file__), "--worker",
+                   model, str(stages), schedule, str(args.batch), str(args.micro_batches),
+                   str(args.repeats), out]
+        job = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if job.returncode != 0:
+            raise SystemExit(f"{model} {stages} {schedule} failed:\n{job.stderr[-4000:]}")
+        with open(out) as handle:
+            return json.load(handle)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,resnet,vgg,gpt")
+    parser.add_argument("--stages", default="2,4")
+    parser.add_argument("--schedules", default="gpipe,1f1b")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    header = ("model", "N", "schedule", "stage", "units", "predicted MiB",
+              "measured MiB (range)", "pred/meas", "of it: state MiB", "activations MiB")
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    outside = []
+    for model in args.models.split(","):
+        for stages in map(int, args.stages.split(",")):
+            for schedule in args.schedules.split(","):
+                for row in run(model, stages, schedule, args):
+                    measured = statistics.median(row["measured"])
+                    ratio = row["predicted"] / measured
+                    units = f"{row['units'][0]}-{row['units'][1] - 1}"
+                    cells = (model, stages, schedule, row["stage"], units, mib(row["predicted"]),
+                             f"{mib(measured)} ({mib(min(row['measured']))}-"
+                             f"{mib(max(row['measured']))})", f"{ratio:.2f}",
+                             mib(row["state"]), mib(statistics.median(row["activations"])))
+                    print(" | ".join(map(str, cells)), flush=True)
+                    if abs(ratio - 1) > THRESHOLD:
+                        outside.append(f"{model} {stages} {schedule} stage {row['stage']}: "
+                                       f"{ratio:.2f}")
+    print(f"\n{len(outside)} stage(s) outside ±{THRESHOLD:.0%}" + (": " + "; ".join(outside)
+                                                                 if outside else ""))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        model, stages, schedule, batch, p, repeats, out = sys.argv[2:9]
+        worker(model, int(stages), schedule, int(batch), int(p), int(repeats), out)
+    else:
+        main()
