@@ -221,13 +221,16 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
     saved = [0.0] * units
-    # storage -> the unit that made it (first repetition): a storage saved by several units,
-    # or by the unit after its maker, counts once, in its maker, as a stage holds it once
-    made_by: dict[int, int] = {}
-    counted: set[int] = set()
     saved_values: set[str] = set()  # values autograd saves (in any unit)
+    maker = {v: i for i, io in enumerate(table.stages) for v in io.outputs}  # value -> unit
     env = dict(zip(table.graph_inputs, inputs))
     for run in runs:
+        # storage -> the unit of this run that made it (first repetition): a storage saved by
+        # several units, or by the unit after its maker, counts once, in its maker, as a stage
+        # holds it once. Per run: a run's storages are freed after it, and their addresses
+        # reused by the next run's
+        made_by: dict[int, int] = {}
+        counted: set[int] = set()
         # a meta model's units: real copies, made together (a tied weight stays one), freed after
         mine = torch.nn.ModuleList([modules[i] for i in run])
         with materialized_copy(mine, device) if meta else contextlib.nullcontext(mine) as real:
@@ -241,8 +244,18 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                         with (_saved_storages(module, precision is not None) as found,
                               autocast(device, precision)):
                             outputs, seconds = timer(module, *args)
+                        # a value from an earlier run: its storage is this run's copy, so
+                        # it is known by name (counted once, in the unit that made it)
+                        earlier = {a.untyped_storage().data_ptr(): v
+                                   for v, a in zip(io.inputs, args)
+                                   if isinstance(a, torch.Tensor) and v in env and v in maker}
                         for storage in found.keys() - counted:
-                            saved[made_by.get(storage, i)] += found[storage]
+                            name = earlier.get(storage)
+                            if name is None:
+                                saved[made_by.get(storage, i)] += found[storage]
+                            elif name not in saved_values:
+                                saved_values.add(name)
+                                saved[maker[name]] += found[storage]
                         counted.update(found)
                         for out in outputs:
                             if isinstance(out, torch.Tensor):
@@ -259,8 +272,9 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     if rep >= warmup:
                         f_times[i].append(seconds)
                 if rep == 0:
-                    saved_values.update(v for v, t in values.items() if isinstance(
-                        t, torch.Tensor) and t.untyped_storage().data_ptr() in counted)
+                    saved_values.update(v for v, t in values.items() if v not in env and
+                                        isinstance(t, torch.Tensor) and
+                                        t.untyped_storage().data_ptr() in counted)
                 for i in reversed(run):
                     outputs, wants = pending.pop()
                     grads_for = [o for o in outputs

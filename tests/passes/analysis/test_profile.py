@@ -275,6 +275,27 @@ def test_the_loss_is_timed_on_the_models_outputs_and_counts_in_the_last_unit(mon
     assert "with the loss timed" in cost.source
 
 
+@pytest.mark.parametrize("window", [0.0, 300_000.0])
+def test_a_meta_model_timed_in_several_runs_counts_the_saved_bytes_of_one_run(window):
+    """Each run's storages are freed before the next, whose may take their addresses, and a
+    value a unit saves may come from an earlier run: neither changes what each unit counts."""
+    from fxpipe.compiler import PASSES
+    from fxpipe.compiler.passes import _units_as_stages
+    from fxpipe.compiler.state import Compilation, run_passes
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(layers=4)
+    x = torch.randint(0, 128, (8, 32))
+    c = Compilation(model, fxpipe.Plan(stages=1), (x,), {})
+    run_passes(PASSES[:4], c)  # up to the units: the model's weights still on the meta device
+    graph, table = _units_as_stages(c)
+    whole, runs = (profile_units(graph, table, [x], [8], warmup=0, repeats=1, window=w)
+                   for w in (float("inf"), window))
+    assert whole.activation_bytes[0].sum() > 0
+    np.testing.assert_array_equal(runs.activation_bytes, whole.activation_bytes)
+
+
 def test_a_meta_models_loss_is_timed_on_stand_ins_of_its_outputs_shapes():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())
