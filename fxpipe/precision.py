@@ -69,7 +69,9 @@ def weight_casts_kept() -> Iterator[None]:
     forward over the whole batch would, instead of each holding its own until its backward.
     torch keeps its cast cache while an autocast region is open (its nesting count above 0)
     and clears it when the outermost one closes; this counts as one such region, enabling
-    nothing. Clear the cache (`torch.clear_autocast_cache()`) when the weights change."""
+    nothing. Clear the cache (`torch.clear_autocast_cache()`) when the weights change. The
+    cache is the process's, not the thread's: another thread's clear empties it too (which
+    costs a second cast, never a stale one)."""
     torch.autocast_increment_nesting()
     try:
         yield

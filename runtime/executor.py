@@ -244,6 +244,9 @@ class PipelineExecutor:
 
         self.coordinator.expect(len(batches))  # once the inputs and targets passed their checks
         scale = self.scaler.scale if self.scaler.is_enabled() else None
+        if scale is not None and torch.is_grad_enabled() and not self.steps_itself:
+            self.scaler.scaling([p for r in self.runners.values()
+                                 for p in r.stage.module.parameters()])
         run = self._run(None, Run(call.feeds, loss=loss, on_action=on_action, scale=scale), call,
                         schedule)
         losses = []  # shared first: the last stage sends them once its schedule ends

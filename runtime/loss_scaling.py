@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
+from fxpipe.errors import FxpipeError
+
 __all__ = ["PipelineScaler"]
 
 
@@ -31,8 +33,32 @@ class PipelineScaler(torch.amp.GradScaler):
         self.home = device  # where the scale lives and ranks exchange their findings
         self.distributed = distributed
         self._deferred: list[dict[torch.device, torch.Tensor]] | None = None
+        self._versions: int | None = None  # the weights' versions when pipe.step last scaled
         if self.is_enabled():  # ranks without the loss never call scale(), yet unscale
             self.scale(torch.zeros((), device=device))
+
+    def scaling(self, parameters: Sequence[torch.Tensor]) -> None:
+        """Before pipe.step scales a loss: refuse when the weights changed since the last
+        scaled step without `step` or `update` of this scaler, i.e. an optimizer stepped on
+        gradients still scaled (steps that only accumulate gradients change no weight)."""
+        versions = sum(p._version for p in parameters)
+        if self._versions is not None and versions != self._versions:
+            self._versions = None
+            raise FxpipeError(
+                f"Plan(precision='fp16'): pipe.step scales the loss by pipe.scaler (now "
+                f"{self.get_scale():g}), so its gradients are scaled; the weights changed since "
+                "without pipe.scaler.step(optimizer), so an optimizer stepped on scaled "
+                "gradients. After each pipe.step call pipe.scaler.step(optimizer) and "
+                "pipe.scaler.update() instead of optimizer.step() (docs/precision.md).")
+        self._versions = versions
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        self._versions = None
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        self._versions = None
+        super().update(new_scale)
 
     def unscale_all_(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """Unscale every optimizer's gradients (those not unscaled yet) and decide once for
@@ -77,7 +103,12 @@ class PipelineScaler(torch.amp.GradScaler):
             for flag in per_device.values():
                 total += flag.to(self.home)
         if self.distributed and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            # over the host where the job has gloo: a job of CPU and GPU ranks reduces CPU
+            # tensors over gloo and GPU ones over NCCL, so every rank must use the same kind
+            wire = self.home if dist.get_backend() == "nccl" else torch.device("cpu")
+            reduced = total.to(wire)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            total = reduced.to(self.home)
         for per_device in found:
             if not per_device:
                 per_device[self.home] = total.clone()

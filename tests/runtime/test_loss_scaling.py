@@ -156,3 +156,35 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     state = torch.load(f"{out}.state")
     for key, value in pipe.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
+
+
+def _fp16_pipe():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    plan = fxpipe.Plan(stages=2, micro_batches=2, partitioner=[2, 1], costs="none",
+                       loss_fn=F.cross_entropy, precision="fp16")
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    return fxpipe.compile(model, plan, example_inputs=(x,)), x, y
+
+
+def test_an_optimizer_stepped_on_scaled_gradients_is_refused_at_the_next_step():
+    pipe, x, y = _fp16_pipe()
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.step(x, y)
+    optimizer.step()  # as with bf16 or fp32: but these gradients are scaled by 2^16
+    optimizer.zero_grad()
+    with pytest.raises(fxpipe.FxpipeError, match=r"an optimizer stepped on scaled gradients"):
+        pipe.step(x, y)
+
+
+def test_accumulating_several_steps_then_stepping_through_the_scaler_is_allowed():
+    pipe, x, y = _fp16_pipe()
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for _ in range(2):
+        for _ in range(2):  # gradients of two mini-batches, no weight changed between
+            pipe.step(x, y)
+        pipe.scaler.step(optimizer)
+        pipe.scaler.update()
+        optimizer.zero_grad()
+    with torch.no_grad():  # evaluation: nothing is scaled, nothing to check
+        pipe.step(x, y)
