@@ -60,9 +60,11 @@ class Recompute:
         self._chain: UnitChain | None = None  # of stage.module, built at the first forward
 
     def forward(self, key: Any, inputs: Sequence[Any],
-                weights: Mapping[str, torch.Tensor] | None = None) -> Any:
+                weights: Mapping[str, torch.Tensor] | None = None, split: bool = False) -> Any:
         """The stage on `inputs` with gradients enabled (with `weights` instead of its
-        parameters, if given), checkpointed unit by unit if enabled."""
+        parameters, if given), checkpointed unit by unit if enabled. `split`: its backward
+        will be split, and `replay` run the whole forward again anyway, so it is
+        checkpointed whole, keeping only the stage's inputs."""
         with self._held():
             if not self.enabled:
                 return self._run(weights, *inputs)
@@ -71,6 +73,11 @@ class Recompute:
             self._replays[key] = _Replay(weights, torch.get_rng_state(), devices, states, [
                 (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
                 for kind in kinds])
+            if split:
+                return checkpoint(functools.partial(self._run, weights), *inputs,
+                                  use_reentrant=False, preserve_rng_state=True,
+                                  context_fn=lambda: (contextlib.nullcontext(),
+                                                      self._buffers_kept()))
             chain = self._unit_chain()
             named = {f"stage.{name}": w for name, w in weights.items()} if weights else None
             return chain.run(inputs, functools.partial(self._checkpointed, chain, named))
@@ -89,6 +96,9 @@ class Recompute:
         if self._chain is None or self._chain.module is not self.stage.module:
             self._chain = UnitChain(self.stage.module)
         return self._chain
+
+    def _buffers_kept(self) -> _BuffersKept:
+        return _BuffersKept(lambda: list(self.stage.module.buffers()))
 
     def _run(self, weights: Mapping[str, torch.Tensor] | None, *inputs: Any) -> Any:
         return self.stage(StageArgs(inputs, dict(weights or {})))
@@ -151,7 +161,7 @@ class Recompute:
             set_device_states(state.devices, state.device_rng, device_type=self.device_type)
             for kind, enabled, dtype in state.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-            stack.enter_context(_BuffersKept(lambda: list(self.stage.module.buffers())))
+            stack.enter_context(self._buffers_kept())
             stack.enter_context(torch.enable_grad())
             return self._run(state.weights, *inputs)
 

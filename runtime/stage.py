@@ -55,10 +55,12 @@ class StageRunner:
         split off) has not."""
         return len(self._in_flight) + len(self._awaiting_weights)
 
-    def forward(self, key: MicroBatchKey, values: Mapping[str, Any]) -> dict[str, Any]:
+    def forward(self, key: MicroBatchKey, values: Mapping[str, Any],
+                split: bool = False) -> dict[str, Any]:
         """Run the stage on `values` (its inputs by name). Returns its outputs by name, and its
         inputs as the stage saw them (cut from the sender's graph), so a later use of an input,
-        such as a loss on a model output that passed through, backpropagates into this stage."""
+        such as a loss on a model output that passed through, backpropagates into this stage.
+        `split`: the micro-batch's backward will be split (see Recompute.forward)."""
         training = torch.is_grad_enabled()
         inputs = [self._leaf(values[name], name, training) for name in self.io.inputs]
         policy = self.policy if training else None
@@ -66,7 +68,7 @@ class StageRunner:
         context = (policy.forward_context(key, weights or policy.weights) if policy
                    else contextlib.nullcontext())
         with context, self.autocast():  # weights: a version chosen by the policy, if any
-            outputs = (self.recompute.forward(key, inputs, weights) if training
+            outputs = (self.recompute.forward(key, inputs, weights, split) if training
                        else self.stage.module(*inputs))
         if training:
             self._in_flight[key] = (inputs, outputs, [])
