@@ -159,6 +159,8 @@ _VIEWS = {"view", "view_as", "reshape", "flatten", "transpose", "permute", "t", 
 
 def _is_view(node: fx.Node) -> bool:
     """Whether the node likely makes no new storage (a view, an item of a tuple)."""
+    if isinstance(node.target, torch._ops.OpOverload):  # torch.export's aten ops say so
+        return node.target.is_view
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return node.op != "call_module" and target in _VIEWS
 

@@ -19,8 +19,8 @@ from fxpipe.unit_chain import UnitChain
 from fxpipe.units import cut_units
 
 
-def _traced(model: nn.Module, x: torch.Tensor):
-    gm = trace(model, (x,), {}, fxpipe.Plan(stages=1, tracer="fx")).gm
+def _traced(model: nn.Module, x: torch.Tensor, tracer: str = "fx"):
+    gm = trace(model, (x,), {}, fxpipe.Plan(stages=1, tracer=tracer)).gm
     units = cut_units(gm)
     annotate_shapes(gm, [x])
     return gm, units
@@ -39,12 +39,13 @@ def test_running_the_segments_in_turn_computes_what_the_graph_does(case, per_uni
         assert [segment.units for segment in chain.segments] == [(u.index,) for u in units]
 
 
-def test_the_cuts_fall_where_the_narrowest_values_cross():
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_the_cuts_fall_where_the_narrowest_values_cross(tracer):
     """Blocks wide inside (8 -> 64 -> 8): keeping a block's 8-wide input costs less than
     keeping its 64-wide middle, or holding all three blocks' activations at once."""
     model = nn.Sequential(*(m for _ in range(3) for m in (
         nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))))
-    gm, _ = _traced(model, torch.randn(16, 8))
+    gm, _ = _traced(model, torch.randn(16, 8), tracer)
     chain = UnitChain(gm)
     assert [segment.units for segment in chain.segments] == [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
 
