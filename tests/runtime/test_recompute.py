@@ -210,3 +210,20 @@ def test_stages_on_several_threads_recompute_the_dropout_masks_their_forward_dre
     assert len(masks) == 3 * 8 * 4
     for drawn in masks.values():
         assert len(drawn) == 2 and torch.equal(drawn[0], drawn[1])
+
+
+def test_a_recomputing_stage_recomputes_its_segments_one_at_a_time_last_first():
+    """Three blocks wide inside (one segment each, tests/test_unit_chain.py): the backward
+    runs each block's forward again just before its backward, so the last block first."""
+    model = nn.Sequential(*(m for _ in range(3) for m in (
+        nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))), nn.Linear(8, 3)).double()
+    order: list[int] = []
+    for block in range(3):
+        model[3 * block].register_forward_pre_hook(lambda *_, b=block: order.append(b))
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
+    plan = fxpipe.Plan(stages=2, partitioner=[9, 1], micro_batches=1, recompute=[True, False],
+                       loss_fn=F.cross_entropy, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    order.clear()
+    pipe.step(x, y)
+    assert order == [0, 1, 2, 2, 1, 0]
