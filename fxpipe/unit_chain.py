@@ -39,9 +39,9 @@ class UnitChain:
     them: parameters replaced later (`.to()`, `load_state_dict(assign=True)`) are the ones it
     uses, and `torch.func.functional_call(segment.code, {"stage." + name: w})` substitutes
     weights as for the whole module. Nodes without a unit (added by later rewrites) join the
-    segment before them. An in-place node that writes into a value an earlier segment made
-    joins the segments from that one to its own: a segment's inputs must stay as they were
-    for it to run again.
+    segment before them. An in-place node that writes into a value an earlier
+    segment made, or into a view of one, joins the segments from that one to its own: a
+    segment's inputs must stay as they were for it to run again.
     """
 
     def __init__(self, module: fx.GraphModule, per_unit: bool = False) -> None:
@@ -98,8 +98,8 @@ def _groups(module: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[list[fx.No
         groups[-1].append(node)
         unit, run_of[node] = label, len(groups) - 1
     for node in nodes:
-        target = node.args[0] if node.args else None
-        if in_place(module, node) and isinstance(target, fx.Node) and target in run_of:
+        target = _base(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        if in_place(module, node) and target in run_of:
             first, last = run_of[target], run_of[node]
             if first < last:
                 joined = [n for group in groups[first:last + 1] for n in group]
@@ -163,6 +163,13 @@ def _is_view(node: fx.Node) -> bool:
         return node.target.is_view
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return node.op != "call_module" and target in _VIEWS
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The value a view was taken of (writing into a view writes into it)."""
+    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _bytes(node: fx.Node) -> int:
