@@ -88,8 +88,9 @@ def format_stage_table(
     else:
         lines.append("no times measured (Plan(costs='none')): the partition ignores speed")
     if any(recompute):
-        lines.append("rc: the stage keeps only its inputs and recomputes its forward in its "
-                     "backward (Plan(recompute))")
+        lines.append("rc: the stage keeps only the values entering some of its units and "
+                     "recomputes its forward in its backward, a segment at a time "
+                     "(Plan(recompute))")
     for name, stages in (shared or {}).items():
         lines.append(f"shared parameter {name}: used by stages {', '.join(map(str, stages))} "
                      "(one Parameter, gradients summed; counted in each stage above)")

@@ -12,7 +12,7 @@ from torch import fx
 from fxpipe.meta import UNIT
 from fxpipe.stacks import RNNLayer
 
-__all__ = ["Unit", "cut_units", "module_key", "unit_parameters"]
+__all__ = ["Unit", "cut_units", "in_place", "module_key", "unit_parameters"]
 
 _OPAQUE_OPS = ("placeholder", "get_attr", "output")  # not owned by any one unit
 _RNN_LAYER = f"{RNNLayer.__module__}.{RNNLayer.__qualname__}"
@@ -66,7 +66,7 @@ def cut_units(
         if node.op in _OPAQUE_OPS:
             continue
         key = module_key(node, depth, leaf_paths)
-        if groups and _in_place(gm, node):  # never first in a stage: it would write into the
+        if groups and in_place(gm, node):  # never first in a stage: it would write into the
             groups[-1][1].append(node)      # tensor another stage sent (autograd refuses that)
             continue
         if groups:
@@ -89,7 +89,7 @@ def cut_units(
     return units
 
 
-def _in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
+def in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether the node writes into an activation: an inplace=True module or function, a method
     like relu_(), or an in-place aten op (add_). Updates of buffers (BatchNorm's counter) are
     not activations and stay where their module is."""

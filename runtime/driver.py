@@ -204,7 +204,7 @@ class Driver:
             values = state.values[key]
             if s == 0:  # the inputs, from wherever the caller has them
                 values.update(to_device(run.feeds[a.mb], runner.device, self.copies))
-            values.update(runner.forward(key, values))
+            values.update(runner.forward(key, values, split=a.mb in walk.split))
             if s == self.last_stage:
                 self._finish_forward(runner, key, values, run)
         elif a.kind is K.SEND_F:

@@ -1,24 +1,30 @@
-"""Recomputation: a stage's forward under torch.utils.checkpoint, run again in its backward."""
+"""Recomputation: a stage's forward under torch.utils.checkpoint unit by unit, run again in
+its backward."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
+
+from fxpipe.ir import Stage, StageArgs
+from fxpipe.unit_chain import Segment, UnitChain
 
 __all__ = ["Recompute"]
 
 
 class _Replay(NamedTuple):
-    """What running a micro-batch's forward again needs: the stage's call (with the weights
-    its forward used) and the random and autocast state the forward began with."""
+    """What running a micro-batch's forward again needs: the weights its forward used (None:
+    the parameters) and the random and autocast state the forward began with."""
 
-    run: Callable[..., Any]
+    weights: Mapping[str, torch.Tensor] | None
     cpu_rng: torch.Tensor
     devices: list[int]
     device_rng: list[torch.Tensor]
@@ -26,42 +32,76 @@ class _Replay(NamedTuple):
 
 
 class Recompute:
-    """How one stage's training forward runs: as it is, or (`enabled`) checkpointed, keeping
-    only its inputs, so its backward recomputes the activations (non-reentrant, with the RNG
-    state of the forward: dropout draws the same masks).
+    """How one stage's training forward runs: as it is, or (`enabled`) as a chain of its
+    units (UnitChain), each under its own checkpoint (non-reentrant, with the RNG state of
+    the forward: dropout draws the same masks). A micro-batch in flight then keeps only the
+    values entering each unit, and its backward recomputes one unit at a time, so at most
+    one unit's activations exist again at once.
 
-    The recompute must not update the stage's buffers a second time: they are put back after
-    it (BatchNorm's running statistics end as the plain model's), at the cost of a copy of
-    the stage's buffers while it runs. Stages on several worker threads of one process share
-    the CPU's random generator: a forward's draws and their replay are the stage's own only
-    while no other stage draws, so those stages hold `lock` (one for them all) through every
-    training forward and through a recomputing stage's backward.
+    A recompute must not update the stage's buffers a second time: those its unit can
+    update are put back after it (BatchNorm's running statistics end as the plain model's),
+    at the cost of a copy of them while it runs. Stages on several worker threads of one
+    process share the CPU's random generator: a forward's draws and their replay are the
+    stage's own only while no other stage draws, so those stages hold `lock` (one for them
+    all) through every training forward and through a recomputing stage's backward.
 
     A split backward (zero-bubble: B, then W later) makes several autograd calls over the
-    graph, and checkpoint would recompute in each; `replay` instead runs the forward again
-    once, before B, and B and W share the graph it builds.
+    graph, and checkpoint would recompute in each; `replay` instead runs the whole forward
+    again once, before B, and B and W share the graph it builds.
     """
 
-    def __init__(self, module: torch.nn.Module, enabled: bool,
+    def __init__(self, stage: Stage, enabled: bool,
                  lock: threading.Lock | None = None, device: str | torch.device = "cpu") -> None:
         self.enabled = enabled
-        self.module = module
+        self.stage = stage
         self.lock = lock
         self.device_type = torch.device(device).type
         self._replays: dict[Any, _Replay] = {}  # in-flight micro-batch -> its forward's state
+        self._chain: UnitChain | None = None  # of stage.module, built at the first forward
 
-    def forward(self, key: Any, run: Callable[..., Any], inputs: Sequence[Any]) -> Any:
-        """`run(*inputs)` with gradients enabled, checkpointed if enabled."""
+    def forward(self, key: Any, inputs: Sequence[Any],
+                weights: Mapping[str, torch.Tensor] | None = None, split: bool = False) -> Any:
+        """The stage on `inputs` with gradients enabled (with `weights` instead of its
+        parameters, if given), checkpointed unit by unit if enabled. `split`: its backward
+        will be split, and `replay` run the whole forward again anyway, so it is
+        checkpointed whole, keeping only the stage's inputs."""
         with self._held():
             if not self.enabled:
-                return run(*inputs)
+                return self._run(weights, *inputs)
             devices, states = get_device_states(*inputs)
             kinds = dict.fromkeys(("cpu", self.device_type))
-            self._replays[key] = _Replay(run, torch.get_rng_state(), devices, states, [
+            self._replays[key] = _Replay(weights, torch.get_rng_state(), devices, states, [
                 (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
                 for kind in kinds])
-            return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=self._contexts)
+            if split:
+                return checkpoint(functools.partial(self._run, weights), *inputs,
+                                  use_reentrant=False, preserve_rng_state=True,
+                                  context_fn=lambda: (contextlib.nullcontext(),
+                                                      self._buffers_kept()))
+            chain = self._unit_chain()
+            named = {f"stage.{name}": w for name, w in weights.items()} if weights else None
+            return chain.run(inputs, functools.partial(self._checkpointed, chain, named))
+
+    def _checkpointed(self, chain: UnitChain, weights: dict[str, torch.Tensor] | None,
+                      segment: Segment, values: Sequence[Any]) -> Any:
+        run = (segment.code if weights is None  # the same weights again when it recomputes
+               else lambda *x: functional_call(segment.code, weights, x))
+        # checkpoint's (forward, recompute) contexts: the recompute puts the buffers back
+        contexts = lambda: (contextlib.nullcontext(),  # noqa: E731
+                            _BuffersKept(lambda: chain.buffers(segment)))
+        return checkpoint(run, *values, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=contexts)
+
+    def _unit_chain(self) -> UnitChain:
+        if self._chain is None or self._chain.module is not self.stage.module:
+            self._chain = UnitChain(self.stage.module)
+        return self._chain
+
+    def _buffers_kept(self) -> _BuffersKept:
+        return _BuffersKept(lambda: list(self.stage.module.buffers()))
+
+    def _run(self, weights: Mapping[str, torch.Tensor] | None, *inputs: Any) -> Any:
+        return self.stage(StageArgs(inputs, dict(weights or {})))
 
     def backward(self, key: Any) -> contextlib.AbstractContextManager:
         """Around a backward of `key`, which recomputes the forward if enabled."""
@@ -123,33 +163,25 @@ class Recompute:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
             stack.enter_context(self._buffers_kept())
             stack.enter_context(torch.enable_grad())
-            return state.run(*inputs)
+            return self._run(state.weights, *inputs)
 
     def _held(self) -> contextlib.AbstractContextManager:
         return self.lock if self.lock is not None else contextlib.nullcontext()
 
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
-        """checkpoint's (forward, recompute) contexts: the recompute puts the stage's buffers
-        back as they were before it."""
-        return contextlib.nullcontext(), self._buffers_kept()
-
-    def _buffers_kept(self) -> _BuffersKept:
-        return _BuffersKept(self.module)
-
 
 class _BuffersKept:
-    """Puts a module's buffers back after the block as they were before it. All of them: a
-    kernel may update one in place without autograd seeing it (BatchNorm's running
+    """Puts buffers back after the block as they were before it. All that the block can
+    reach: a kernel may update one in place without autograd seeing it (BatchNorm's running
     statistics keep their version counter). Enters again each time checkpoint recomputes
     (a split backward's autograd calls each do)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, buffers: Callable[[], list[torch.Tensor]]) -> None:
+        self.buffers = buffers
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
         # read now: moving a module replaces its buffers
-        self.kept = [(b, b.clone()) for b in self.module.buffers()]
+        self.kept = [(b, b.clone()) for b in self.buffers()]
 
     def __exit__(self, *exc: object) -> None:
         for buffer, value in self.kept:  # .data: no version bump, as the graph just

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.ir import Stage, StageArgs, StageHook, StageIO
+from fxpipe.ir import Stage, StageHook, StageIO
 from fxpipe.precision import autocast
 from fxpipe.runtime.consistency import WeightPolicy
 from fxpipe.runtime.recompute import Recompute
@@ -37,7 +37,7 @@ class StageRunner:
                  rng_lock: threading.Lock | None = None) -> None:
         self.stage, self.hook, self.io = stage, hook, io
         # a training forward checkpointed (recompute) or not; rng_lock: see Recompute
-        self.recompute = Recompute(stage.module, recompute, rng_lock, device)
+        self.recompute = Recompute(stage, recompute, rng_lock, device)
         self.index = io.stage
         self.device = torch.device(device)
         self.needs_grad = dict(needs_grad)  # value -> carries a gradient in training
@@ -55,20 +55,21 @@ class StageRunner:
         split off) has not."""
         return len(self._in_flight) + len(self._awaiting_weights)
 
-    def forward(self, key: MicroBatchKey, values: Mapping[str, Any]) -> dict[str, Any]:
+    def forward(self, key: MicroBatchKey, values: Mapping[str, Any],
+                split: bool = False) -> dict[str, Any]:
         """Run the stage on `values` (its inputs by name). Returns its outputs by name, and its
         inputs as the stage saw them (cut from the sender's graph), so a later use of an input,
-        such as a loss on a model output that passed through, backpropagates into this stage."""
+        such as a loss on a model output that passed through, backpropagates into this stage.
+        `split`: the micro-batch's backward will be split (see Recompute.forward)."""
         training = torch.is_grad_enabled()
         inputs = [self._leaf(values[name], name, training) for name in self.io.inputs]
         policy = self.policy if training else None
         weights = policy.forward_weights(key) if policy else None
         context = (policy.forward_context(key, weights or policy.weights) if policy
                    else contextlib.nullcontext())
-        run = (self.stage.module if not weights  # else a version chosen by the policy
-               else lambda *x: self.stage(StageArgs(x, weights)))
-        with context, self.autocast():
-            outputs = self.recompute.forward(key, run, inputs) if training else run(*inputs)
+        with context, self.autocast():  # weights: a version chosen by the policy, if any
+            outputs = (self.recompute.forward(key, inputs, weights, split) if training
+                       else self.stage.module(*inputs))
         if training:
             self._in_flight[key] = (inputs, outputs, [])
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)

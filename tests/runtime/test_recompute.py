@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import fxpipe
 
@@ -93,8 +94,8 @@ def test_recomputing_trains_like_the_plain_model(plan, path, seed):
 
 
 def _counting(module: nn.Module) -> list[int]:
-    calls: list[int] = []
-    module.register_forward_hook(lambda *_: calls.append(1))
+    calls: list[int] = []  # on entry: a recompute stops once it has what backward needs
+    module.register_forward_pre_hook(lambda *_: calls.append(1))
     return calls
 
 
@@ -187,8 +188,8 @@ def test_stages_on_several_threads_recompute_the_dropout_masks_their_forward_dre
     threads draw meanwhile (a mask is keyed by the dropout's input, which the forward and its
     recompute share)."""
     width = 64
-    model = nn.Sequential(*(m for _ in range(4) for m in (  # tanh: the recompute reaches
-        nn.Linear(width, width), nn.Dropout(0.5), nn.Tanh()))).double()  # the dropout's hook
+    model = nn.Sequential(*(m for _ in range(4) for m in (
+        nn.Linear(width, width), nn.Dropout(0.5), nn.Tanh()))).double()
     masks: dict[tuple[int, bytes], list[torch.Tensor]] = {}
 
     def record(module, inputs, output):
@@ -203,8 +204,26 @@ def test_stages_on_several_threads_recompute_the_dropout_masks_their_forward_dre
                        loss_fn=lambda out, target: out.square().mean(), costs="none")
     pipe = fxpipe.compile(model, plan, example_inputs=(batches[0],))
     masks.clear()
-    for x in batches:
-        pipe.step(x, x)
+    with set_checkpoint_early_stop(False):  # each recompute runs to its dropout's hook
+        for x in batches:
+            pipe.step(x, x)
     assert len(masks) == 3 * 8 * 4
     for drawn in masks.values():
         assert len(drawn) == 2 and torch.equal(drawn[0], drawn[1])
+
+
+def test_a_recomputing_stage_recomputes_its_segments_one_at_a_time_last_first():
+    """Three blocks wide inside (one segment each, tests/test_unit_chain.py): the backward
+    runs each block's forward again just before its backward, so the last block first."""
+    model = nn.Sequential(*(m for _ in range(3) for m in (
+        nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))), nn.Linear(8, 3)).double()
+    order: list[int] = []
+    for block in range(3):
+        model[3 * block].register_forward_pre_hook(lambda *_, b=block: order.append(b))
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
+    plan = fxpipe.Plan(stages=2, partitioner=[9, 1], micro_batches=1, recompute=[True, False],
+                       loss_fn=F.cross_entropy, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    order.clear()
+    pipe.step(x, y)
+    assert order == [0, 1, 2, 2, 1, 0]
