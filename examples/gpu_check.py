@@ -290,8 +290,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated bundled models (default: mlp,resnet,vgg,gpt and "
                              "hf-gpt2 when transformers is installed; --quick: mlp,gpt,hf-gpt2)")
     args = parser.parse_args(argv)
-    torch.backends.cudnn.allow_tf32 = False  # float32 convolutions, for float32 tolerances
-    torch.backends.cuda.matmul.allow_tf32 = False
     torchrun = fxpipe.distributed.launched()
     if torchrun:
         dist.init_process_group(job_backend(
@@ -350,4 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # float32 convolutions and matmuls on GPUs, for float32 tolerances: set for this script's
+    # own process only (main() run from another program leaves them as they are)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     sys.exit(main())

@@ -10,8 +10,8 @@ import torch
 
 from fxpipe.errors import PlanError
 
-__all__ = ["CopyRoute", "backend_for", "compute_stream", "copy_route", "job_backend",
-           "plan_rank_device", "should_pin", "slot_device_types", "target_device", "timer_kind",
+__all__ = ["CopyRoute", "backend_for", "copy_route", "job_backend", "plan_rank_device",
+           "shares_cpu_generator", "should_pin", "slot_device_types", "timer_kind",
            "timing_device", "wire_device"]
 
 Device = torch.device | str
@@ -65,23 +65,6 @@ def should_pin(value: Any, dst: Device) -> bool:
         return False
     route = copy_route(value.device, dst)
     return route is not None and route.pin and not value.is_pinned()
-
-
-def target_device(value: Any, stage_device: Device) -> torch.device | None:
-    """Where a value a stage reads goes: a tensor to the stage's device; anything else (ints,
-    None, strings) stays as it is (None)."""
-    if isinstance(value, torch.Tensor):
-        return _device(stage_device)
-    return None
-
-
-def compute_stream(device: Device, workers_on_device: int) -> str:
-    """The stream a worker computes on: "own" (a stream of its own) when several workers share
-    one CUDA device, so their kernels can overlap; else "current" (the device's default
-    stream, shared with the caller, so the user's own code needs no synchronisation). The
-    driver gives each device one worker, and the copies already run on side streams, so today
-    this is "current"; the function states the rule for when that changes."""
-    return "own" if _device(device).type == "cuda" and workers_on_device > 1 else "current"
 
 
 def timing_device(devices: Sequence[Device]) -> str:
@@ -153,3 +136,16 @@ def job_backend(given: Sequence[str] | None, cuda_count: int) -> str:
     if given is None:
         return backend_for(["cuda"] if cuda_count else ["cpu"])
     return backend_for(given)
+
+
+def shares_cpu_generator(devices: Sequence[Device], recompute: Sequence[bool]) -> list[bool]:
+    """Per stage of one process, whether it takes the lock that keeps its random draws its own
+    while a stage recomputes (`fxpipe.runtime.recompute`): every CPU stage, since they draw
+    from the one CPU generator; and a recomputing GPU stage when there is a CPU stage, since
+    checkpoint swaps the CPU generator's state for its recompute. GPU stages draw from their
+    device's generator: with no CPU stage, none waits for another."""
+    if not any(recompute):
+        return [False] * len(devices)
+    cpu = [_device(d).type == "cpu" for d in devices]
+    return [on_cpu or (again and any(cpu)) for on_cpu, again in zip(cpu, recompute)]
+

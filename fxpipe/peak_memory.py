@@ -28,7 +28,9 @@ def measure_memory(pipe: Any, *inputs: Any, target: Any, optimizer: Any = None,
 
     A stage's activation peak is its device's: CUDA's allocator statistics per device; on the
     CPU, torch.profiler's memory events of the thread that runs the stage, which is the calling
-    thread only when this process holds one stage (under torchrun, one stage per rank).
+    thread only when this process holds one stage (under torchrun, one stage per rank). On a
+    GPU it resets the device's peak statistics (torch.cuda.reset_peak_memory_stats), as a
+    measurement of a peak must; read your own before, if you keep them.
     Stages sharing a device (or a rank) each show that device's activation peak. The steps
     leave no gradient, buffer, random number generator or last run changed. Under
     torchrun every rank calls it, as pipe.step, and gets every stage's figures."""
@@ -51,7 +53,7 @@ def measure_memory(pipe: Any, *inputs: Any, target: Any, optimizer: Any = None,
             pipe.step(*inputs, target, **kwargs)
         mine = {s: (*_state_bytes(pipe.stages[s].module, optimizer, pipe),
                     rise[runner.device]) for s, runner in runners.items()}
-    every = _gathered(mine)
+    every = _gathered(mine, pipe.rank is not None)
     how = ("CUDA allocator statistics per device" if all(d.type == "cuda" for d in devices)
            else "torch.profiler memory events, one stage per process")
     columns = zip(*(every[s] for s in range(pipe.plan.stages)))
@@ -108,11 +110,12 @@ def _state_bytes(module: torch.nn.Module, optimizer: Any, pipe: Any) -> tuple[fl
     return float(weights), float(gradients), float(state)
 
 
-def _gathered(mine: dict[int, tuple[float, ...]]) -> dict[int, tuple[float, ...]]:
+def _gathered(mine: dict[int, tuple[float, ...]], distributed: bool
+              ) -> dict[int, tuple[float, ...]]:
     """Every stage's figures on every rank (the most over pipeline groups' copies of a
-    stage); in one process, this process's."""
+    stage); a pipeline in one process (even inside a job of several): this process's."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed:
         return mine
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)

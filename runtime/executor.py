@@ -23,6 +23,7 @@ from fxpipe.batching import (
     split,
     split_sizes,
 )
+from fxpipe.devices import shares_cpu_generator
 from fxpipe.errors import FxpipeError
 from fxpipe.ir import CommTable, Event, Stage, StageHook
 from fxpipe.runtime.bridge import (
@@ -112,10 +113,12 @@ class PipelineExecutor:
         __init__'s."""
         needs_grad = comm.carries_grad()
         recompute = tuple(recompute) or (False,) * len(stages)
-        lock = threading.Lock() if any(recompute) else None  # the workers' shared RNG
-        runners = {io.stage: StageRunner(stage, hook, io, device, needs_grad, again, lock)
-                   for stage, hook, io, device, again
-                   in zip(stages, hooks, comm.stages, devices, recompute)}
+        lock = threading.Lock()  # the workers' shared CPU generator, for those that share it
+        shared = shares_cpu_generator(devices, recompute)
+        runners = {io.stage: StageRunner(stage, hook, io, device, needs_grad, again,
+                                         lock if sharing else None)
+                   for stage, hook, io, device, again, sharing
+                   in zip(stages, hooks, comm.stages, devices, recompute, shared)}
         return cls(runners, comm, LocalTransport(devices, timeout), **kwargs)
 
     def forward(self, flat_inputs: Sequence[Any] | None) -> Any:

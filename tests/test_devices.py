@@ -45,17 +45,17 @@ def test_only_host_tensors_bound_for_a_gpu_are_pinned():
     assert not devices.should_pin(torch.ones(2, device="meta"), "cuda:0")
 
 
-def test_tensors_go_to_the_stage_and_other_values_stay():
-    assert devices.target_device(torch.ones(1), "cuda:1") == torch.device("cuda:1")
-    assert devices.target_device(torch.ones(1, device="meta"), "cpu") == torch.device("cpu")
-    assert devices.target_device(7, "cuda:0") is None
-    assert devices.target_device(None, "cuda:0") is None
+@pytest.mark.parametrize("placed, recompute, locked", [
+    (["cpu", "cpu"], [True, False], [True, True]),  # one CPU generator for both
+    (["cpu", "cpu"], [False, False], [False, False]),  # nothing recomputes: no lock
+    (["cuda:0", "cuda:1"], [True, True], [False, False]),  # a generator each
+    (["cpu", "cuda:0"], [False, True], [True, True]),  # its recompute swaps the CPU's state
+    (["cpu", "cuda:0"], [True, False], [True, False]),
+])
+def test_stages_wait_for_each_other_only_where_they_share_the_cpu_generator(placed, recompute,
+                                                                             locked):
+    assert devices.shares_cpu_generator(placed, recompute) == locked
 
-
-def test_a_worker_gets_its_own_stream_only_when_it_shares_a_gpu():
-    assert devices.compute_stream("cuda:0", 1) == "current"
-    assert devices.compute_stream("cuda:0", 2) == "own"
-    assert devices.compute_stream("cpu", 2) == "current"
 
 
 @pytest.mark.parametrize("device, kind", [("cuda", "cuda-events"), ("cuda:3", "cuda-events"),
@@ -287,3 +287,12 @@ def test_units_are_timed_on_the_first_gpu_of_the_stages():
     assert devices.timing_device(["cpu", "cuda:1", "cuda:0"]) == "cuda:1"
     assert devices.timing_device(["cpu", "cpu"]) == "cpu"
     assert devices.timing_device(["meta"]) == "meta"
+
+
+def test_a_bare_cuda_device_is_named_by_its_index_so_stages_on_it_share_one_device(
+        four_gpus, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    model = torch.nn.Linear(2, 2)
+    placed = stage_devices(model, fxpipe.Plan(stages=2, devices=["cuda", "cuda:2"]))
+    assert placed == ["cuda:2", "cuda:2"]
+    assert devices.copy_route(*placed) is None  # no copy between them

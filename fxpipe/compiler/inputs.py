@@ -55,11 +55,15 @@ def stage_devices(model: torch.nn.Module, plan: Plan) -> list[str]:
         first = next(iter(model.parameters()), None)
         device = str(first.device) if first is not None and not first.is_meta else "cpu"
         return [device] * plan.stages
-    for name in plan.devices:
+    named = list(plan.devices)
+    for d, name in enumerate(plan.devices):
         device = torch.device(name)
         if device.type == "cuda":
             count = torch.cuda.device_count()
             index = device.index or 0
+            if device.index is None and count:  # "cuda": the current one, named so that
+                index = torch.cuda.current_device()  # stages on it compare equal to "cuda:i"
+                named[d] = f"cuda:{index}"
             if index >= count:
                 raise PlanError(
                     f"Plan(devices=...) names {name!r}, but this machine has {count} CUDA "
@@ -70,7 +74,7 @@ def stage_devices(model: torch.nn.Module, plan: Plan) -> list[str]:
         elif device.type not in ("cpu", "meta") and not _backend_available(device.type):
             raise PlanError(f"Plan(devices=...) names {name!r}, but no {device.type} device "
                             "is available here.")
-    return [plan.devices[d] for d in plan.placement]
+    return [named[d] for d in plan.placement]
 
 
 def _backend_available(kind: str) -> bool:
