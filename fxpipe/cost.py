@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.memory import in_flight, stage_memory
+from fxpipe.memory import MemoryBudget, in_flight, stage_memory
 from fxpipe.schedules import Schedule, build
 from fxpipe.simulate import Timeline, simulate
 
@@ -71,6 +71,7 @@ class CostTable:
     param_bytes: np.ndarray | None = None  # (K,) bytes of each unit's parameters
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
     source: str = ""  # where the times come from (measured, read from a cache file, ...)
+    boundary_bytes: np.ndarray | None = None  # (M, K) bytes crossing the cut after unit i
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -95,6 +96,8 @@ class CostTable:
         object.__setattr__(self, "param_bytes", np.asarray(param_bytes, float))
         saved = np.zeros(shape) if self.activation_bytes is None else self.activation_bytes
         object.__setattr__(self, "activation_bytes", np.atleast_2d(np.asarray(saved, float)))
+        crossing = np.zeros(shape) if self.boundary_bytes is None else self.boundary_bytes
+        object.__setattr__(self, "boundary_bytes", np.atleast_2d(np.asarray(crossing, float)))
 
     @classmethod
     def from_arrays(
@@ -109,6 +112,7 @@ class CostTable:
         params: Sequence[float] | None = None,
         param_bytes: Sequence[float] | None = None,
         activation_bytes: Sequence[float] | np.ndarray | None = None,
+        boundary_bytes: Sequence[float] | np.ndarray | None = None,
     ) -> CostTable:
         """A table from plain arrays: 1-D (the same at every p) or 2-D (one row per size)."""
         f = np.atleast_2d(np.asarray(f, dtype=np.float64))
@@ -120,7 +124,7 @@ class CostTable:
                 raise ValueError("a CostTable with several rows needs the micro-batch `sizes`")
             sizes = [1.0]
         return cls(f, b, cf, cb, np.asarray(sizes, float), batch, params, (), param_bytes,
-                   activation_bytes)
+                   activation_bytes, boundary_bytes=boundary_bytes)
 
     @property
     def units(self) -> int:
@@ -130,6 +134,12 @@ class CostTable:
         """(K,) bytes each unit saves for backward per micro-batch, at micro-batch count p."""
         return np.maximum(self._interpolation(np.array([float(p)]))[0] @ self.activation_bytes,
                           0.0)
+
+    def input_bytes(self, p: int) -> np.ndarray:
+        """(K+1,) bytes entering a stage that starts at unit i, per micro-batch at count p:
+        what crosses the cut before it (0 at i = 0, whose inputs are the caller's; and at K)."""
+        crossing = self._interpolation(np.array([float(p)]))[0] @ self.boundary_bytes
+        return np.concatenate([[0.0], np.maximum(crossing[:-1], 0.0), [0.0]])
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -184,6 +194,7 @@ class Partition:
     bubble: float
     stages: tuple[StageCost, ...]
     schedule: str = "gpipe"  # the schedule predicted_time and bubble are for
+    recompute: tuple[bool, ...] = ()  # per stage: recomputes its forward in backward (): none
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -199,6 +210,8 @@ class Partition:
         *,
         schedule: str | Schedule = "gpipe",
         optimizer_slots: float = 2.0,
+        recompute: Sequence[bool] = (),
+        memory: MemoryBudget | None = None,
     ) -> Partition:
         """Score `bounds` with the closed-form model of ALGORITHMS §1 for GPipe, which is
         GPipe's simulated step on a chain of stages; for any other `schedule`, its step as
@@ -207,26 +220,39 @@ class Partition:
         The memory estimate per stage (`fxpipe.memory.stage_memory`) counts weights,
         gradients and `optimizer_slots` more copies (2: Adam's moments), plus the activations
         of the most micro-batches the schedule holds in flight on that stage
-        (`peak_activations`: p for gpipe, at most N − s on stage s for 1f1b).
+        (`peak_activations`: p for gpipe, at most N − s on stage s for 1f1b). `memory`, where
+        given, counts it by its schedule and optimizer instead.
+
+        `recompute` (one bool per stage, () for none): such a stage's backward runs its
+        forward again (b + f) and it holds only its inputs per micro-batch in flight.
         """
         bounds = check_bounds(bounds, cost.units)
+        recompute = tuple(bool(r) for r in recompute)
+        if recompute and len(recompute) != len(bounds):
+            raise ValueError(f"recompute lists {len(recompute)} stages for {len(bounds)}")
         f, b, cf, cb = cost.at(p)
-        saved = cost.saved_bytes(p)
+        saved, inputs = cost.saved_bytes(p), cost.input_bytes(p)
         starts = (0, *bounds[:-1])
-        held = in_flight(schedule, len(bounds), p)
+        if memory is not None:
+            held, optimizer_slots = memory.held(len(bounds), p), memory.optimizer_slots
+        else:
+            held = in_flight(schedule, len(bounds), p)
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
-            memory = stage_memory(cost.param_bytes[start:end], saved[start:end], held[s],
-                                  optimizer_slots=optimizer_slots)
+            again = bool(recompute) and recompute[s]
+            memory_s = stage_memory(cost.param_bytes[start:end], saved[start:end], held[s],
+                                    optimizer_slots=optimizer_slots, recompute=again,
+                                    input_bytes=float(inputs[start]))
+            forward = float(f[start:end].sum())
             stages.append(StageCost(
                 (start, end),
-                float(f[start:end].sum()),
-                float(b[start:end].sum()),
+                forward,
+                float(b[start:end].sum()) + (forward if again else 0.0),
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
-                memory.total,
+                memory_s.total,
             ))
         time, rho_f, rho_b = _closed_form(stages, p)
         busy = p * sum(s.f + s.b for s in stages)
@@ -235,7 +261,8 @@ class Partition:
             timeline = simulate_stages(stages, p, schedule)
             time, bubble = timeline.makespan / timeline.schedule.minibatches, timeline.bubble
         name = schedule.name if isinstance(schedule, Schedule) else schedule
-        return cls(bounds, p, partitioner, time, rho_f, rho_b, bubble, tuple(stages), name)
+        return cls(bounds, p, partitioner, time, rho_f, rho_b, bubble, tuple(stages), name,
+                   recompute if any(recompute) else ())
 
 
 def simulate_stages(stages: Sequence[StageCost], p: int, schedule: str | Schedule,
@@ -302,6 +329,7 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         cost, f=np.maximum(fitted[0], 0.0), b=np.maximum(fitted[1], 0.0),
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
+        boundary_bytes=np.maximum(links @ cost.boundary_bytes, 0.0),
         source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )
 

@@ -35,5 +35,6 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         names=tuple(names),
         param_bytes=params[1],
         activation_bytes=profile.activation_bytes,
+        boundary_bytes=profile.boundary_bytes,
         source=source + (", with the loss timed on the last unit" if loss is not None else ""),
     )
