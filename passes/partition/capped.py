@@ -10,9 +10,10 @@ import numpy as np
 from fxpipe.cost import CostTable, Partition
 from fxpipe.errors import PlanError
 from fxpipe.memory import MemoryBudget
+from fxpipe.passes.partition.odpa import divisors
 
-__all__ = ["Capacity", "Timing", "capped_minmax", "check_fits", "fit_or_explain", "split_lanes",
-           "trace_lane"]
+__all__ = ["Capacity", "Timing", "capacities", "capped_minmax", "check_fits", "fit_or_explain",
+           "split_lanes", "trace_lane"]
 
 _SLACK = 1e-9  # relative: a stage exactly at its cap (up to float rounding) fits
 
@@ -223,7 +224,35 @@ def check_fits(cost: CostTable, stages: int, p: int, budget: MemoryBudget | None
     scale, bounds, again = smallest_scale(cap)
     if scale <= 1 + _SLACK:
         return cap
-    raise PlanError(_explain(cap, budget, scale, bounds, again))
+    message = _explain(cap, budget, scale, bounds, again)
+    if cost.batch is not None:  # another micro-batch count may fit where this one does not
+        others = [q for q in divisors(cost.batch) if q != p and
+                  smallest_scale(Capacity.of(cost, stages, q, budget))[0] <= 1 + _SLACK]
+        if others:
+            message += (f"; micro_batches={others[0]} fits (or micro_batches='auto', which "
+                        "chooses among the counts that fit)")
+    raise PlanError(message)
+
+
+def capacities(cost: CostTable, stages: int, counts: Sequence[int], budget: MemoryBudget
+               ) -> dict[int, Capacity]:
+    """Per micro-batch count in `counts` at which some partition into `stages` fits, its
+    Capacity; PlanError, before any search, when none does (naming the smallest cap over
+    every count, at the count that needs the least)."""
+    found, least = {}, None
+    for q in counts:
+        cap = Capacity.of(cost, stages, q, budget)
+        scale, bounds, again = smallest_scale(cap)
+        if scale <= 1 + _SLACK:
+            found[q] = cap
+        elif least is None or scale < least[0]:
+            least = (scale, cap, bounds, again)
+    if not found:
+        scale, cap, bounds, again = least
+        raise PlanError(_explain(cap, budget, scale, bounds, again)
+                        + f" (no micro-batch count of {sorted(counts)} fits; this one needs "
+                        "the least)")
+    return found
 
 
 def fit_or_explain(cost: CostTable, cap: Capacity, part: Partition, planner: str) -> Partition:
