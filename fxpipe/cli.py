@@ -218,8 +218,8 @@ def _without_option(argv: Sequence[str], option: str) -> list[str]:
 
 
 def _comparison(pipe) -> str:
-    rows = []
-    for name, part in compare_partitioners(pipe).items():
+    rows, failed = [], {}
+    for name, part in compare_partitioners(pipe, failed).items():
         slowest = max(s.f + s.b for s in part.stages)
         rows.append([name, format_sizes(part.sizes), part.micro_batches,
                      f"{part.predicted_time * 1e3:.2f}",
@@ -228,7 +228,8 @@ def _comparison(pipe) -> str:
     header = ["partitioner", "units per stage", "p", "predicted ms", "bubble",
               "slowest stage ms", "max memory"]
     return (f"partitioners compared (same cost table, {pipe.plan.schedule_name}'s step; p: "
-            "micro-batches, csimd chooses its own):\n" + format_table(header, rows))
+            "micro-batches, csimd chooses its own):\n" + format_table(header, rows)
+            + "".join(f"\n{name}: does not fit: {why}" for name, why in failed.items()))
 
 
 def _compared_schedules(args: argparse.Namespace, plan: Plan) -> list[str]:

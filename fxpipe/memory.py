@@ -100,6 +100,11 @@ class MemoryBudget:
         return ((bool(self.recompute),),) * stages
 
     @property
+    def may_recompute(self) -> bool:
+        return any(True in modes for modes in self.modes(1 if not isinstance(
+            self.recompute, tuple) else len(self.recompute)))
+
+    @property
     def capped(self) -> bool:
         limit = self.limit if isinstance(self.limit, tuple) else (self.limit,)
         return any(math.isfinite(x) for x in limit)

@@ -14,6 +14,7 @@ import torch
 
 from fxpipe.errors import PlanError
 from fxpipe.intra_layer_spec import intra_layer_spec
+from fxpipe.memory_spec import memory_fields
 from fxpipe.schedules.actions import ActionKind, Schedule, ScheduleError
 from fxpipe.schedules.interleaved import round_robin, v_shape
 from fxpipe.schedules.user import check_user_schedule, read_user_schedule
@@ -77,6 +78,9 @@ class Plan:
     intra_layer: int | Mapping[str, Any] | None = None  # split-and-merge heavy layers
     whole_inputs: Sequence[str] = ()  # forward() arguments every micro-batch gets whole
     dump: bool = False  # print each compiler pass's result as it completes
+    memory_limit: float | str | Sequence[float | str] | None = None  # bytes per device, or None
+    optimizer: str | float | None = None  # its state slots the memory model counts; None: Adam
+    recompute: bool | str | Sequence[bool] = False  # or "auto": where memory_limit needs it
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -155,6 +159,9 @@ class Plan:
         object.__setattr__(self, "whole_inputs", tuple(self.whole_inputs))
         if not isinstance(self.dump, bool):
             raise PlanError(f"Plan(dump={self.dump!r}) must be True or False.")
+        limit, recompute = memory_fields(self)  # memory_limit, optimizer, recompute
+        object.__setattr__(self, "memory_limit", limit)
+        object.__setattr__(self, "recompute", recompute)
 
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""
@@ -338,7 +345,8 @@ class Plan:
                 if f.name not in ("loss_fn", "dump")}
         data["leaf_modules"] = [leaf if isinstance(leaf, str) else leaf.__name__
                                 for leaf in self.leaf_modules]
-        for name in ("partitioner", "devices", "link", "whole_inputs"):
+        for name in ("partitioner", "devices", "link", "whole_inputs", "memory_limit",
+                     "recompute"):
             if isinstance(data[name], tuple):
                 data[name] = list(data[name])
         data["concrete_args"] = dict(self.concrete_args) if self.concrete_args else None

@@ -225,7 +225,8 @@ def check_fits(cost: CostTable, stages: int, p: int, budget: MemoryBudget | None
     if scale <= 1 + _SLACK:
         return cap
     message = _explain(cap, budget, scale, bounds, again)
-    if cost.batch is not None:  # another micro-batch count may fit where this one does not
+    if cost.batch is not None and len(cost.sizes) > 1:  # measured at several micro-batch
+        # sizes, so another count may fit where this one does not
         others = [q for q in divisors(cost.batch) if q != p and
                   smallest_scale(Capacity.of(cost, stages, q, budget))[0] <= 1 + _SLACK]
         if others:
@@ -249,7 +250,7 @@ def capacities(cost: CostTable, stages: int, counts: Sequence[int], budget: Memo
             least = (scale, cap, bounds, again)
     if not found:
         scale, cap, bounds, again = least
-        raise PlanError(_explain(cap, budget, scale, bounds, again)
+        raise PlanError(_explain(cap, budget, scale, bounds, again, every_count=True)
                         + f" (no micro-batch count of {sorted(counts)} fits; this one needs "
                         "the least)")
     return found
@@ -266,20 +267,20 @@ def fit_or_explain(cost: CostTable, cap: Capacity, part: Partition, planner: str
     s = int(np.argmax(np.asarray(need) / cap.limits))
     start, end = spans[s]
     sizes = "+".join(map(str, part.sizes))
+    rule = "your stage sizes" if planner == "given" else f"partitioner {planner!r}'s fixed rule"
     raise PlanError(
-        f"partitioner {planner!r} splits the units by a fixed rule ({sizes} units per stage) "
-        f"and its stage {s} (units {start}-{end - 1}) needs {_bytes(need[s])}, over its "
-        f"memory_limit of {_bytes(cap.limits[s])}; use a partitioner that honours the cap: "
-        "'balanced', 'exact', 'imd', 'csimd' or 'ampa'.")
+        f"{rule} ({sizes} units per stage) leaves stage {s} (units {start}-{end - 1}) needing "
+        f"{_bytes(need[s])}, over its memory_limit of {_bytes(cap.limits[s])}; use a "
+        "partitioner that honours the cap: 'balanced', 'exact', 'imd', 'csimd' or 'ampa'")
 
 
 def _explain(cap: Capacity, budget: MemoryBudget, scale: float, bounds: tuple[int, ...],
-             again: tuple[bool, ...]) -> str:
+             again: tuple[bool, ...], every_count: bool = False) -> str:
     s = cap.ratio(bounds, again)[1]
     start, end = (0, *bounds)[s], bounds[s]
     needed = [int(np.ceil(x * scale)) if np.isfinite(x) else None for x in cap.limits]
-    limit = (str(needed[0]) if not isinstance(budget.limit, tuple) else
-             "[" + ", ".join(str(x) for x in needed) + "]")
+    limit = (f"{needed[0]} bytes" if len(set(needed)) == 1 else
+             "[" + ", ".join(str(x) for x in needed) + "] bytes (per stage)")
     held = cap.held[s]
     how = (f"recomputing, so its inputs × {held} micro-batches in flight" if again[s] else
            f"its activations × {held} micro-batches in flight")
@@ -291,9 +292,10 @@ def _explain(cap: Capacity, budget: MemoryBudget, scale: float, bounds: tuple[in
             f"least ({'+'.join(str(e - a) for a, e in zip((0, *bounds), bounds))} units) still "
             f"needs {_bytes(cap.memory(s, start, end, again[s]))} on stage {s} (units "
             f"{start}-{end - 1}: weights, gradients, optimizer state and {how}); give "
-            f"memory_limit={limit} bytes ({_bytes(max(x for x in needed if x))}) or more, "
-            f"more stages"
-            f"{hint}, or more micro-batches (smaller ones hold fewer activation bytes)")
+            f"memory_limit={limit} ({_bytes(max(x for x in needed if x))}) or more, "
+            f"more stages{hint}"
+            + ("" if every_count else
+               ", or more micro-batches (smaller ones hold fewer activation bytes)"))
 
 
 def _bytes(n: float) -> str:

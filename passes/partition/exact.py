@@ -42,7 +42,7 @@ def exact(cost: CostTable, stages: int, p: int = 1, objective: str = "time",
     when none fits. It does not choose recomputation (the cap must allow none).
     """
     check_planner_args(cost, stages, p)
-    if memory is not None and memory.capped and (at_most or memory.recompute is not False):
+    if memory is not None and memory.capped and (at_most or memory.may_recompute):
         raise ValueError("exact honours a memory cap with exactly N stages (a stage's memory "
                          "depends on how many there are) and without recomputation; give "
                          "at_most=False and recompute=False, or use balanced, imd or csimd")
