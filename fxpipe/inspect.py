@@ -103,8 +103,8 @@ def format_memory_cap(partition: Partition, limits: Sequence[float]) -> str:
     again = [str(k) for k, r in enumerate(partition.recompute) if r]
     return (f"memory cap (Plan(memory_limit)): {format_bytes(limits[s])} on stage {s}, which "
             f"binds: {format_bytes(partition.stages[s].memory)} predicted ({use[s]:.0%})"
-            + (f"; stages {', '.join(again)} recompute their forward in backward" if again
-               else ""))
+            + (f"; recomputing the forward in backward: stage{'s' * (len(again) > 1)} "
+               f"{', '.join(again)}" if again else ""))
 
 
 def _memory(partition: Partition, s: int, limits: Sequence[float] | None) -> str:
