@@ -110,7 +110,8 @@ def _plan(args: argparse.Namespace) -> None:
     if args.json:
         check_output_path("--json", args.json)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
-                micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer)
+                micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer,
+                memory_limit=args.memory_limit)
     schedules = _compared_schedules(args, plan)
     model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
@@ -384,6 +385,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
     _model_inputs(plan)
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
+    plan.add_argument("--memory-limit", help="memory cap per device, e.g. 8GiB: planners fit it")
     plan.add_argument("--schedules", help="with --compare, also these schedules side by side "
                                           "for the chosen partitioner, e.g. gpipe,1f1b,zb-h1")
     plan.add_argument("--json", help="write the chosen plan to this file")
