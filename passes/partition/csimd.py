@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from fxpipe.cost import CostTable, Partition, step_times
 from fxpipe.memory import MemoryBudget
 from fxpipe.passes.partition.balanced import TIE, balanced, settle
-from fxpipe.passes.partition.capped import capacities
+from fxpipe.passes.partition.capped import Capacity, capacities
 from fxpipe.passes.partition.imd import imd
 from fxpipe.passes.partition.odpa import divisors, odpa
 from fxpipe.passes.partition.scheduled import best_by_schedule, check_schedule_name
@@ -134,7 +134,16 @@ def csimd(
     check_schedule_name(schedule, "csimd")
     if memory is not None and memory.capped:
         check_planner_args(cost, stages, p0)
-        return _capped(cost, stages, _candidates(cost, batch, candidates), eta, schedule, memory)
+        counts = _candidates(cost, batch, candidates)
+        caps = capacities(cost, stages, counts, memory)  # PlanError when no count fits
+        free = csimd(cost, stages, batch, p0, candidates, eta, schedule)
+        fitting = (caps[free.micro_batches].evaluate(cost, free.bounds, "csimd")
+                   if free.micro_batches in caps and len(free.bounds) == stages else None)
+        if fitting is not None:  # its N stages fit: the cap changes nothing
+            return (fitting if schedule == "gpipe" else Partition.evaluate(
+                cost, fitting.bounds, fitting.micro_batches, "csimd", schedule=schedule,
+                recompute=fitting.recompute, memory=memory))
+        return _capped(cost, stages, caps, eta, schedule, memory)
     search = cross_search(cost, stages, batch, p0, candidates, eta, sweep=True)
     found = settle(cost, search.partition, "time", stages)
     if schedule == "gpipe":
@@ -144,9 +153,8 @@ def csimd(
                             found)
 
 
-def _capped(cost: CostTable, stages: int, counts: Sequence[int], eta: int, schedule: str,
+def _capped(cost: CostTable, stages: int, caps: dict[int, Capacity], eta: int, schedule: str,
             memory: MemoryBudget) -> Partition:
-    caps = capacities(cost, stages, counts, memory)
     found = {planner(cost, stages, q, memory=memory).bounds for q in caps
              for planner in (lambda c, n, q, memory: imd(c, n, q, eta, memory=memory), balanced)}
     best = None
