@@ -3,6 +3,8 @@ save/load, and compile honouring the cap."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -103,3 +105,18 @@ def test_compile_with_a_cap_too_small_for_any_plan_names_the_smallest():
     with pytest.raises(PlanError, match=r"cannot partition Sequential: no partition into 2 "
                        r"stages fits .* give memory_limit=\d+ bytes"):
         fxpipe.compile(_model(), Plan(stages=2, memory_limit="1KiB"), example_inputs=(x,))
+
+
+def test_auto_recomputes_only_the_stage_that_needs_it_to_fit():
+    # eight Linear(8, 8): each saves its 256-row input (8 KiB per micro-batch); under 1f1b
+    # stage 0 holds two micro-batches in flight, stage 1 one, so only stage 0 is over the cap
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])
+    x = torch.randn(512, 8)
+    plan = Plan(stages=2, schedule="1f1b", micro_batches=2, memory_limit=40_000)
+    with pytest.raises(PlanError, match=r"no partition .* recompute='auto'"):
+        fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe = fxpipe.compile(model, dataclasses.replace(plan, recompute="auto"),
+                          example_inputs=(x,))
+    assert pipe.partition.recompute == (True, False)
+    assert all(s.memory <= 40_000 for s in pipe.partition.stages)
+    assert "recomputing the forward in backward: stage 0" in str(pipe)

@@ -119,7 +119,10 @@ def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
     memory = memory_budget(plan, None if name == "csimd" else p)
     if memory is not None:
         extra["memory"] = memory
-    chosen = PARTITIONERS[name](cost, plan.stages, p, **extra)
+    planned = cost  # every stage recomputing, uncapped: plan with its backward at b + f
+    if memory is None and plan.recompute is True:
+        planned = dataclasses.replace(cost, b=cost.b + cost.f)
+    chosen = PARTITIONERS[name](planned, plan.stages, p, **extra)
     if memory is not None:  # every planner returns exactly N stages that fit under a cap
         return _evaluate(cost, chosen.bounds, chosen.micro_batches, name, plan, chosen)
     bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
