@@ -101,8 +101,10 @@ class MemoryBudget:
 
     @property
     def may_recompute(self) -> bool:
-        return any(True in modes for modes in self.modes(1 if not isinstance(
-            self.recompute, tuple) else len(self.recompute)))
+        """Whether any stage may recompute (so its memory is not a prefix sum of its units)."""
+        if isinstance(self.recompute, tuple):
+            return any(self.recompute)
+        return self.recompute is True or self.recompute == "auto"
 
     @property
     def capped(self) -> bool:

@@ -50,9 +50,8 @@ class Capacity:
         held = np.asarray(budget.held(stages, p), dtype=np.float64)
         kept = (2.0 + budget.optimizer_slots) * cost.param_bytes  # weights, grads, slots
         saved = cost.saved_bytes(p)
-        prefix = lambda x: np.concatenate([np.zeros((x.shape[0], 1)), np.cumsum(x, 1)], 1)  # noqa: E731
-        fixed = prefix(kept[None, :] + held[:, None] * saved[None, :])
-        once = prefix(np.broadcast_to(kept + saved, (stages, cost.units)))
+        fixed = _prefix(kept[None, :] + held[:, None] * saved[None, :])
+        once = _prefix(np.broadcast_to(kept + saved, (stages, cost.units)))
         entry = held[:, None] * cost.input_bytes(p)[None, :]
         return cls(budget.limits(stages), budget.modes(stages), fixed, once, entry,
                    tuple(int(h) for h in held), p, budget)
@@ -106,6 +105,11 @@ class Capacity:
                   enumerate(zip((0, *bounds[:-1]), bounds, recompute))]
         s = int(np.argmax(ratios))
         return ratios[s], s
+
+
+def _prefix(rows: np.ndarray) -> np.ndarray:
+    """Prefix sums of each row, with a leading 0."""
+    return np.concatenate([np.zeros((rows.shape[0], 1)), np.cumsum(rows, axis=1)], axis=1)
 
 
 def _lane_far(cap: Capacity, s: int, timings: Sequence[Timing], lanes: int,

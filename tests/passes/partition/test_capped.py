@@ -125,13 +125,13 @@ def test_every_planner_fits_whenever_a_partition_does(instance, name):
 @given(capped(sizes=True))
 def test_csimd_searches_the_micro_batch_counts_that_fit(instance):
     cost, stages, _, budget = instance
-    budget = MemoryBudget(budget.limit, "gpipe", 2.0, budget.recompute)
     fitting = [q for q in divisors(BATCH) if brute_force(cost, stages, q, memory=budget)]
     if not fitting:
         with pytest.raises(PlanError, match="no micro-batch count"):
-            csimd(cost, stages, memory=budget)
+            csimd(cost, stages, memory=budget, schedule=budget.schedule)
         return
-    part = csimd(cost, stages, memory=budget)
+    part = csimd(cost, stages, memory=budget, schedule=budget.schedule)
+    assert part.schedule == budget.schedule
     assert part.micro_batches in fitting and len(part.bounds) == stages
     assert fits(part, budget)
 
