@@ -99,26 +99,19 @@ def recompute_spec(value: object, stages: int) -> bool | str | tuple[bool, ...]:
 def memory_fields(plan: Any) -> tuple[float | tuple[float, ...] | None,
                                       bool | str | tuple[bool, ...]]:
     """A Plan's memory_limit and recompute, normalised, and its optimizer, checked; PlanError
-    for a bad one or a bad combination ('auto' needs a cap to fit; exact fits one without
-    recomputing)."""
+    for a bad one, or for 'auto' without a cap to fit."""
     optimizer_slots(plan.optimizer)
     memory_limit = memory_limit_spec(plan.memory_limit, plan.device_count)
     recompute = recompute_spec(plan.recompute, plan.stages)
-    _check_together(memory_limit, recompute, plan.partitioner)
+    _check_together(memory_limit, recompute)
     return memory_limit, recompute
 
 
-def _check_together(memory_limit: object, recompute: object, partitioner: object) -> None:
+def _check_together(memory_limit: object, recompute: object) -> None:
     if recompute == "auto" and memory_limit is None:
         raise PlanError("Plan(recompute='auto') recomputes only the stages that need it to fit "
                         "the memory cap, and there is none; give memory_limit=... (e.g. '8GiB'), "
                         "or recompute=True / False.")
-    recomputes = recompute is True or recompute == "auto" or (
-        isinstance(recompute, tuple) and any(recompute))
-    if partitioner == "exact" and memory_limit is not None and recomputes:
-        raise PlanError("Plan(partitioner='exact') finds the optimum under memory_limit without "
-                        "recomputation; give recompute=False, or partitioner='balanced', 'imd' "
-                        "or 'csimd', which choose recomputation under the cap.")
 
 
 def stage_limits(plan: Any) -> tuple[float, ...] | None:

@@ -69,8 +69,6 @@ def test_recompute_values_and_their_errors():
         Plan(stages=2, recompute="sometimes")
     with pytest.raises(PlanError, match=r"recompute='auto'.*give memory_limit"):
         Plan(stages=2, recompute="auto")
-    with pytest.raises(PlanError, match=r"'exact'.*without recomputation; give recompute=False"):
-        Plan(stages=2, partitioner="exact", memory_limit="1GiB", recompute="auto")
 
 
 def test_save_and_load_keep_the_memory_fields(tmp_path):

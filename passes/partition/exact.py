@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ __all__ = ["brute_force", "exact"]
 
 _MAX_UNITS = 3000  # O(K²) candidate caps: beyond this, exact is the wrong tool
 _PAIR_BUDGET = 1 << 22  # floats per DP batch (pairs × units × table levels)
+_MAX_RECOMPUTE_UNITS = 400  # recomputation under a cap: a (K+1)² mask per stage
 
 
 def exact(cost: CostTable, stages: int, p: int = 1, objective: str = "time",
@@ -38,14 +40,19 @@ def exact(cost: CostTable, stages: int, p: int = 1, objective: str = "time",
 
     Under a `memory` cap, the optimum among the partitions whose stages fit: a stage's memory
     depends on its units and its place (the micro-batches in flight there), so the DP admits
-    stage s over [start, end) only where it fits, a start bound per (stage, end). PlanError
-    when none fits. It does not choose recomputation (the cap must allow none).
+    stage s over [start, end) only where it fits, a start bound per (stage, end). Where the
+    budget lets a stage recompute, the DP also admits it recomputing (its backward b + f
+    within v2, and its memory, not monotone in the start, a (start, end) mask per stage), at
+    the cost of its forward sum in T. PlanError when none fits.
     """
     check_planner_args(cost, stages, p)
-    if memory is not None and memory.capped and (at_most or memory.may_recompute):
+    if memory is not None and memory.capped and at_most:
         raise ValueError("exact honours a memory cap with exactly N stages (a stage's memory "
-                         "depends on how many there are) and without recomputation; give "
-                         "at_most=False and recompute=False, or use balanced, imd or csimd")
+                         "depends on how many there are); give at_most=False")
+    if memory is not None and memory.capped and memory.may_recompute and \
+            cost.units > _MAX_RECOMPUTE_UNITS:
+        raise ValueError(f"exact chooses recomputation with an O(K²) mask per stage and "
+                         f"K={cost.units} is too many; use balanced, imd or csimd")
     cap = check_fits(cost, stages, p, memory)
     if objective not in ("time", "rho"):
         raise ValueError(f"objective={objective!r}: exact optimises 'time' or 'rho'")
@@ -53,7 +60,7 @@ def exact(cost: CostTable, stages: int, p: int = 1, objective: str = "time",
         raise ValueError(f"exact enumerates O(K²) caps and K={cost.units} is too many; "
                          f"use imd or csimd, which scale linearly in K")
     pack = Packing.of(cost, p)
-    search = _PairSearch(pack, stages, at_most, objective, p, cap)
+    search = _PairSearch(pack, stages, at_most, objective, p, cap, cost)
     bounds = search.run()
     part = (Partition.evaluate(cost, bounds, p, "exact") if cap is None
             else cap.evaluate(cost, bounds, "exact"))
@@ -64,8 +71,10 @@ class _PairSearch:
     """One exact solve: the candidate caps, the bounds that prune them, the DP over pairs."""
 
     def __init__(self, pack: Packing, stages: int, at_most: bool, objective: str, p: int,
-                 cap: Capacity | None = None):
+                 cap: Capacity | None = None, cost: CostTable | None = None):
         self.pack, self.stages, self.at_most, self.cap = pack, stages, at_most, cap
+        self.cost, self.objective = cost, objective
+        self.again = None if cap is None or not cap.budget.may_recompute else _Again.of(pack, cap)
         # per stage and end, the first start whose stage fits its memory cap
         self.mem_lo = None if cap is None else np.stack([
             np.searchsorted(cap.far(s, False), np.arange(pack.units + 1), side="left")
@@ -113,6 +122,8 @@ class _PairSearch:
 
     def _batch(self) -> int:
         levels = (self.pack.units + 1).bit_length()
+        if self.again is not None:  # the (start, end) mask per pair
+            levels = max(levels, self.pack.units + 1)
         return max(1, _PAIR_BUDGET // (levels * (self.pack.units + 1)))
 
     def _upper_bound(self) -> tuple[float, tuple[int, ...]]:
@@ -124,7 +135,12 @@ class _PairSearch:
             tries.append((pack.units,))
         if self.cap is not None:  # only partitions that fit; the capped min-max split always does
             tries = [t for t in tries if self.cap.settings(t) is not None]
-            tries.append(capped_minmax(self.cap, f + b)[0])
+            tries.append(capped_minmax(self.cap, f + b, 2 * f + b)[0])
+            parts = [self.cap.evaluate(self.cost, t, "exact") for t in tries]  # recomputing too
+            score = OBJECTIVES[self.objective]
+            values = [score(part) for part in parts]
+            best = int(np.argmin(values))
+            return float(values[best]), tuple(tries[best])
         ends = np.full((len(tries), n), pack.units)
         for row, bounds in zip(ends, tries):
             row[: len(bounds)] = bounds
@@ -142,6 +158,8 @@ class _PairSearch:
         low2 = max(b.max(), pack.sum_b[-1] / n) - slack
         v1 = _candidates(pack.sum_f, pack.link_f, low1, room - low2)
         v2 = _candidates(pack.sum_b, pack.link_b, low2, room - low1)
+        if self.again is not None:  # a recomputing stage's ρB is its b + f
+            v2 = np.union1d(v2, _candidates(self.again.sum_bf, pack.link_b, low2, room - low1))
         first = self._frontier(v1, v2)  # smallest feasible v2 index for each v1
         last = np.searchsorted(v2, room - v1, side="right")  # exclusive
         count = np.maximum(last - first, 0)
@@ -180,19 +198,51 @@ class _PairSearch:
         return lo
 
     def _least_links(self, v1: np.ndarray, v2: np.ndarray) -> np.ndarray:
-        return _links_dp(self.pack, v1, v2, self.stages, self.at_most, self.mem_lo)[0]
+        return _links_dp(self.pack, v1, v2, self.stages, self.at_most, self.mem_lo,
+                         self.again)[0]
 
     def _traceback(self, v1: np.ndarray, v2: np.ndarray) -> tuple[int, ...]:
-        _, rows = _links_dp(self.pack, v1, v2, self.stages, self.at_most, self.mem_lo, keep=True)
+        _, rows = _links_dp(self.pack, v1, v2, self.stages, self.at_most, self.mem_lo,
+                            self.again, keep=True)
         finals = [row[2][0, -1] for row in rows]  # least link sum with s stages, s = 1..N
         count = int(np.argmin(finals)) + 1 if self.at_most else self.stages
         bounds, end = [], self.pack.units
         for s in range(count, 0, -1):
             bounds.append(end)
-            lo, prev, reach = rows[s - 1][0][0], rows[s - 1][1][0], rows[s - 1][3][0]
+            lo, prev, reach, again = (rows[s - 1][0][0], rows[s - 1][1][0], rows[s - 1][3][0],
+                                      rows[s - 1][4])
+            if again is not None and not reach[end] <= again[1][0, end]:  # it recomputes
+                valid, least = again[0][0, :, end], again[2][0, end]
+                shifted = np.where(valid, prev - self.again.sum_f, np.inf)
+                end = int(np.flatnonzero(shifted == least)[-1])
+                continue
             window = prev[lo[end]: end]
             end = lo[end] + int(np.flatnonzero(window == reach[end])[-1])
         return tuple(reversed(bounds))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Again:
+    """What the DP needs to let stages recompute: which may (and which may also not), the
+    prefix sums of b + f, and per stage a (start, end) mask of the ranges whose recomputing
+    stage fits its memory cap."""
+
+    plain: np.ndarray  # (N,) bool: may run without recomputing
+    again: np.ndarray  # (N,) bool: may recompute
+    sum_f: np.ndarray  # (K+1,)
+    sum_bf: np.ndarray  # (K+1,)
+    fits: np.ndarray  # (N, K+1 start, K+1 end) bool
+
+    @classmethod
+    def of(cls, pack: Packing, cap: Capacity) -> _Again:
+        starts = np.arange(pack.units + 1)
+        fits = []
+        for s in range(cap.stages):
+            held = (cap.once[s][None, :] - cap.once[s][:, None] + cap.entry[s][:, None])
+            fits.append((held <= cap.limits[s] * (1 + 1e-9)) & (starts[:, None] < starts))
+        return cls(np.array([False in m for m in cap.modes]),
+                   np.array([True in m for m in cap.modes]), pack.sum_f,
+                   pack.sum_b + pack.sum_f, np.stack(fits))
 
 
 def _candidates(prefix: np.ndarray, link: np.ndarray, low: float, high: float) -> np.ndarray:
@@ -205,15 +255,17 @@ def _candidates(prefix: np.ndarray, link: np.ndarray, low: float, high: float) -
 
 
 def _links_dp(pack: Packing, v1: np.ndarray, v2: np.ndarray, stages: int, at_most: bool,
-              mem_lo: np.ndarray | None = None, keep: bool = False) -> tuple[np.ndarray, list]:
+              mem_lo: np.ndarray | None = None, again: _Again | None = None,
+              keep: bool = False) -> tuple[np.ndarray, list]:
     """Least link-cost sum Σ(CF + CB) of a partition into exactly `stages` (or 1..stages)
     stages within caps (v1[i], v2[i]), inf when none fits, for every pair at once.
 
     best_s[i, e] = cut(e) + min(best_{s-1}[i, lo(e) : e]) where lo(e) is the first start whose
     stage [start, e) fits the caps (it grows with e); window minima come from a sparse table.
     `mem_lo[s, e]`: the first start whose stage s ending at e fits its memory cap; lo(e) is
-    then per stage the larger of the two. With `keep`, also returns [(lo, best_{s-1}, best_s,
-    window min)...] for the traceback.
+    then per stage the larger of the two. `again`: stages may recompute, at the cost of their
+    forward sum (see _recomputing). With `keep`, also returns [(lo, best_{s-1}, best_s,
+    window min, recomputing's (valid, total, least) or None)...] for the traceback.
     """
     units = pack.units
     cap1, cap2 = v1[:, None] + pack.tol, v2[:, None] + pack.tol
@@ -243,9 +295,15 @@ def _links_dp(pack: Packing, v1: np.ndarray, v2: np.ndarray, stages: int, at_mos
             left = np.minimum(lo + (1 << level) - 1, units)
         table = window_min(best)
         reach = np.minimum(table[level, pairs, right], table[level, pairs, left])
-        new = np.where(fits, reach + cut, np.inf)
+        if again is None:
+            new, recomputing = np.where(fits, reach + cut, np.inf), None
+        else:
+            reach = np.where(fits & again.plain[s], reach, np.inf)
+            recomputing = _recomputing(pack, again, s, best, cap1, cap2)
+            new = np.where(links_fit & (np.arange(units + 1) > 0),
+                           np.minimum(reach, recomputing[1]) + cut, np.inf)
         if keep:
-            history.append((lo, best, new, reach))
+            history.append((lo, best, new, reach, recomputing))
         best = new
         finals = np.minimum(finals, best[:, -1]) if at_most else best[:, -1]
     return finals, history
@@ -279,3 +337,21 @@ def brute_force(cost: CostTable, stages: int, p: int = 1, objective: str | Calla
                     best, best_score = part, value
     return best
 
+
+
+def _recomputing(pack: Packing, again: _Again, s: int, best: np.ndarray, cap1: np.ndarray,
+                 cap2: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stage s recomputing over [a, e), for every pair: a within the forward cap, b + f within
+    the backward cap and the memory mask; the least best_{s-1}[a] + Σf[a:e) over such a is
+    Σf[e] + min(best_{s-1}[a] − Σf[a]). Returns (valid (pairs, K+1, K+1), that total per end,
+    the min per end)."""
+    units = pack.units
+    ends = np.arange(units + 1)
+    lo = np.maximum(np.searchsorted(pack.sum_f, pack.sum_f[None, :] - cap1, side="left"),
+                    np.searchsorted(again.sum_bf, again.sum_bf[None, :] - cap2, side="left"))
+    valid = again.fits[s][None, :, :] & (ends[None, :, None] >= lo[:, None, :])
+    if not again.again[s]:
+        valid = np.zeros_like(valid)
+    shifted = np.where(valid, (best - again.sum_f)[:, :, None], np.inf)
+    least = shifted.min(axis=1)
+    return valid, least + again.sum_f[None, :], least

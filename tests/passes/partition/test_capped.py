@@ -81,7 +81,7 @@ def scaled(budget: MemoryBudget, limit, less: bool = False) -> MemoryBudget:
 
 
 @settings(max_examples=40, deadline=None)
-@given(capped(recompute=False), st.sampled_from(["time", "rho"]))
+@given(capped(), st.sampled_from(["time", "rho"]))
 def test_exact_equals_the_capped_brute_force(instance, objective):
     cost, stages, p, budget = instance
     best = brute_force(cost, stages, p, objective, memory=budget)
@@ -102,8 +102,6 @@ PLANNERS = {"balanced": balanced, "imd": imd, "ampa": ampa, "exact": exact}
 @given(capped(), st.sampled_from(sorted(PLANNERS)))
 def test_every_planner_fits_whenever_a_partition_does(instance, name):
     cost, stages, p, budget = instance
-    if name == "exact" and budget.may_recompute:
-        budget = MemoryBudget(budget.limit, budget.schedule)
     best = brute_force(cost, stages, p, "compute", memory=budget)
     planner = PLANNERS[name]
     if best is not None:
