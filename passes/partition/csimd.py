@@ -11,7 +11,11 @@ from fxpipe.passes.partition.balanced import TIE, balanced, settle
 from fxpipe.passes.partition.capped import Capacity, capacities
 from fxpipe.passes.partition.imd import imd
 from fxpipe.passes.partition.odpa import divisors, odpa
-from fxpipe.passes.partition.scheduled import best_by_schedule, check_schedule_name
+from fxpipe.passes.partition.scheduled import (
+    best_by_schedule,
+    check_schedule_name,
+    step_lower_bounds,
+)
 from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["CrossSearch", "Visit", "cross_search", "csimd"]
@@ -155,18 +159,25 @@ def csimd(
 
 def _capped(cost: CostTable, stages: int, caps: dict[int, Capacity], eta: int, schedule: str,
             memory: MemoryBudget) -> Partition:
+    """IMD's and balanced's partitions under the cap at every count that fits, each paired
+    with every count it fits at; the pair with the shortest step, simulated in the order of
+    a lower bound on it (recomputing only lengthens a step) until no later pair can win."""
     found = {planner(cost, stages, q, memory=memory).bounds for q in caps
              for planner in (lambda c, n, q, memory: imd(c, n, q, eta, memory=memory), balanced)}
+    counts = sorted(caps)
+    pairs = sorted((float(bound), bounds, q) for bounds in found for q, bound in
+                   zip(counts, step_lower_bounds(cost, bounds, counts, schedule)))
     best = None
-    for q, cap in caps.items():
-        for bounds in sorted(found):
-            part = cap.evaluate(cost, bounds, "csimd")
-            if part is not None and schedule != "gpipe":
-                part = Partition.evaluate(cost, bounds, q, "csimd", schedule=schedule,
-                                          recompute=part.recompute, memory=memory)
-            if part is not None and (best is None or
-                                     part.predicted_time < best.predicted_time * (1 - TIE)):
-                best = part
+    for bound, bounds, q in pairs:
+        if best is not None and bound * (1 - 1e-9) >= best.predicted_time:  # float rounding
+            break
+        part = caps[q].evaluate(cost, bounds, "csimd")
+        if part is not None and schedule != "gpipe":
+            part = Partition.evaluate(cost, bounds, q, "csimd", schedule=schedule,
+                                      recompute=part.recompute, memory=memory)
+        if part is not None and (best is None or
+                                 part.predicted_time < best.predicted_time * (1 - TIE)):
+            best = part
     if schedule == "gpipe":
         return settle(cost, best, "time", stages, caps[best.micro_batches])
     return best
