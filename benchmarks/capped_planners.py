@@ -11,12 +11,16 @@
     tests); the ratio is each planner's predicted T over it (1.0: optimal).
 (b) p chosen: the same with costs and activation bytes that change with the micro-batch size;
     csimd against the least capped optimum over every micro-batch count.
-(c) The time to fail when no partition fits (a cap of one byte, K = 2000, N = 16).
+(c) As (a) with recompute="auto" under 1F1B (stage s holds N − s micro-batches): the planners
+    choose which stages recompute; the optimum is `exact`, which chooses too. The cap lies
+    between the smallest cap with recomputation allowed and the uncapped optimum's memory.
+(d) The time to fail when no partition fits (a cap of one byte, K = 2000, N = 16).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -29,6 +33,7 @@ from fxpipe.passes.partition import ampa, balanced, csimd, divisors, exact, imd
 from fxpipe.passes.partition.capped import Capacity, smallest_scale
 
 STAGES, P, BATCH = 4, 4, 16
+PLAIN = MemoryBudget()  # GPipe's memory, Adam, no recomputation (its limit set per instance)
 
 
 def table(rng: np.random.Generator, units: int, sizes: np.ndarray | None = None) -> CostTable:
@@ -36,7 +41,8 @@ def table(rng: np.random.Generator, units: int, sizes: np.ndarray | None = None)
     if sizes is None:
         f, b, cf, cb = (rng.uniform(50, 100, units) for _ in range(4))
         return CostTable.from_arrays(f, b, cf, cb, param_bytes=weights,
-                                     activation_bytes=rng.uniform(1, 50, units))
+                                     activation_bytes=rng.uniform(1, 50, units),
+                                     boundary_bytes=rng.uniform(1, 10, units))
     share = sizes[:, None] / BATCH
     rows = [rng.uniform(50, 100, units) * (floor + (1 - floor) * share ** rng.uniform(0.7, 1.3))
             for floor in (0.2, 0.2, 0.1, 0.1)]
@@ -45,24 +51,28 @@ def table(rng: np.random.Generator, units: int, sizes: np.ndarray | None = None)
                                  activation_bytes=saved)
 
 
-def binding_cap(rng: np.random.Generator, cost: CostTable, p: int) -> float | None:
+def binding_cap(rng: np.random.Generator, cost: CostTable, p: int,
+                like: MemoryBudget = PLAIN) -> float | None:
     """A cap between the smallest that fits and what the uncapped optimum needs; None when the
     uncapped optimum already needs the least (no cap can bind)."""
-    least = smallest_scale(Capacity.of(cost, STAGES, p, MemoryBudget(1.0)))[0]
-    free = max(s.memory for s in exact(cost, STAGES, p).stages)
+    unit = dataclasses.replace(like, limit=1.0)
+    least = smallest_scale(Capacity.of(cost, STAGES, p, unit))[0]
+    free = max(s.memory for s in exact(cost, STAGES, p, memory=dataclasses.replace(
+        like, recompute=False)).stages)
     if free <= least * (1 + 1e-9):
         return None
     return least + rng.uniform(0.0, 0.9) * (free - least)
 
 
-def fixed_p(rng: np.random.Generator, count: int) -> dict[str, list[float]]:
+def fixed_p(rng: np.random.Generator, count: int, like: MemoryBudget = PLAIN
+            ) -> dict[str, list[float]]:
     ratios: dict[str, list[float]] = {name: [] for name in ("balanced", "imd", "ampa", "exact")}
     while len(ratios["exact"]) < count:
         cost = table(rng, int(rng.integers(8, 41)))
-        limit = binding_cap(rng, cost, P)
+        limit = binding_cap(rng, cost, P, like)
         if limit is None:
             continue
-        budget = MemoryBudget(limit)
+        budget = dataclasses.replace(like, limit=limit)
         best = exact(cost, STAGES, P, memory=budget).predicted_time
         for name, planner in (("balanced", balanced), ("imd", imd), ("ampa", ampa),
                               ("exact", exact)):
@@ -126,8 +136,10 @@ def main() -> None:
            fixed_p(rng, count))
     report(f"(b) predicted T / least capped optimum over p | {BATCH}, N = {STAGES}:",
            chosen_p(rng, count))
+    report("(c) as (a), recompute='auto' under 1f1b's memory:",
+           fixed_p(rng, count, MemoryBudget(schedule="1f1b", recompute="auto")))
     seconds = failing(5)
-    print(f"(c) no partition fits (K = 2000, N = 16): PlanError after median "
+    print(f"(d) no partition fits (K = 2000, N = 16): PlanError after median "
           f"{statistics.median(seconds) * 1e3:.0f} ms (min {min(seconds) * 1e3:.0f}, max "
           f"{max(seconds) * 1e3:.0f}; 5 runs)")
 

@@ -143,7 +143,7 @@ def csimd(
         free = csimd(cost, stages, batch, p0, candidates, eta, schedule)
         fitting = (caps[free.micro_batches].evaluate(cost, free.bounds, "csimd")
                    if free.micro_batches in caps and len(free.bounds) == stages else None)
-        if fitting is not None:  # its N stages fit: the cap changes nothing
+        if fitting is not None and not any(fitting.recompute):  # the cap changes nothing
             return (fitting if schedule == "gpipe" else Partition.evaluate(
                 cost, fitting.bounds, fitting.micro_batches, "csimd", schedule=schedule,
                 recompute=fitting.recompute, memory=memory))

@@ -172,9 +172,12 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
     eps = 1e-4 * d_max if eps is None else float(eps)
     weights = np.arange(eta + 1) / eta
     if cap is not None:
-        free = imd(cost, stages, p, eta, eps)  # when its N stages fit, the cap changes nothing
-        fitting = cap.evaluate(cost, free.bounds, "imd") if len(free.bounds) == stages else None
-        found = fitting or _capped(cost, cap, pack, weights, stages, eps, d_max)
+        free = imd(cost, stages, p, eta, eps)  # when its N stages fit without recomputing,
+        fitting = (cap.evaluate(cost, free.bounds, "imd")  # the cap changes nothing
+                   if len(free.bounds) == stages else None)
+        if fitting is None or any(fitting.recompute):
+            fitting = _capped(cost, cap, pack, weights, stages, eps, d_max)
+        found = fitting
         return settle(cost, found, "rho", stages, cap)
     lanes = _Lanes(pack, weights, stages, float(f.max()), float(b.max()))
 
