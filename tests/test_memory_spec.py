@@ -116,5 +116,7 @@ def test_auto_recomputes_only_the_stage_that_needs_it_to_fit():
     pipe = fxpipe.compile(model, dataclasses.replace(plan, recompute="auto"),
                           example_inputs=(x,))
     assert pipe.partition.recompute == (True, False)
+    # what enters a stage, per micro-batch: the profile's bytes crossing the cut before it
+    assert list(pipe.cost.input_bytes(2)) == [0.0] + [256 * 8 * 4] * 7 + [0.0]
     assert all(s.memory <= 40_000 for s in pipe.partition.stages)
     assert "recomputing the forward in backward: stage 0" in str(pipe)
