@@ -121,7 +121,8 @@ def balanced(cost: CostTable, stages: int, p: int = 1, memory: MemoryBudget | No
 
     Ignores communication and the forward/backward split; `imd` and `exact` account for both.
     Under a `memory` cap: the least largest f + b among the partitions whose every stage fits
-    (a recomputing stage's being 2f + b), PlanError when none fits.
+    (a recomputing stage's being 2f + b), of those the one recomputing the least forward
+    time; PlanError when none fits.
     """
     check_planner_args(cost, stages, p)
     cap = check_fits(cost, stages, p, memory)
@@ -129,5 +130,5 @@ def balanced(cost: CostTable, stages: int, p: int = 1, memory: MemoryBudget | No
     if cap is None:
         part = Partition.evaluate(cost, minmax_bounds(f + b, stages), p, "balanced")
         return settle(cost, part, "compute", stages)
-    bounds, again = capped_minmax(cap, f + b, 2 * f + b)
+    bounds, again = capped_minmax(cap, f + b, 2 * f + b, forward=f)
     return settle(cost, cap.evaluate(cost, bounds, "balanced", again), "compute", stages, cap)

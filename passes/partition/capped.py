@@ -16,6 +16,7 @@ __all__ = ["Capacity", "Timing", "capacities", "capped_minmax", "check_fits", "f
            "split_lanes", "trace_lane"]
 
 _SLACK = 1e-9  # relative: a stage exactly at its cap (up to float rounding) fits
+_DENSE_UNITS = 1500  # least_recomputed's (K+1)² tables per stage stay below ~40 MB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +177,13 @@ def trace_lane(cap: Capacity, timings: Sequence[Timing], ok: np.ndarray | None =
     return tuple(reversed(bounds)), tuple(reversed(again))
 
 
-def capped_minmax(cap: Capacity, weights: np.ndarray, again: np.ndarray | None = None
+def capped_minmax(cap: Capacity, weights: np.ndarray, again: np.ndarray | None = None,
+                  forward: np.ndarray | None = None
                   ) -> tuple[tuple[int, ...], tuple[bool, ...]] | None:
     """The partition into exactly N stages that fit whose largest stage sum of `weights`
     (`again` for a recomputing stage) is the least, by bisection on the float caps; None when
-    none fits."""
+    none fits. With `forward` (per-unit times), of those the one recomputing the least
+    forward time (what recomputation adds to a step), for up to _DENSE_UNITS units."""
     plain = np.concatenate([[0.0], np.cumsum(weights)])
     twice = plain if again is None else np.concatenate([[0.0], np.cumsum(again)])
     tol = 1e-12 * max(float(twice[-1]), 1e-300)
@@ -199,7 +202,40 @@ def capped_minmax(cap: Capacity, weights: np.ndarray, again: np.ndarray | None =
                 lo = mid
     else:
         hi = lo
-    return trace_lane(cap, timing(hi))
+    found = trace_lane(cap, timing(hi))
+    if forward is not None and any(found[1]) and cap.units <= _DENSE_UNITS:
+        return least_recomputed(cap, timing(hi), np.concatenate([[0.0], np.cumsum(forward)]))
+    return found
+
+
+def least_recomputed(cap: Capacity, timings: Sequence[Timing], forward: np.ndarray
+                     ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """For one lane that admits a partition, the one whose recomputing stages' forward sums
+    (`forward`: prefix sums) add the least: a DP over (stage, end), each stage plain or
+    recomputing wherever it fits, O(N·K²)."""
+    units = cap.units
+    start, end = np.arange(units + 1)[:, None], np.arange(units + 1)[None, :]
+    best = np.full(units + 1, np.inf)
+    best[0] = 0.0
+    steps = []
+    for s in range(cap.stages):
+        far = _lane_far(cap, s, timings, 1, 1.0)[:, 0, :]  # (modes, K+1)
+        options = []
+        for m, rc in enumerate(cap.modes[s]):
+            added = (forward[None, :] - forward[:, None]) if rc else 0.0
+            options.append(np.where((end > start) & (end <= far[m][:, None]),
+                                    best[:, None] + added, np.inf))
+        stacked = np.stack(options)  # (modes, start, end)
+        flat = stacked.reshape(-1, units + 1).argmin(axis=0)
+        steps.append((flat // (units + 1), flat % (units + 1)))  # mode, start per end
+        best = stacked.reshape(-1, units + 1).min(axis=0)
+    bounds, again, e = [], [], units
+    for s in range(cap.stages - 1, -1, -1):
+        mode, first = steps[s]
+        bounds.append(e)
+        again.append(cap.modes[s][int(mode[e])])
+        e = int(first[e])
+    return tuple(reversed(bounds)), tuple(reversed(again))
 
 
 def smallest_scale(cap: Capacity) -> tuple[float, tuple[int, ...], tuple[bool, ...]]:
