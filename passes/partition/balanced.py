@@ -35,7 +35,8 @@ def settle(cost: CostTable, part: Partition, objective: str, stages: int,
     largest stage f + b, then the most stages, the fewest units in the largest stage, the most
     in the smallest, the smallest bounds (the larger stages last, as in `even`). Identical
     units so get the even split from every planner. Under a memory `cap`, only those that fit
-    (recomputing where the cap allows and needs)."""
+    (recomputing where the cap allows and needs), and after the least largest f + b, those
+    recomputing the least forward time."""
     p, score = part.micro_batches, OBJECTIVES[objective]
     f, b, _, _ = cost.at(p)
     others = (even_bounds(cost.units, stages), minmax_bounds(f + b, stages))
@@ -48,7 +49,14 @@ def settle(cost: CostTable, part: Partition, objective: str, stages: int,
     tries = [t for t in tries if abs(score(t) - score(part)) <= TIE * abs(score(part))]
     least = min(OBJECTIVES["compute"](t) for t in tries)
     tries = [t for t in tries if OBJECTIVES["compute"](t) <= least + TIE * abs(least)]
+    if cap is not None:  # then the least forward time recomputed (what it adds to a step)
+        fewest = min(map(_recomputed, tries))
+        tries = [t for t in tries if _recomputed(t) <= fewest + TIE * abs(fewest)]
     return min(tries, key=lambda t: (-len(t.sizes), max(t.sizes), -min(t.sizes), t.bounds))
+
+
+def _recomputed(part: Partition) -> float:
+    return sum(s.f for s, again in zip(part.stages, part.recompute) if again)
 
 
 def minmax_bounds(weights: Sequence[float] | np.ndarray, stages: int) -> tuple[int, ...]:

@@ -119,6 +119,19 @@ def test_every_planner_fits_whenever_a_partition_does(instance, name):
         planner(cost, stages, p, memory=scaled(budget, limit, less=True))
 
 
+def test_balanced_recomputes_the_least_forward_time_among_its_optima():
+    # two splits share the least largest f + b (17): (2, 5) with stage 0 recomputing (2·6 +
+    # 5), and (1, 5) with nothing recomputed (stage 1: 8 + 9); the second adds no forward
+    cost = CostTable.from_arrays([3.0, 3.0, 3.0, 1.0, 1.0], [2.0, 3.0, 3.0, 1.0, 2.0],
+                                 activation_bytes=[40.0, 20.0, 10.0, 30.0, 40.0],
+                                 boundary_bytes=[1.0, 1.0, 1.0, 0.0, 2.0])
+    budget = MemoryBudget(115.0, "1f1b", 0.0, "auto")
+    assert Capacity.of(cost, 2, 3, budget).settings((2, 5)) == (True, False)  # it fits too
+    part = balanced(cost, 2, 3, memory=budget)
+    assert part.bounds == (1, 5) and part.recompute == ()
+    assert max(s.f + s.b for s in part.stages) == 17.0
+
+
 @settings(max_examples=25, deadline=None)
 @given(capped(sizes=True))
 def test_csimd_searches_the_micro_batch_counts_that_fit(instance):
