@@ -12,8 +12,8 @@ from fxpipe.ir import CommTable, Event, recv, send
 from fxpipe.meta import SHAPE, STAGE
 from fxpipe.units import Unit
 
-__all__ = ["chrome_trace", "format_bytes", "format_graph", "format_ms", "format_sizes",
-           "format_stage_table", "format_table"]
+__all__ = ["chrome_trace", "format_bytes", "format_graph", "format_memory_cap", "format_ms",
+           "format_sizes", "format_stage_table", "format_table"]
 
 
 def format_bytes(n: float) -> str:
@@ -50,13 +50,15 @@ def format_stage_table(
     simulated: tuple[str, float] | None = None,
     placed: bool = False,
     recompute: Sequence[bool] = (),
+    memory_limits: Sequence[float] | None = None,
 ) -> str:
     """One row per stage: device, units, parameters, predicted times and memory, and what
     crosses its boundaries; then the prediction for the whole step the partitioners score
     (GPipe's closed form, or the plan's schedule simulated on a chain of stages), and
     `simulated`, (schedule, seconds) from the event simulator on the model's stage edges.
     `placed`: the schedule runs several stages per device (its simulation serialises them);
-    `recompute`: per stage, whether it recomputes its forward in backward (marked "rc")."""
+    `recompute`: per stage, whether it recomputes its forward in backward (marked "rc");
+    `memory_limits` (bytes per stage): each stage's memory against its cap."""
     rows = []
     for s, stage in enumerate(partition.stages):
         start, end = stage.units
@@ -66,7 +68,7 @@ def format_stage_table(
         times = ([format_ms(stage.f), format_ms(stage.b)] if timed else ["-", "-"])
         marked = f"{s} rc" if s < len(recompute) and recompute[s] else s
         rows.append([marked, devices[s], span, names, f"{params[s]:,}", *times,
-                     format_bytes(stage.memory), _traffic(table.recvs(s)),
+                     _memory(partition, s, memory_limits), _traffic(table.recvs(s)),
                      _traffic(table.sends(s))])
     header = ["stage", "device", "units", "first .. last unit", "params", "fwd ms", "bwd ms",
               "memory", "receives", "sends"]
@@ -90,6 +92,8 @@ def format_stage_table(
     if any(recompute):
         lines.append("rc: the stage keeps only its inputs and recomputes its forward in its "
                      "backward (Plan(recompute))")
+    if memory_limits is not None:
+        lines.append(format_memory_cap(partition, memory_limits))
     for name, stages in (shared or {}).items():
         lines.append(f"shared parameter {name}: used by stages {', '.join(map(str, stages))} "
                      "(one Parameter, gradients summed; counted in each stage above)")
@@ -99,6 +103,22 @@ def format_stage_table(
                       "skip" if e.dst - e.src > 1 else ""] for e in table.edges]
         lines.append(_indent(format_table(["edge", "value", "shape", "bytes", ""], edge_rows)))
     return "\n".join(lines)
+
+
+def format_memory_cap(partition: Partition, limits: Sequence[float]) -> str:
+    """One line: the memory cap and the stage closest to it (the one that binds)."""
+    use = [stage.memory / limit for stage, limit in zip(partition.stages, limits)]
+    s = max(range(len(use)), key=use.__getitem__)
+    again = [str(k) for k, r in enumerate(partition.recompute) if r]
+    return (f"memory cap (Plan(memory_limit)): {format_bytes(limits[s])} on stage {s}, which "
+            f"binds: {format_bytes(partition.stages[s].memory)} predicted ({use[s]:.0%})"
+            + (f"; recomputing the forward in backward: stage{'s' * (len(again) > 1)} "
+               f"{', '.join(again)}" if again else ""))
+
+
+def _memory(partition: Partition, s: int, limits: Sequence[float] | None) -> str:
+    memory = format_bytes(partition.stages[s].memory)
+    return memory if limits is None else f"{memory} / {format_bytes(limits[s])}"
 
 
 def format_ms(seconds: float) -> str:

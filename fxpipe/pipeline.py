@@ -17,6 +17,7 @@ from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
 from fxpipe.ir import CommTable, Event, Stage, StageHook, tied_parameters
+from fxpipe.memory_spec import stage_limits
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.predict import Calibration, predict_step
@@ -380,7 +381,8 @@ class CompiledPipeline(torch.nn.Module):
             devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
         table = format_stage_table(title, self.units, partition, self.comm, devices, params,
                                    self.shared_parameters(), timed, self.link, simulated,
-                                   placed=shared, recompute=stage_recompute(self.plan, partition))
+                                   placed=shared, recompute=stage_recompute(self.plan, partition),
+                                   memory_limits=stage_limits(self.plan))
         if timed:
             table += f"\ncosts: {self.cost.source}"
         if shared:
