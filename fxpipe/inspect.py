@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 from torch import fx
 
 from fxpipe.cost import Link, Partition
 from fxpipe.ir import CommTable, Event, recv, send
+from fxpipe.memory_spec import stage_limits
 from fxpipe.meta import SHAPE, STAGE
+from fxpipe.recompute_spec import stage_recompute
 from fxpipe.units import Unit
 
-__all__ = ["chrome_trace", "format_bytes", "format_graph", "format_memory_cap", "format_ms",
-           "format_sizes", "format_stage_table", "format_table"]
+__all__ = ["chrome_trace", "describe_pipeline", "format_bytes", "format_graph",
+           "format_memory_cap", "format_ms", "format_sizes", "format_stage_table", "format_table"]
 
 
 def format_bytes(n: float) -> str:
@@ -193,3 +196,54 @@ def _arg(a: object) -> str:
 
 def _indent(text: str, prefix: str = "  ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
+
+
+def describe_pipeline(pipe: Any) -> str:
+    """print(pipe): the stage table of a CompiledPipeline, its costs' source, the schedule's
+    placement, weight copies, intra-layer splits and scalar joins."""
+    partition, p = pipe.partition, pipe.partition.micro_batches
+    title = (f"CompiledPipeline({pipe.model_name}): traced with {pipe.frontend}, "
+             f"{len(pipe.units)} units in {pipe.plan.stages} stages, "
+             f"partition {partition.partitioner} ({' + '.join(map(str, partition.sizes))}), "
+             f"{p} micro-batch{'es' if p > 1 else ''}")
+    params = [sum(p.numel() for p in s.module.parameters()) for s in pipe.stages]
+    timed = pipe.plan.costs != "none"
+    simulated = ((pipe.executor.latest_schedule.name, pipe.predicted_timeline().makespan)
+                 if timed else None)
+    held = set(pipe.executor.runners)
+    devices = [d if pipe.owned is None else f"{d} (rank {pipe.rank})" if s in held
+               else "another rank" for s, d in enumerate(pipe.devices)]
+    schedule = pipe.executor.schedule
+    shared = schedule.devices < schedule.stages  # several stages per device
+    if shared:
+        devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
+    table = format_stage_table(title, pipe.units, partition, pipe.comm, devices, params,
+                               pipe.shared_parameters(), timed, pipe.link, simulated,
+                               placed=shared, recompute=stage_recompute(pipe.plan, partition),
+                               memory_limits=stage_limits(pipe.plan))
+    if timed:
+        table += f"\ncosts: {pipe.cost.source}"
+    if shared:
+        table += (f"\n{schedule.name} runs {schedule.stages} stages on {schedule.devices} "
+                  "devices, one worker each: " + "; ".join(
+                      f"device {d} stages {', '.join(map(str, schedule.stages_on(d)))}"
+                      for d in range(schedule.devices)))
+    if pipe.plan.schedule == "async-1f1b":
+        table += "\n" + _weight_copies_line(pipe)
+    for split in pipe.intra_layer:
+        table += "\n" + split.format()
+    for position, join in pipe.executor.scalar_joins.items():
+        table += "\n" + join.describe(position)
+    return table
+
+
+def _weight_copies_line(pipe: Any) -> str:
+    if not pipe.executor.optimizers_attached():
+        return (f"async-1f1b weights (consistency={pipe.plan.consistency!r}): no optimizer "
+                "attached yet (pipe.attach_optimizer)")
+    parts = []
+    for index, copies in pipe.executor.weight_copies().items():
+        nbytes = copies * sum(p.nbytes for p in pipe.stages[index].module.parameters())
+        parts.append(f"stage {index}: {copies} ({format_bytes(nbytes)})")
+    return (f"async-1f1b weights (consistency={pipe.plan.consistency!r}), most extra "
+            f"copies held so far: {'; '.join(parts)}")
