@@ -52,19 +52,20 @@ class Capacity:
         fields = _fields(cost, p)
         kept = np.concatenate([[0.0], np.cumsum((2.0 + budget.optimizer_slots)
                                                 * cost.param_bytes)])
-        base = kept[None, :] - kept[:, None]
         units = np.arange(cost.units + 1)
         empty = units[None, :] <= units[:, None]  # e <= a: no stage
+        step = np.empty(empty.shape)
         table = []
         for s in range(stages):
-            last = s == stages - 1
             per = {}
             for r in modes[s]:
-                terms = _frontier(budget.terms(stages, p, s, r).sum(axis=1))
-                held = np.zeros_like(base)
-                for row in terms:
-                    held = np.maximum(held, _combine(row, fields, s, last))
-                memory = base + held
+                memory = np.full(empty.shape, -np.inf)
+                for row in _frontier(budget.terms(stages, p, s, r).sum(axis=1)):
+                    start, end = _row_terms(row, fields, s, s == stages - 1)
+                    np.add((start - kept)[:, None], (end + kept)[None, :], out=step)
+                    if row[-1]:  # the workspace's coefficient
+                        step += fields["workspace"] * row[-1]
+                    np.maximum(memory, step, out=memory)
                 memory[empty] = np.inf
                 if s:  # a later stage never starts at unit 0
                     memory[0] = np.inf
@@ -127,29 +128,32 @@ class Capacity:
 
 
 def _fields(cost: CostTable, p: int) -> dict[str, np.ndarray]:
-    """Per unit index, what `stage_bytes` reads for a stage starting (`_a`) or ending (`_e`)
-    there, and the saved prefix sums and workspace range maxima, (K+1, K+1) by (a, e)."""
+    """Per cut i (before unit i), what `stage_bytes` reads for a stage starting or ending
+    there, the saved bytes' prefix sums, and (K+1, K+1) the workspace's range maxima over
+    the units [a, e)."""
     crossing, grads, crossing_saved, outputs = cost.crossing_bytes(p)
     at_cut = lambda v: np.concatenate([[0.0], v])  # noqa: E731  [i]: the cut before unit i
-    saved = np.concatenate([[0.0], np.cumsum(cost.saved_bytes(p))])
-    units = cost.units
-    work = np.full((units + 1, units + 1), -np.inf)  # [a, e]: unit e - 1's workspace if >= a
-    rows, cols = np.triu_indices(units + 1, k=1)
-    work[rows, cols] = cost.unit_workspace(p)[cols - 1]
-    return {"saved": saved[None, :] - saved[:, None], "crossing": at_cut(crossing),
-            "grads": at_cut(grads), "crossing_saved": at_cut(crossing_saved),
-            "outputs": np.float64(outputs),
+    units = np.arange(cost.units + 1)
+    unit = np.concatenate([[-np.inf], cost.unit_workspace(p)])  # [e]: unit e - 1's
+    work = np.where(units[None, :] > units[:, None], unit[None, :], -np.inf)
+    return {"saved": np.concatenate([[0.0], np.cumsum(cost.saved_bytes(p))]),
+            "crossing": at_cut(crossing), "grads": at_cut(grads),
+            "crossing_saved": at_cut(crossing_saved), "outputs": np.float64(outputs),
             "workspace": np.maximum(np.maximum.accumulate(work, axis=1), 0.0)}
 
 
-def _combine(row: np.ndarray, fields: dict[str, np.ndarray], s: int, last: bool) -> np.ndarray:
-    """(K+1, K+1) row · StageBytes(a, e) for one step's coefficients (FIELDS' order)."""
-    saved, received, sent, sent_saved, received_grads, sent_grads, workspace = row
-    start = (received * fields["crossing"] + sent_grads * fields["grads"]) if s else 0.0
-    end = (sent * fields["outputs"] if last else sent * fields["crossing"]
-           + sent_saved * fields["crossing_saved"] + received_grads * fields["grads"])
-    return (saved * fields["saved"] + np.asarray(start)[..., None]
-            + np.asarray(end)[None, ...] + workspace * fields["workspace"])
+def _row_terms(row: np.ndarray, fields: dict[str, np.ndarray], s: int, last: bool
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """One step's coefficients (FIELDS' order) · StageBytes(a, e) but the workspace, as
+    start(a) + end(e): the saved bytes' prefix sums and what crosses the two cuts."""
+    saved, received, sent, sent_saved, received_grads, sent_grads, _ = row
+    start = -saved * fields["saved"]
+    if s:  # the first stage receives nothing (its inputs are the caller's)
+        start = start + received * fields["crossing"] + sent_grads * fields["grads"]
+    end = saved * fields["saved"] + (sent * fields["outputs"] if last else (
+        sent * fields["crossing"] + sent_saved * fields["crossing_saved"]
+        + received_grads * fields["grads"]))
+    return start, end
 
 
 def _frontier(rows: np.ndarray) -> np.ndarray:
