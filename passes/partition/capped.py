@@ -10,6 +10,7 @@ import numpy as np
 from fxpipe.cost import CostTable, Partition
 from fxpipe.errors import PlanError
 from fxpipe.memory import MemoryBudget
+from fxpipe.passes.partition.least_cap import frontier, least_scale, row_terms, walk_fields
 from fxpipe.passes.partition.odpa import divisors
 
 __all__ = ["Capacity", "Timing", "capacities", "capped_minmax", "check_fits", "fit_or_explain",
@@ -60,8 +61,8 @@ class Capacity:
             per = {}
             for r in modes[s]:
                 memory = np.full(empty.shape, -np.inf)
-                for row in _frontier(budget.terms(stages, p, s, r).sum(axis=1)):
-                    start, end = _row_terms(row, fields, s, s == stages - 1)
+                for row in frontier(budget.terms(stages, p, s, r).sum(axis=1)):
+                    start, end = row_terms(row, fields, s, s == stages - 1)
                     np.add((start - kept)[:, None], (end + kept)[None, :], out=step)
                     if row[-1]:  # the workspace's coefficient
                         step += fields["workspace"] * row[-1]
@@ -128,41 +129,12 @@ class Capacity:
 
 
 def _fields(cost: CostTable, p: int) -> dict[str, np.ndarray]:
-    """Per cut i (before unit i), what `stage_bytes` reads for a stage starting or ending
-    there, the saved bytes' prefix sums, and (K+1, K+1) the workspace's range maxima over
-    the units [a, e)."""
-    crossing, grads, crossing_saved, outputs = cost.crossing_bytes(p)
-    at_cut = lambda v: np.concatenate([[0.0], v])  # noqa: E731  [i]: the cut before unit i
+    """`walk_fields`, and (K+1, K+1) the workspace's range maxima over the units [a, e)."""
     units = np.arange(cost.units + 1)
     unit = np.concatenate([[-np.inf], cost.unit_workspace(p)])  # [e]: unit e - 1's
     work = np.where(units[None, :] > units[:, None], unit[None, :], -np.inf)
-    return {"saved": np.concatenate([[0.0], np.cumsum(cost.saved_bytes(p))]),
-            "crossing": at_cut(crossing), "grads": at_cut(grads),
-            "crossing_saved": at_cut(crossing_saved), "outputs": np.float64(outputs),
+    return {**walk_fields(cost, p),
             "workspace": np.maximum(np.maximum.accumulate(work, axis=1), 0.0)}
-
-
-def _row_terms(row: np.ndarray, fields: dict[str, np.ndarray], s: int, last: bool
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """One step's coefficients (FIELDS' order) · StageBytes(a, e) but the workspace, as
-    start(a) + end(e): the saved bytes' prefix sums and what crosses the two cuts."""
-    saved, received, sent, sent_saved, received_grads, sent_grads, _ = row
-    start = -saved * fields["saved"]
-    if s:  # the first stage receives nothing (its inputs are the caller's)
-        start = start + received * fields["crossing"] + sent_grads * fields["grads"]
-    end = saved * fields["saved"] + (sent * fields["outputs"] if last else (
-        sent * fields["crossing"] + sent_saved * fields["crossing_saved"]
-        + received_grads * fields["grads"]))
-    return start, end
-
-
-def _frontier(rows: np.ndarray) -> np.ndarray:
-    """The rows no other row is at least as large as everywhere (the bytes are >= 0, so the
-    others never hold the maximum)."""
-    rows = np.unique(np.round(rows, 12), axis=0)
-    keep = [i for i, r in enumerate(rows)
-            if not any(j != i and np.all(o >= r) for j, o in enumerate(rows))]
-    return rows[keep]
 
 
 def _lane_far(cap: Capacity, s: int, timings: Sequence[Timing], lanes: int,
@@ -306,15 +278,14 @@ def check_fits(cost: CostTable, stages: int, p: int, budget: MemoryBudget | None
     partition into `stages` fits at p micro-batches (naming the smallest cap that would)."""
     if budget is None or not budget.capped:
         return None
-    cap = Capacity.of(cost, stages, p, budget)
-    scale, bounds, again = smallest_scale(cap)
+    scale, bounds, again = least_scale(cost, stages, p, budget)  # fast, without the tables
     if scale <= 1 + _SLACK:
-        return cap
-    message = _explain(cap, budget, scale, bounds, again)
+        return Capacity.of(cost, stages, p, budget)
+    message = _explain(cost, p, budget, scale, bounds, again)
     if cost.batch is not None and len(cost.sizes) > 1:  # measured at several micro-batch
         # sizes, so another count may fit where this one does not
         others = [q for q in divisors(cost.batch) if q != p and
-                  smallest_scale(Capacity.of(cost, stages, q, budget))[0] <= 1 + _SLACK]
+                  least_scale(cost, stages, q, budget)[0] <= 1 + _SLACK]
         if others:
             message += (f"; micro_batches={others[0]} fits (or micro_batches='auto', which "
                         "chooses among the counts that fit)")
@@ -328,15 +299,14 @@ def capacities(cost: CostTable, stages: int, counts: Sequence[int], budget: Memo
     every count, at the count that needs the least)."""
     found, least = {}, None
     for q in counts:
-        cap = Capacity.of(cost, stages, q, budget)
-        scale, bounds, again = smallest_scale(cap)
+        scale, bounds, again = least_scale(cost, stages, q, budget)
         if scale <= 1 + _SLACK:
-            found[q] = cap
+            found[q] = Capacity.of(cost, stages, q, budget)
         elif least is None or scale < least[0]:
-            least = (scale, cap, bounds, again)
+            least = (scale, q, bounds, again)
     if not found:
-        scale, cap, bounds, again = least
-        raise PlanError(_explain(cap, budget, scale, bounds, again, every_count=True)
+        scale, q, bounds, again = least
+        raise PlanError(_explain(cost, q, budget, scale, bounds, again, every_count=True)
                         + f" (no micro-batch count of {sorted(counts)} fits; this one needs "
                         "the least)")
     return found
@@ -360,23 +330,27 @@ def fit_or_explain(cost: CostTable, cap: Capacity, part: Partition, planner: str
         "partitioner that honours the cap: 'balanced', 'exact', 'imd', 'csimd' or 'ampa'")
 
 
-def _explain(cap: Capacity, budget: MemoryBudget, scale: float, bounds: tuple[int, ...],
-             again: tuple[bool, ...], every_count: bool = False) -> str:
-    s = cap.ratio(bounds, again)[1]
+def _explain(cost: CostTable, p: int, budget: MemoryBudget, scale: float,
+             bounds: tuple[int, ...], again: tuple[bool, ...], every_count: bool = False) -> str:
+    limits = budget.limits(len(bounds))
+    need = [x.memory for x in Partition.evaluate(cost, bounds, p, recompute=again,
+                                                 memory=budget).stages]
+    s = int(np.argmax(np.asarray(need) / limits))
     start, end = (0, *bounds)[s], bounds[s]
-    needed = [int(np.ceil(x * scale)) if np.isfinite(x) else None for x in cap.limits]
+    needed = [int(np.ceil(x * scale)) if np.isfinite(x) else None for x in limits]
     limit = (f"{needed[0]} bytes" if len(set(needed)) == 1 else
              "[" + ", ".join(str(x) for x in needed) + "] bytes (per stage)")
     how = ("recomputing: its messages, and one micro-batch's activations in its backward"
-           if again[s] else f"its activations × up to {cap.held[s]} micro-batches in flight, "
+           if again[s] else f"its activations × up to {budget.held(len(bounds), p)[s]} "
+           "micro-batches in flight, "
            "its messages and backward workspace")
     hint = ""
     if not budget.recompute:
         hint = ", recompute='auto' (recomputes the forward of the stages that need it)"
-    return (f"no partition into {cap.stages} stages fits the memory cap ({_bytes(cap.limits[s])} "
-            f"on stage {s}) at {cap.micro_batches} micro-batch(es): the partition needing the "
+    return (f"no partition into {len(bounds)} stages fits the memory cap ({_bytes(limits[s])} "
+            f"on stage {s}) at {p} micro-batch(es): the partition needing the "
             f"least ({'+'.join(str(e - a) for a, e in zip((0, *bounds), bounds))} units) still "
-            f"needs {_bytes(cap.memory(s, start, end, again[s]))} on stage {s} (units "
+            f"needs {_bytes(need[s])} on stage {s} (units "
             f"{start}-{end - 1}: weights, gradients, optimizer state and {how}); give "
             f"memory_limit={limit} ({_bytes(max(x for x in needed if x))}) or more, "
             f"more stages{hint}"

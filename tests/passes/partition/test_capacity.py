@@ -16,6 +16,7 @@ from fxpipe.cost import CostTable, Partition, stage_bytes
 from fxpipe.memory import MemoryBudget, peak_of, stage_actions, stage_peak, stage_terms
 from fxpipe.passes.partition import ampa, balanced, brute_force, csimd, exact, imd
 from fxpipe.passes.partition.capped import Capacity, smallest_scale
+from fxpipe.passes.partition.least_cap import least_scale
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
 
@@ -80,6 +81,7 @@ def test_exact_is_the_brute_force_over_evaluates_memory(instance, share):
     stages = len(bounds)
     unit = MemoryBudget(1.0, schedule, slots, "auto")
     least = smallest_scale(Capacity.of(cost, stages, p, unit))[0]
+    assert least_scale(cost, stages, p, unit)[0] == pytest.approx(least, rel=1e-12)
     budget = dataclasses.replace(unit, limit=least * (1 + share))
     truth = brute_force(cost, stages, p, memory=budget)
     found = exact(cost, stages, p, memory=budget)
