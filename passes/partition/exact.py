@@ -38,12 +38,12 @@ def exact(cost: CostTable, stages: int, p: int = 1, objective: str = "time",
     visited by increasing v1 + v2 and pruned by a lower bound, a MASP feasibility frontier and
     an upper bound from simple partitions, so only a thin band of pairs reaches the DP.
 
-    Under a `memory` cap, the optimum among the partitions whose stages fit: a stage's memory
-    depends on its units and its place (the micro-batches in flight there), so the DP admits
-    stage s over [start, end) only where it fits, a start bound per (stage, end). Where the
-    budget lets a stage recompute, the DP also admits it recomputing (its backward b + f
-    within v2, and its memory, not monotone in the start, a (start, end) mask per stage), at
-    the cost of its forward sum in T. PlanError when none fits.
+    Under a `memory` cap, the optimum among the partitions whose stages fit, their memory
+    counted as Partition.evaluate counts it (`Capacity`): a stage's memory depends on its
+    units and its place and is monotone in neither its start nor its end, so the DP admits
+    stage s over [start, end) through a (start, end) mask per stage and setting; where the
+    budget lets a stage recompute, also recomputing (its backward b + f within v2), at the
+    cost of its forward sum in T. PlanError when none fits.
     """
     check_planner_args(cost, stages, p)
     if memory is not None and memory.capped and at_most:
