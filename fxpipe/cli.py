@@ -112,7 +112,8 @@ def _plan(args: argparse.Namespace) -> None:
         check_output_path("--json", args.json)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
                 micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer,
-                stages_per_device=args.stages_per_device)
+                stages_per_device=args.stages_per_device,
+                memory_limit=args.memory_limit)
     schedules = _compared_schedules(args, plan)
     model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
@@ -220,8 +221,8 @@ def _without_option(argv: Sequence[str], option: str) -> list[str]:
 
 
 def _comparison(pipe) -> str:
-    rows = []
-    for name, part in compare_partitioners(pipe).items():
+    rows, failed = [], {}
+    for name, part in compare_partitioners(pipe, failed).items():
         slowest = max(s.f + s.b for s in part.stages)
         rows.append([name, format_sizes(part.sizes), part.micro_batches,
                      f"{part.predicted_time * 1e3:.2f}",
@@ -230,7 +231,8 @@ def _comparison(pipe) -> str:
     header = ["partitioner", "units per stage", "p", "predicted ms", "bubble",
               "slowest stage ms", "max memory"]
     return (f"partitioners compared (same cost table, {pipe.plan.schedule_name}'s step; p: "
-            "micro-batches, csimd chooses its own):\n" + format_table(header, rows))
+            "micro-batches, csimd chooses its own):\n" + format_table(header, rows)
+            + "".join(f"\n{name}: does not fit: {why}" for name, why in failed.items()))
 
 
 def _compared_schedules(args: argparse.Namespace, plan: Plan) -> list[str]:
@@ -394,6 +396,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--tracer", default="auto", help="fx, export, or auto (fx, else export)")
     _model_inputs(plan)
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
+    plan.add_argument("--memory-limit", help="memory cap per device, e.g. 8GiB: planners fit it")
     plan.add_argument("--schedules", help="with --compare, also these schedules side by side "
                                           "for the chosen partitioner, e.g. gpipe,1f1b,zb-h1")
     plan.add_argument("--json", help="write the chosen plan to this file")

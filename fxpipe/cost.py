@@ -8,12 +8,20 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fxpipe.memory import Peak, StageBytes, device_peaks, in_flight, stage_memory, workspace_bytes
+from fxpipe.memory import (
+    MemoryBudget,
+    StageBytes,
+    peak_of,
+    stage_actions,
+    stage_memory,
+    stage_terms,
+    workspace_bytes,
+)
 from fxpipe.schedules import Schedule, build
 from fxpipe.simulate import Timeline, simulate
 
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
-           "simulate_stages", "stage_costs_at", "step_times"]
+           "simulate_stages", "stage_bytes", "stage_costs_at", "step_times"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +129,7 @@ class CostTable:
         params: Sequence[float] | None = None,
         param_bytes: Sequence[float] | None = None,
         activation_bytes: Sequence[float] | np.ndarray | None = None,
+        boundary_bytes: Sequence[float] | np.ndarray | None = None,
     ) -> CostTable:
         """A table from plain arrays: 1-D (the same at every p) or 2-D (one row per size)."""
         f = np.atleast_2d(np.asarray(f, dtype=np.float64))
@@ -132,7 +141,7 @@ class CostTable:
                 raise ValueError("a CostTable with several rows needs the micro-batch `sizes`")
             sizes = [1.0]
         return cls(f, b, cf, cb, np.asarray(sizes, float), batch, params, (), param_bytes,
-                   activation_bytes)
+                   activation_bytes, boundary_bytes=boundary_bytes)
 
     @property
     def units(self) -> int:
@@ -158,6 +167,18 @@ class CostTable:
         return (*(np.maximum(weights @ table, 0.0) for table in (
             self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes)),
             max(float(weights @ self.output_bytes), 0.0))
+
+    def input_bytes(self, p: int) -> np.ndarray:
+        """(K+1,) bytes entering a stage that starts at unit i, per micro-batch at count p:
+        what crosses the cut before it (0 at i = 0, whose inputs are the caller's; and at K)."""
+        return np.concatenate([[0.0], self.crossing_bytes(p)[0][:-1], [0.0]])
+
+    def unit_workspace(self, p: int) -> np.ndarray:
+        """(K,) per unit, what its backward holds beyond the activations at count p
+        (`fxpipe.memory.workspace_bytes` of a stage is the largest over its units)."""
+        grads = self.crossing_bytes(p)[1]
+        inner = np.concatenate([[0.0], grads[:-1]])
+        return inner + grads + (self.param_bytes if p > 1 else 0.0)
 
     def at(self, p: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, ...]:
         """(f, b, cf, cb) at micro-batch count(s) p: shape (K,) for a scalar p, else (P, K)."""
@@ -212,6 +233,7 @@ class Partition:
     bubble: float
     stages: tuple[StageCost, ...]
     schedule: str = "gpipe"  # the schedule predicted_time and bubble are for
+    recompute: tuple[bool, ...] = ()  # per stage: recomputes its forward in backward (): none
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -227,6 +249,8 @@ class Partition:
         *,
         schedule: str | Schedule = "gpipe",
         optimizer_slots: float = 2.0,
+        recompute: Sequence[bool] = (),
+        memory: MemoryBudget | None = None,
     ) -> Partition:
         """Score `bounds` with the closed-form model of ALGORITHMS §1 for GPipe, which is
         GPipe's simulated step on a chain of stages; for any other `schedule`, its step as
@@ -234,45 +258,44 @@ class Partition:
 
         The memory estimate per stage (`fxpipe.memory.stage_memory`) counts weights,
         gradients and `optimizer_slots` more copies (2: Adam's moments), plus the most that
-        the schedule's actions hold at once on that stage (`fxpipe.memory.stage_peak`): the
-        activations of its micro-batches in flight (p for gpipe, at most N − s on stage s for
-        1f1b), its message buffers and its backward's workspace (docs/memory.md).
+        the stage's actions hold at once (`fxpipe.memory.stage_terms`, the walk of
+        `stage_peak`): the activations of its micro-batches in flight (p for gpipe, at most
+        N − s on stage s for 1f1b), its message buffers and its backward's workspace
+        (docs/memory.md). `memory`, where given, counts it by its schedule and optimizer
+        (the planners' `Capacity` counts exactly this).
+
+        `recompute` (one bool per stage, () for none): such a stage's backward runs its
+        forward again (b + f); it saves nothing per micro-batch beyond the inputs and outputs
+        it holds anyway, and its backward holds one micro-batch's activations again.
         """
         bounds = check_bounds(bounds, cost.units)
+        recompute = tuple(bool(r) for r in recompute)
+        if recompute and len(recompute) != len(bounds):
+            raise ValueError(f"recompute lists {len(recompute)} stages for {len(bounds)}")
+        if memory is not None:
+            optimizer_slots = memory.optimizer_slots
         f, b, cf, cb = cost.at(p)
         saved = cost.saved_bytes(p)
-        crossing, crossing_grad, crossing_saved, outputs = cost.crossing_bytes(p)
         starts = (0, *bounds[:-1])
-        held = in_flight(schedule, len(bounds), p)
-        per_stage = []
-        for s, (start, end) in enumerate(zip(starts, bounds)):
-            # per micro-batch: in from the cut before the stage (its gradient back), out over
-            # the cut after it (its gradient in)
-            into, back = (crossing[start - 1], crossing_grad[start - 1]) if s else (0.0, 0.0)
-            # the last stage's "out": the model's outputs, which the step keeps to its end
-            out, grads_in, out_saved = ((outputs, 0.0, 0.0) if s == len(bounds) - 1 else (
-                crossing[end - 1], crossing_grad[end - 1], crossing_saved[end - 1]))
-            inner = np.concatenate([[0.0], crossing_grad])[start:end]  # the cut before each
-            workspace = workspace_bytes(cost.param_bytes[start:end], inner,
-                                        crossing_grad[start:end], p)
-            per_stage.append(StageBytes(float(saved[start:end].sum()), into, out, out_saved,
-                                        grads_in, back, workspace, s == len(bounds) - 1))
-        peaks = device_peaks(schedule, len(bounds), p, per_stage)
+        counted = schedule if memory is None else memory.schedule
+        own = stage_actions(counted, len(bounds), p)
         stages = []
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
-            peak = peaks[s] if s < len(peaks) else Peak(held[s] * per_stage[s].saved, 0.0, 0.0)
-            memory = stage_memory(cost.param_bytes[start:end], saved[start:end], held[s],
-                                  optimizer_slots=optimizer_slots, boundary=peak.boundary,
-                                  workspace=peak.workspace, activations=peak.activations)
+            again = bool(recompute) and recompute[s]
+            peak = peak_of(stage_terms(own[s], again, last), stage_bytes(cost, p, bounds, s))
+            memory_s = stage_memory(cost.param_bytes[start:end], saved[start:end], 0,
+                                    optimizer_slots=optimizer_slots, boundary=peak.boundary,
+                                    workspace=peak.workspace, activations=peak.activations)
+            forward = float(f[start:end].sum())
             stages.append(StageCost(
                 (start, end),
-                float(f[start:end].sum()),
-                float(b[start:end].sum()),
+                forward,
+                float(b[start:end].sum()) + (forward if again else 0.0),
                 0.0 if last else float(cf[end - 1]),
                 0.0 if last else float(cb[end - 1]),
                 float(cost.params[start:end].sum()),
-                memory.total,
+                memory_s.total,
             ))
         time, rho_f, rho_b = _closed_form(stages, p)
         busy = p * sum(s.f + s.b for s in stages)
@@ -281,7 +304,24 @@ class Partition:
             timeline = simulate_stages(stages, p, schedule)
             time, bubble = timeline.makespan / timeline.schedule.minibatches, timeline.bubble
         name = schedule.name if isinstance(schedule, Schedule) else schedule
-        return cls(bounds, p, partitioner, time, rho_f, rho_b, bubble, tuple(stages), name)
+        return cls(bounds, p, partitioner, time, rho_f, rho_b, bubble, tuple(stages), name,
+                   recompute if any(recompute) else ())
+
+
+def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int) -> StageBytes:
+    """What stage s of `bounds` holds per micro-batch at count p: its saved activations, in
+    from the cut before it (its gradient back), out over the cut after it (its gradient in;
+    the last stage's "out": the model's outputs, which the step keeps to its end)."""
+    start, end = (0, *bounds)[s], bounds[s]
+    last = s == len(bounds) - 1
+    crossing, grads, crossing_saved, outputs = cost.crossing_bytes(p)
+    into, back = (crossing[start - 1], grads[start - 1]) if s else (0.0, 0.0)
+    out, grads_in, out_saved = ((outputs, 0.0, 0.0) if last else (
+        crossing[end - 1], grads[end - 1], crossing_saved[end - 1]))
+    inner = np.concatenate([[0.0], grads])[start:end]  # the cut before each unit
+    workspace = workspace_bytes(cost.param_bytes[start:end], inner, grads[start:end], p)
+    return StageBytes(float(cost.saved_bytes(p)[start:end].sum()), float(into), float(out),
+                      float(out_saved), float(grads_in), float(back), workspace, last)
 
 
 def simulate_stages(stages: Sequence[StageCost], p: int, schedule: str | Schedule,

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 from torch import fx
 
 from fxpipe.cost import Link, Partition
 from fxpipe.ir import CommTable, Event, recv, send
+from fxpipe.memory_spec import stage_limits
 from fxpipe.meta import SHAPE, STAGE
+from fxpipe.recompute_spec import stage_recompute
 from fxpipe.units import Unit
 
-__all__ = ["chrome_trace", "format_bytes", "format_graph", "format_ms", "format_sizes",
-           "format_stage_table", "format_table"]
+__all__ = ["chrome_trace", "describe_pipeline", "format_bytes", "format_graph",
+           "format_memory_cap", "format_ms", "format_sizes", "format_stage_table", "format_table"]
 
 
 def format_bytes(n: float) -> str:
@@ -50,13 +53,15 @@ def format_stage_table(
     simulated: tuple[str, float] | None = None,
     placed: bool = False,
     recompute: Sequence[bool] = (),
+    memory_limits: Sequence[float] | None = None,
 ) -> str:
     """One row per stage: device, units, parameters, predicted times and memory, and what
     crosses its boundaries; then the prediction for the whole step the partitioners score
     (GPipe's closed form, or the plan's schedule simulated on a chain of stages), and
     `simulated`, (schedule, seconds) from the event simulator on the model's stage edges.
     `placed`: the schedule runs several stages per device (its simulation serialises them);
-    `recompute`: per stage, whether it recomputes its forward in backward (marked "rc")."""
+    `recompute`: per stage, whether it recomputes its forward in backward (marked "rc");
+    `memory_limits` (bytes per stage): each stage's memory against its cap."""
     rows = []
     for s, stage in enumerate(partition.stages):
         start, end = stage.units
@@ -66,7 +71,7 @@ def format_stage_table(
         times = ([format_ms(stage.f), format_ms(stage.b)] if timed else ["-", "-"])
         marked = f"{s} rc" if s < len(recompute) and recompute[s] else s
         rows.append([marked, devices[s], span, names, f"{params[s]:,}", *times,
-                     format_bytes(stage.memory), _traffic(table.recvs(s)),
+                     _memory(partition, s, memory_limits), _traffic(table.recvs(s)),
                      _traffic(table.sends(s))])
     header = ["stage", "device", "units", "first .. last unit", "params", "fwd ms", "bwd ms",
               "memory", "receives", "sends"]
@@ -91,6 +96,8 @@ def format_stage_table(
         lines.append("rc: the stage keeps only the values entering some of its units and "
                      "recomputes its forward in its backward, a segment at a time "
                      "(Plan(recompute))")
+    if memory_limits is not None:
+        lines.append(format_memory_cap(partition, memory_limits))
     for name, stages in (shared or {}).items():
         lines.append(f"shared parameter {name}: used by stages {', '.join(map(str, stages))} "
                      "(one Parameter, gradients summed; counted in each stage above)")
@@ -100,6 +107,22 @@ def format_stage_table(
                       "skip" if e.dst - e.src > 1 else ""] for e in table.edges]
         lines.append(_indent(format_table(["edge", "value", "shape", "bytes", ""], edge_rows)))
     return "\n".join(lines)
+
+
+def format_memory_cap(partition: Partition, limits: Sequence[float]) -> str:
+    """One line: the memory cap and the stage closest to it (the one that binds)."""
+    use = [stage.memory / limit for stage, limit in zip(partition.stages, limits)]
+    s = max(range(len(use)), key=use.__getitem__)
+    again = [str(k) for k, r in enumerate(partition.recompute) if r]
+    return (f"memory cap (Plan(memory_limit)): {format_bytes(limits[s])} on stage {s}, which "
+            f"binds: {format_bytes(partition.stages[s].memory)} predicted ({use[s]:.0%})"
+            + (f"; recomputing the forward in backward: stage{'s' * (len(again) > 1)} "
+               f"{', '.join(again)}" if again else ""))
+
+
+def _memory(partition: Partition, s: int, limits: Sequence[float] | None) -> str:
+    memory = format_bytes(partition.stages[s].memory)
+    return memory if limits is None else f"{memory} / {format_bytes(limits[s])}"
 
 
 def format_ms(seconds: float) -> str:
@@ -174,3 +197,54 @@ def _arg(a: object) -> str:
 
 def _indent(text: str, prefix: str = "  ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
+
+
+def describe_pipeline(pipe: Any) -> str:
+    """print(pipe): the stage table of a CompiledPipeline, its costs' source, the schedule's
+    placement, weight copies, intra-layer splits and scalar joins."""
+    partition, p = pipe.partition, pipe.partition.micro_batches
+    title = (f"CompiledPipeline({pipe.model_name}): traced with {pipe.frontend}, "
+             f"{len(pipe.units)} units in {pipe.plan.stages} stages, "
+             f"partition {partition.partitioner} ({' + '.join(map(str, partition.sizes))}), "
+             f"{p} micro-batch{'es' if p > 1 else ''}")
+    params = [sum(p.numel() for p in s.module.parameters()) for s in pipe.stages]
+    timed = pipe.plan.costs != "none"
+    simulated = ((pipe.executor.latest_schedule.name, pipe.predicted_timeline().makespan)
+                 if timed else None)
+    held = set(pipe.executor.runners)
+    devices = [d if pipe.owned is None else f"{d} (rank {pipe.rank})" if s in held
+               else "another rank" for s, d in enumerate(pipe.devices)]
+    schedule = pipe.executor.schedule
+    shared = schedule.devices < schedule.stages  # several stages per device
+    if shared:
+        devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
+    table = format_stage_table(title, pipe.units, partition, pipe.comm, devices, params,
+                               pipe.shared_parameters(), timed, pipe.link, simulated,
+                               placed=shared, recompute=stage_recompute(pipe.plan, partition),
+                               memory_limits=stage_limits(pipe.plan))
+    if timed:
+        table += f"\ncosts: {pipe.cost.source}"
+    if shared:
+        table += (f"\n{schedule.name} runs {schedule.stages} stages on {schedule.devices} "
+                  "devices, one worker each: " + "; ".join(
+                      f"device {d} stages {', '.join(map(str, schedule.stages_on(d)))}"
+                      for d in range(schedule.devices)))
+    if pipe.plan.schedule == "async-1f1b":
+        table += "\n" + _weight_copies_line(pipe)
+    for split in pipe.intra_layer:
+        table += "\n" + split.format()
+    for position, join in pipe.executor.scalar_joins.items():
+        table += "\n" + join.describe(position)
+    return table
+
+
+def _weight_copies_line(pipe: Any) -> str:
+    if not pipe.executor.optimizers_attached():
+        return (f"async-1f1b weights (consistency={pipe.plan.consistency!r}): no optimizer "
+                "attached yet (pipe.attach_optimizer)")
+    parts = []
+    for index, copies in pipe.executor.weight_copies().items():
+        nbytes = copies * sum(p.nbytes for p in pipe.stages[index].module.parameters())
+        parts.append(f"stage {index}: {copies} ({format_bytes(nbytes)})")
+    return (f"async-1f1b weights (consistency={pipe.plan.consistency!r}), most extra "
+            f"copies held so far: {'; '.join(parts)}")

@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from fxpipe.schedules import Action, ActionKind, Schedule, build, forwards_first, peak_activations
 
-__all__ = ["Peak", "StageBytes", "StageMemory", "device_peaks", "in_flight", "stage_memory",
-           "stage_peak", "workspace_bytes"]
+__all__ = [
+    "FIELDS",
+    "MemoryBudget",
+    "Peak",
+    "StageBytes",
+    "StageMemory",
+    "device_peaks",
+    "in_flight",
+    "peak_of",
+    "stage_actions",
+    "stage_memory",
+    "stage_peak",
+    "stage_terms",
+    "workspace_bytes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,3 +182,133 @@ def _named_lists(name: str, stages: int, p: int) -> tuple[tuple[Action, ...], ..
     except ValueError:  # a count it cannot run: gpipe's order, every micro-batch at once
         built = build("gpipe", stages, p)
     return tuple(tuple(a for a in actions if a.kind.is_compute) for actions in built.actions)
+
+
+# StageBytes' byte fields, in the order of `stage_terms`' coefficients
+FIELDS = ("saved", "received", "sent", "sent_saved", "received_grads", "sent_grads", "workspace")
+_E = {name: np.eye(len(FIELDS))[i] for i, name in enumerate(FIELDS)}
+
+
+def stage_terms(actions: Sequence[Action], recompute: bool = False, inputs_kept: bool = False
+                ) -> np.ndarray:
+    """`stage_peak`'s walk of ONE stage's `actions`, run symbolically: (T, 3, 7), per step t
+    of the walk the coefficients of StageBytes' FIELDS in what it holds then as activations,
+    message buffers and workspace, so that the stage's peak is max_t Σ coefficients · fields
+    (`peak_of`), for any bytes: the planners evaluate it for every (first, last unit) at once.
+
+    A stage that `recompute`s saves nothing of its own per micro-batch (its received inputs
+    and sent outputs are held anyway); its backward holds one micro-batch's saved activations
+    again as workspace, or, where the backward is split (B then W), from B until W."""
+    zero = np.zeros(len(FIELDS))
+    first = forwards_first(actions)
+    split = {a.mb for a in actions if a.kind is ActionKind.W}
+    left_f = sum(a.kind is ActionKind.F for a in actions)
+    left_b = sum(a.kind is ActionKind.B for a in actions)
+    act, buf = zero.copy(), (_E["received"] * left_f if first else zero.copy())
+    rows = []
+    for a in actions:
+        if not a.kind.is_compute:
+            continue
+        left_f -= a.kind is ActionKind.F
+        releases = a.kind is ActionKind.W or (a.kind is ActionKind.B and a.mb not in split)
+        if a.kind is ActionKind.F:
+            buf = buf + (zero if first else _E["received"]) + _E["sent"]
+            if not recompute:  # of the sent outputs, what autograd saves is counted as saved
+                act, buf = act + _E["saved"], buf - _E["sent_saved"]
+        if recompute and a.kind is ActionKind.B and a.mb in split:
+            act = act + _E["saved"]  # recomputed before B, held until W
+        ahead = (_E["received_grads"] * (left_b if first else min(left_b, 1))
+                 + (zero if first or not left_f else _E["received"]))
+        workspace = zero if a.kind is ActionKind.F else _E["workspace"] + (
+            _E["saved"] if recompute and a.kind is ActionKind.B and a.mb not in split else zero)
+        rows.append((act, buf + ahead, workspace))
+        if a.kind is ActionKind.B:
+            left_b -= 1
+            buf = buf + _E["sent_grads"]
+        if releases:
+            if recompute:
+                act = act - (_E["saved"] if a.kind is ActionKind.W else zero)
+            else:
+                act, buf = act - _E["saved"], buf + _E["sent_saved"]
+            buf = buf - (zero if inputs_kept else _E["received"])
+    return np.array(rows).reshape(-1, 3, len(FIELDS))
+
+
+def peak_of(terms: np.ndarray, stage: StageBytes) -> Peak:
+    """The Peak `stage_terms` gives for these bytes: the step where the total is highest (the
+    first such)."""
+    x = np.array([getattr(stage, name) for name in FIELDS])
+    parts = terms @ x  # (T, 3)
+    if not len(parts):
+        return Peak(0.0, 0.0, 0.0)
+    t = int(np.argmax(parts.sum(1)))
+    return Peak(*(float(v) for v in parts[t]))
+
+
+def stage_actions(schedule: str | Schedule, stages: int, p: int) -> tuple[tuple[Action, ...], ...]:
+    """Per stage, its own compute actions under `schedule` (a name, built for `stages` and p,
+    or a user's Schedule), in its device's order."""
+    lists = _compute_lists(schedule, stages, p)
+    return tuple(tuple(a for a in actions if a.stage == s)
+                 for s in range(stages) for actions in lists if any(a.stage == s for a in actions))
+
+
+@functools.lru_cache(maxsize=1024)  # the planners ask for every stage at every count
+def named_terms(schedule: str, stages: int, p: int, s: int, recompute: bool) -> np.ndarray:
+    """`stage_terms` of stage s of the named schedule (the last stage keeps its inputs)."""
+    return stage_terms(stage_actions(schedule, stages, p)[s], recompute, s == stages - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """What a planner must fit: a cap in bytes per stage (one value: every stage's; inf: no
+    cap), and how a stage's memory is counted: the schedule (a name built for the stages, or a
+    Schedule) whose actions `stage_terms` walks, the optimizer's slots, and recomputation
+    (False, True, "auto": where needed to fit, or one bool per stage)."""
+
+    limit: float | tuple[float, ...] = math.inf
+    schedule: str | Schedule = "gpipe"
+    optimizer_slots: float = 2.0
+    recompute: bool | str | tuple[bool, ...] = False
+    devices: int | None = None
+
+    def limits(self, stages: int) -> np.ndarray:
+        """(stages,) the cap of each stage, in bytes."""
+        if isinstance(self.limit, tuple):
+            if len(self.limit) != stages:
+                raise ValueError(f"the memory cap lists {len(self.limit)} stages' limits for "
+                                 f"{stages} stages; give one per stage or a single value")
+            return np.asarray(self.limit, dtype=np.float64)
+        return np.full(stages, float(self.limit))
+
+    def held(self, stages: int, p: int) -> tuple[int, ...]:
+        return in_flight(self.schedule, stages, p, self.devices)
+
+    def terms(self, stages: int, p: int, s: int, recompute: bool) -> np.ndarray:
+        """`stage_terms` of stage s under this budget's schedule."""
+        if isinstance(self.schedule, Schedule):
+            return stage_terms(stage_actions(self.schedule, stages, p)[s], recompute,
+                               s == stages - 1)
+        return named_terms(self.schedule, stages, p, s, recompute)
+
+    def modes(self, stages: int) -> tuple[tuple[bool, ...], ...]:
+        """Per stage, the recomputation settings a planner may choose from."""
+        if self.recompute == "auto":
+            return ((False, True),) * stages
+        if isinstance(self.recompute, tuple):
+            if len(self.recompute) != stages:
+                raise ValueError(f"recompute lists {len(self.recompute)} stages for {stages}")
+            return tuple((bool(r),) for r in self.recompute)
+        return ((bool(self.recompute),),) * stages
+
+    @property
+    def may_recompute(self) -> bool:
+        """Whether any stage may recompute."""
+        if isinstance(self.recompute, tuple):
+            return any(self.recompute)
+        return self.recompute is True or self.recompute == "auto"
+
+    @property
+    def capped(self) -> bool:
+        limit = self.limit if isinstance(self.limit, tuple) else (self.limit,)
+        return any(math.isfinite(x) for x in limit)

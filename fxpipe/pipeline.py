@@ -15,12 +15,11 @@ from torch.utils.hooks import RemovableHandle
 from fxpipe.batching import batch_norm_of_one, check_batch_norm, input_dims, rows, split_sizes
 from fxpipe.cost import CostTable, Link, Partition
 from fxpipe.errors import FxpipeError
-from fxpipe.inspect import chrome_trace, format_bytes, format_graph, format_stage_table
+from fxpipe.inspect import chrome_trace, describe_pipeline, format_graph
 from fxpipe.ir import CommTable, Event, Stage, StageHook, tied_parameters
 from fxpipe.plan import Plan
 from fxpipe.plot import save_timeline
 from fxpipe.predict import Calibration, predict_step
-from fxpipe.recompute_spec import stage_recompute
 from fxpipe.report import (
     MeasuredMemory,
     check_measured,
@@ -362,50 +361,7 @@ class CompiledPipeline(torch.nn.Module):
         return "\n".join(parts)
 
     def __repr__(self) -> str:
-        partition, p = self.partition, self.partition.micro_batches
-        title = (f"CompiledPipeline({self.model_name}): traced with {self.frontend}, "
-                 f"{len(self.units)} units in {self.plan.stages} stages, "
-                 f"partition {partition.partitioner} ({' + '.join(map(str, partition.sizes))}), "
-                 f"{p} micro-batch{'es' if p > 1 else ''}")
-        params = [sum(p.numel() for p in s.module.parameters()) for s in self.stages]
-        timed = self.plan.costs != "none"
-        simulated = ((self.executor.latest_schedule.name, self.predicted_timeline().makespan)
-                     if timed else None)
-        held = set(self.executor.runners)
-        devices = [d if self.owned is None else f"{d} (rank {self.rank})" if s in held
-                   else "another rank" for s, d in enumerate(self.devices)]
-        schedule = self.executor.schedule
-        shared = schedule.devices < schedule.stages  # several stages per device
-        if shared:
-            devices = [f"{d} (device {schedule.device(s)})" for s, d in enumerate(devices)]
-        table = format_stage_table(title, self.units, partition, self.comm, devices, params,
-                                   self.shared_parameters(), timed, self.link, simulated,
-                                   placed=shared, recompute=stage_recompute(self.plan, partition))
-        if timed:
-            table += f"\ncosts: {self.cost.source}"
-        if shared:
-            table += (f"\n{schedule.name} runs {schedule.stages} stages on {schedule.devices} "
-                      "devices, one worker each: " + "; ".join(
-                          f"device {d} stages {', '.join(map(str, schedule.stages_on(d)))}"
-                          for d in range(schedule.devices)))
-        if self.plan.schedule == "async-1f1b":
-            table += "\n" + self._weight_copies_line()
-        for split in self.intra_layer:
-            table += "\n" + split.format()
-        for position, join in self.executor.scalar_joins.items():
-            table += "\n" + join.describe(position)
-        return table
-
-    def _weight_copies_line(self) -> str:
-        if not self.executor.optimizers_attached():
-            return (f"async-1f1b weights (consistency={self.plan.consistency!r}): no optimizer "
-                    "attached yet (pipe.attach_optimizer)")
-        parts = []
-        for index, copies in self.executor.weight_copies().items():
-            nbytes = copies * sum(p.nbytes for p in self.stages[index].module.parameters())
-            parts.append(f"stage {index}: {copies} ({format_bytes(nbytes)})")
-        return (f"async-1f1b weights (consistency={self.plan.consistency!r}), most extra "
-                f"copies held so far: {'; '.join(parts)}")
+        return describe_pipeline(self)
 
     def shared_parameters(self) -> dict[str, list[int]]:
         """Parameters used by more than one stage (tied weights), by name -> stages."""

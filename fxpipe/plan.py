@@ -14,6 +14,7 @@ import torch
 
 from fxpipe.errors import PlanError
 from fxpipe.intra_layer_spec import intra_layer_spec
+from fxpipe.memory_spec import memory_fields
 from fxpipe.precision import check_precision
 from fxpipe.recompute_spec import recompute_spec
 from fxpipe.schedules.actions import ActionKind, Schedule, ScheduleError
@@ -81,6 +82,8 @@ class Plan:
     recompute: bool | str | Sequence[bool] = False  # True | False | "auto" | one bool a stage
     dump: bool = False  # print each compiler pass's result as it completes
     precision: str | None = None  # bf16 | fp16: stages under autocast (fp16: pipe.scaler)
+    memory_limit: float | str | Sequence[float | str] | None = None  # bytes per device, or None
+    optimizer: str | float | None = None  # its state slots the memory model counts; None: Adam
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -161,6 +164,7 @@ class Plan:
         if not isinstance(self.dump, bool):
             raise PlanError(f"Plan(dump={self.dump!r}) must be True or False.")
         check_precision(self.precision, self.devices, self.schedule_name)
+        object.__setattr__(self, "memory_limit", memory_fields(self))  # and optimizer, checked
 
     def _check_micro_batch_choice(self) -> None:
         """csimd chooses the micro-batch count with the partition; choosing it needs times."""
@@ -344,7 +348,8 @@ class Plan:
                 if f.name not in ("loss_fn", "dump")}
         data["leaf_modules"] = [leaf if isinstance(leaf, str) else leaf.__name__
                                 for leaf in self.leaf_modules]
-        for name in ("partitioner", "devices", "link", "whole_inputs", "recompute"):
+        for name in ("partitioner", "devices", "link", "whole_inputs", "memory_limit",
+                     "recompute"):
             if isinstance(data[name], tuple):
                 data[name] = list(data[name])
         data["concrete_args"] = dict(self.concrete_args) if self.concrete_args else None

@@ -9,29 +9,35 @@ import torch
 
 from fxpipe.cost import CostTable, Partition
 from fxpipe.errors import PlanError
+from fxpipe.memory import MemoryBudget
+from fxpipe.memory_spec import optimizer_slots, stage_limits
 from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
 from fxpipe.passes.partition.balanced import minmax_bounds
+from fxpipe.passes.partition.capped import check_fits, fit_or_explain
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, VIRTUAL, Plan
+from fxpipe.recompute_spec import cannot_recompute
 from fxpipe.schedules import Schedule, build
 from fxpipe.units import Unit
 
 __all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "compare_schedules",
-           "exactly_n_stages"]
+           "exactly_n_stages", "memory_budget"]
 
 
 # the names Plan accepts (plan.PARTITIONERS, the same keys) and the planner each runs
 PARTITIONERS = {
     "even": even, "params": params, "balanced": balanced, "ampa": ampa, "imd": imd,
-    "csimd": lambda cost, stages, p=1, schedule="gpipe": csimd(cost, stages, cost.batch, p0=p,
-                                                               schedule=schedule),
+    "csimd": lambda cost, stages, p=1, schedule="gpipe", memory=None: csimd(
+        cost, stages, cost.batch, p0=p, schedule=schedule, memory=memory),
     "exact": exact,
 }
 
 
-def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
+def compare_partitioners(pipe: CompiledPipeline, failed: dict[str, str] | None = None
+                         ) -> dict[str, Partition]:
     """Every available partitioner's partition of `pipe`'s cost table, under its plan (csimd
-    only when the table was timed at several micro-batch sizes: micro_batches='auto')."""
+    only when the table was timed at several micro-batch sizes: micro_batches='auto'). Under a
+    memory cap, a partitioner that cannot meet it is left out, and why goes into `failed`."""
     plan = pipe.plan
     results = {}
     for name in PARTITIONERS:
@@ -39,7 +45,13 @@ def compare_partitioners(pipe: CompiledPipeline) -> dict[str, Partition]:
             continue
         if name == "csimd" and (len(pipe.cost.sizes) == 1 or isinstance(plan.schedule, Schedule)):
             continue  # timed at one micro-batch size only, or your schedule fixes p
-        results[name] = _run(name, pipe.cost, plan, pipe.partition.micro_batches)
+        try:
+            results[name] = _run(name, pipe.cost, plan, pipe.partition.micro_batches)
+        except ValueError as error:  # PlanError too: this one cannot meet the memory cap
+            if plan.memory_limit is None:
+                raise
+            if failed is not None:
+                failed[name] = str(error)
     return results
 
 
@@ -53,16 +65,51 @@ def choose_partition_of(model_name: str, plan: Plan, cost: CostTable) -> Partiti
     """The plan's partition of `cost` (its sizes, else its partitioner's), scored for its
     schedule; `model_name` names the model in a PlanError."""
     p = plan.micro_batches if isinstance(plan.micro_batches, int) else 1
-    if plan.sizes is not None:  # which cover the units (checked by the units pass)
-        bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
-        return Partition.evaluate(cost, bounds, p, "given", schedule=_scored(plan, p))
-    if plan.micro_batches == "auto" and plan.partitioner != "csimd":  # CSIMD's choice of p
-        p = PARTITIONERS["csimd"](cost, plan.stages, schedule=plan.schedule).micro_batches
     try:
+        if plan.sizes is not None:  # which cover the units (checked by the units pass)
+            bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
+            given = _evaluate(cost, bounds, p, "given", plan)
+            cap = check_fits(cost, plan.stages, p, memory_budget(plan, p))
+            return given if cap is None else _evaluate(
+                cost, bounds, p, "given", plan, fit_or_explain(cost, cap, given, "given"))
+        if plan.micro_batches == "auto" and plan.partitioner != "csimd":  # CSIMD's choice of p
+            p = PARTITIONERS["csimd"](cost, plan.stages, schedule=plan.schedule,
+                                      memory=memory_budget(plan, None)).micro_batches
         return _run(plan.partitioner, cost, plan, p)
+    except PlanError as error:  # the plan asks for what no partition can give
+        raise PlanError(f"Plan(partitioner={plan.partitioner!r}) cannot partition "
+                        f"{model_name}: {error}.") from None
     except ValueError as error:  # the planner cannot work with this model's costs
         raise PlanError(f"Plan(partitioner={plan.partitioner!r}) cannot partition "
                         f"{model_name}: {error}.") from error
+
+
+def memory_budget(plan: Plan, p: int | None) -> MemoryBudget | None:
+    """What the plan's memory_limit asks of the planners at p micro-batches (None: a count
+    csimd chooses), None without one. A device holding several stages gives each an equal
+    share of its cap (enough for their sum to fit; the planners cap each stage)."""
+    limits = stage_limits(plan)
+    if limits is None:
+        return None
+    schedule = (plan.schedule if isinstance(plan.schedule, Schedule) or p is None
+                else _scored(plan, p))
+    recompute = False if plan.recompute == "auto" and cannot_recompute(plan) else plan.recompute
+    return MemoryBudget(limits, schedule, optimizer_slots(plan.optimizer), recompute,
+                        plan.device_count if plan.schedule in VIRTUAL else None)
+
+
+def _evaluate(cost: CostTable, bounds: Sequence[int], p: int, name: str, plan: Plan,
+              recompute: Partition | tuple[bool, ...] | None = None) -> Partition:
+    """`bounds` scored for the plan's schedule, memory counted for its optimizer, with the
+    plan's recomputation (or the given settings, or a Partition's)."""
+    if isinstance(recompute, Partition):
+        recompute = recompute.recompute
+    if recompute is None:
+        fixed = plan.recompute
+        recompute = fixed if isinstance(fixed, tuple) else (fixed is True,) * len(bounds)
+    return Partition.evaluate(cost, bounds, p, name, schedule=_scored(plan, p),
+                              optimizer_slots=optimizer_slots(plan.optimizer),
+                              recompute=recompute)
 
 
 def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
@@ -71,10 +118,17 @@ def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
     # csimd scores by the schedule's simulated step; a virtual-stage schedule's by GPipe's
     extra = {"schedule": plan.schedule} if name == "csimd" and plan.schedule not in VIRTUAL \
         else {}
-    chosen = PARTITIONERS[name](cost, plan.stages, p, **extra)
+    memory = memory_budget(plan, None if name == "csimd" else p)
+    if memory is not None:
+        extra["memory"] = memory
+    planned = cost  # every stage recomputing, uncapped: plan with its backward at b + f
+    if memory is None and plan.recompute is True:
+        planned = dataclasses.replace(cost, b=cost.b + cost.f)
+    chosen = PARTITIONERS[name](planned, plan.stages, p, **extra)
+    if memory is not None:  # every planner returns exactly N stages that fit under a cap
+        return _evaluate(cost, chosen.bounds, chosen.micro_batches, name, plan, chosen)
     bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
-    return Partition.evaluate(cost, bounds, chosen.micro_batches, name,
-                              schedule=_scored(plan, chosen.micro_batches))
+    return _evaluate(cost, bounds, chosen.micro_batches, name, plan)
 
 
 def _scored(plan: Plan, p: int) -> str | Schedule:

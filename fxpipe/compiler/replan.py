@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from fxpipe.compiler.partitioning import PARTITIONERS, exactly_n_stages
+from fxpipe.compiler.partitioning import PARTITIONERS, exactly_n_stages, memory_budget
 from fxpipe.cost import Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.passes.partition.ampa import dispersion as ampa_dispersion
@@ -75,14 +75,17 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
     dispersion = ampa_dispersion(busy)
     schedule = pipe.plan.schedule
     current = Partition.evaluate(cost, pipe.partition.bounds, p, pipe.partition.partitioner,
-                                 schedule=schedule)
+                                 schedule=schedule, recompute=pipe.partition.recompute)
     name = partitioner or (pipe.plan.partitioner if isinstance(pipe.plan.partitioner, str)
                            and pipe.plan.partitioner != "even" else "balanced")
     proposed = current
     if dispersion > threshold:
-        found = PARTITIONERS[name](cost, pipe.plan.stages, p)  # imd, csimd: maybe fewer stages
+        memory = memory_budget(pipe.plan, p)  # the plan's memory cap holds here too
+        found = PARTITIONERS[name](cost, pipe.plan.stages, p,  # imd, csimd: maybe fewer stages
+                                   **({} if memory is None else {"memory": memory}))
         bounds = exactly_n_stages(found.bounds, pipe.plan.stages, cost, p)
-        found = Partition.evaluate(cost, bounds, p, name, schedule=schedule)
+        again = found.recompute if memory else pipe.partition.recompute  # chosen, or fixed
+        found = Partition.evaluate(cost, bounds, p, name, schedule=schedule, recompute=again)
         if found.predicted_time < current.predicted_time:
             proposed = found
     result = Replan(current, proposed, dispersion, threshold)

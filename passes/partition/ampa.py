@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition, step_times
-from fxpipe.passes.partition.balanced import settle
+from fxpipe.memory import MemoryBudget
+from fxpipe.passes.partition.balanced import balanced, settle
+from fxpipe.passes.partition.capped import check_fits
 from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.validate import check_planner_args
 
@@ -27,6 +29,7 @@ def ampa(
     normalize: bool = False,
     threshold: float = 0.05,
     max_rounds: int | None = None,
+    memory: MemoryBudget | None = None,
 ) -> Partition:
     """Start from the even split and shift units from the slowest stage toward the fastest one
     until the dispersion of the stage times f + b falls below `threshold`.
@@ -39,8 +42,13 @@ def ampa(
     time (real, not normalised) is no larger than the even split's, the one with the smallest
     predicted step time T(λ, p) is returned (ties: the smallest maximum stage time), so AMPA
     is never worse than the even split by either measure.
+
+    Under a `memory` cap: of every partition the rounds visited that fits (recomputing where
+    allowed and needed) and balanced's under the cap, the one with the least T(λ, p);
+    PlanError when none fits.
     """
     check_planner_args(cost, stages, p)
+    cap = check_fits(cost, stages, p, memory)
     if threshold < 0:
         raise ValueError(f"threshold={threshold} must be >= 0 (a dispersion, e.g. 0.05)")
     f, b, _, _ = cost.at(p)
@@ -51,7 +59,7 @@ def ampa(
     ends = np.array(even_bounds(cost.units, stages))
     even_max = _stage_sums(real, ends).max()
     seen = {ends.tobytes()}
-    visited = [ends.copy()]
+    visited, every = [ends.copy()], [ends.copy()]
     for _ in range(rounds):
         times = _stage_sums(steer, ends)
         if dispersion(times) < threshold:
@@ -69,8 +77,17 @@ def ampa(
         if state in seen:
             break  # the rounds are deterministic: from here on they only repeat
         seen.add(state)
+        every.append(ends.copy())
         if _stage_sums(real, ends).max() <= even_max:
             visited.append(ends.copy())
+    if cap is not None:
+        fitting = [cap.evaluate(cost, tuple(int(e) for e in v), "ampa") for v in every]
+        fitting.append(cap.evaluate(cost, balanced(cost, stages, p, memory).bounds, "ampa"))
+        fitting = [part for part in fitting if part is not None]
+        fastest = min(part.predicted_time for part in fitting)
+        best = min((part for part in fitting if part.predicted_time <= fastest * (1 + 1e-12)),
+                   key=lambda part: max(s.f + s.b for s in part.stages))
+        return settle(cost, best, "time", stages, cap)
     times = np.array([step_times(cost, tuple(v), [p])[0] for v in visited])
     fastest = [v for v, t in zip(visited, times) if t <= times.min() * (1 + 1e-12)]
     best = min(fastest, key=lambda v: _stage_sums(real, v).max())  # ties: the balanced one

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.memory import MemoryBudget
+from fxpipe.passes.partition.capped import Capacity, capped_minmax, check_fits
 from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.validate import check_planner_args
 
@@ -25,21 +27,36 @@ OBJECTIVES: dict[str, Callable[[Partition], float]] = {
 TIE = 1e-12
 
 
-def settle(cost: CostTable, part: Partition, objective: str, stages: int) -> Partition:
+def settle(cost: CostTable, part: Partition, objective: str, stages: int,
+           cap: Capacity | None = None) -> Partition:
     """A planner's `part`, or the most balanced partition that ties with it on `objective`, the
     same on every call: of `part`, the even split and the min-max split of f + b into
     `stages`, those scoring as `part` does (within TIE), then of those the ones with the least
     largest stage f + b, then the most stages, the fewest units in the largest stage, the most
     in the smallest, the smallest bounds (the larger stages last, as in `even`). Identical
-    units so get the even split from every planner."""
+    units so get the even split from every planner. Under a memory `cap`, only those that fit
+    (recomputing where the cap allows and needs), and after the least largest f + b, those
+    recomputing the least forward time."""
     p, score = part.micro_batches, OBJECTIVES[objective]
     f, b, _, _ = cost.at(p)
-    tries = [part, *(Partition.evaluate(cost, bounds, p, part.partitioner) for bounds in
-                     (even_bounds(cost.units, stages), minmax_bounds(f + b, stages)))]
+    others = (even_bounds(cost.units, stages), minmax_bounds(f + b, stages))
+    if cap is None:
+        tries = [part, *(Partition.evaluate(cost, bounds, p, part.partitioner)
+                         for bounds in others)]
+    else:
+        tries = [part, *filter(None, (cap.evaluate(cost, bounds, part.partitioner)
+                                      for bounds in others))]
     tries = [t for t in tries if abs(score(t) - score(part)) <= TIE * abs(score(part))]
     least = min(OBJECTIVES["compute"](t) for t in tries)
     tries = [t for t in tries if OBJECTIVES["compute"](t) <= least + TIE * abs(least)]
+    if cap is not None:  # then the least forward time recomputed (what it adds to a step)
+        fewest = min(map(_recomputed, tries))
+        tries = [t for t in tries if _recomputed(t) <= fewest + TIE * abs(fewest)]
     return min(tries, key=lambda t: (-len(t.sizes), max(t.sizes), -min(t.sizes), t.bounds))
+
+
+def _recomputed(part: Partition) -> float:
+    return sum(s.f for s, again in zip(part.stages, part.recompute) if again)
 
 
 def minmax_bounds(weights: Sequence[float] | np.ndarray, stages: int) -> tuple[int, ...]:
@@ -106,12 +123,20 @@ def _greedy_exact(prefix: np.ndarray, cap: float, stages: int) -> tuple[int, ...
     return tuple(ends)
 
 
-def balanced(cost: CostTable, stages: int, p: int = 1) -> Partition:
+def balanced(cost: CostTable, stages: int, p: int = 1, memory: MemoryBudget | None = None
+             ) -> Partition:
     """Minimise the largest per-stage compute time f + b at `p` micro-batches (exactly N stages).
 
     Ignores communication and the forward/backward split; `imd` and `exact` account for both.
+    Under a `memory` cap: the least largest f + b among the partitions whose every stage fits
+    (a recomputing stage's being 2f + b), of those the one recomputing the least forward
+    time; PlanError when none fits.
     """
     check_planner_args(cost, stages, p)
+    cap = check_fits(cost, stages, p, memory)
     f, b, _, _ = cost.at(p)
-    part = Partition.evaluate(cost, minmax_bounds(f + b, stages), p, "balanced")
-    return settle(cost, part, "compute", stages)
+    if cap is None:
+        part = Partition.evaluate(cost, minmax_bounds(f + b, stages), p, "balanced")
+        return settle(cost, part, "compute", stages)
+    bounds, again = capped_minmax(cap, f + b, 2 * f + b, forward=f)
+    return settle(cost, cap.evaluate(cost, bounds, "balanced", again), "compute", stages, cap)

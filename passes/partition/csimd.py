@@ -6,10 +6,16 @@ import dataclasses
 from collections.abc import Sequence
 
 from fxpipe.cost import CostTable, Partition, step_times
-from fxpipe.passes.partition.balanced import settle
+from fxpipe.memory import MemoryBudget
+from fxpipe.passes.partition.balanced import TIE, balanced, settle
+from fxpipe.passes.partition.capped import Capacity, capacities
 from fxpipe.passes.partition.imd import imd
 from fxpipe.passes.partition.odpa import divisors, odpa
-from fxpipe.passes.partition.scheduled import best_by_schedule, check_schedule_name
+from fxpipe.passes.partition.scheduled import (
+    best_by_schedule,
+    check_schedule_name,
+    step_lower_bounds,
+)
 from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["CrossSearch", "Visit", "cross_search", "csimd"]
@@ -107,6 +113,7 @@ def csimd(
     candidates: Sequence[int] | None = None,
     eta: int = 1000,
     schedule: str = "gpipe",
+    memory: MemoryBudget | None = None,
 ) -> Partition:
     """Joint partition and micro-batch count: cross-search, completed by IMD at the candidate
     p it did not reach; the Partition's micro_batches is the chosen p. See `cross_search` for
@@ -122,8 +129,25 @@ def csimd(
     Cross-search is a coordinate descent that can stop short of the joint optimum where the
     best partition changes with p; completing it with IMD at every candidate p (milliseconds
     for hundreds of units) puts it within IMD's bound of the optimum whenever links are free.
+
+    Under a `memory` cap, only the counts at which some partition fits are searched (fewer
+    samples per micro-batch save fewer activation bytes, but more may be in flight): IMD and
+    balanced under the cap at each of them, every partition found paired with every count it
+    fits at, the shortest step chosen. PlanError when no count fits.
     """
     check_schedule_name(schedule, "csimd")
+    if memory is not None and memory.capped:
+        check_planner_args(cost, stages, p0)
+        counts = _candidates(cost, batch, candidates)
+        caps = capacities(cost, stages, counts, memory)  # PlanError when no count fits
+        free = csimd(cost, stages, batch, p0, candidates, eta, schedule)
+        fitting = (caps[free.micro_batches].evaluate(cost, free.bounds, "csimd")
+                   if free.micro_batches in caps and len(free.bounds) == stages else None)
+        if fitting is not None and not any(fitting.recompute):  # the cap changes nothing
+            return (fitting if schedule == "gpipe" else Partition.evaluate(
+                cost, fitting.bounds, fitting.micro_batches, "csimd", schedule=schedule,
+                recompute=fitting.recompute, memory=memory))
+        return _capped(cost, stages, caps, eta, schedule, memory)
     search = cross_search(cost, stages, batch, p0, candidates, eta, sweep=True)
     found = settle(cost, search.partition, "time", stages)
     if schedule == "gpipe":
@@ -131,3 +155,29 @@ def csimd(
     partitions = {v.bounds for v in search.visits} | {found.bounds}
     return best_by_schedule(cost, partitions, _candidates(cost, batch, candidates), schedule,
                             found)
+
+
+def _capped(cost: CostTable, stages: int, caps: dict[int, Capacity], eta: int, schedule: str,
+            memory: MemoryBudget) -> Partition:
+    """IMD's and balanced's partitions under the cap at every count that fits, each paired
+    with every count it fits at; the pair with the shortest step, simulated in the order of
+    a lower bound on it (recomputing only lengthens a step) until no later pair can win."""
+    found = {planner(cost, stages, q, memory=memory).bounds for q in caps
+             for planner in (lambda c, n, q, memory: imd(c, n, q, eta, memory=memory), balanced)}
+    counts = sorted(caps)
+    pairs = sorted((float(bound), bounds, q) for bounds in found for q, bound in
+                   zip(counts, step_lower_bounds(cost, bounds, counts, schedule)))
+    best = None
+    for bound, bounds, q in pairs:
+        if best is not None and bound * (1 - 1e-9) >= best.predicted_time:  # float rounding
+            break
+        part = caps[q].evaluate(cost, bounds, "csimd")
+        if part is not None and schedule != "gpipe":
+            part = Partition.evaluate(cost, bounds, q, "csimd", schedule=schedule,
+                                      recompute=part.recompute, memory=memory)
+        if part is not None and (best is None or
+                                 part.predicted_time < best.predicted_time * (1 - TIE)):
+            best = part
+    if schedule == "gpipe":
+        return settle(cost, best, "time", stages, caps[best.micro_batches])
+    return best

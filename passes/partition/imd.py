@@ -7,7 +7,16 @@ import dataclasses
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.memory import MemoryBudget
 from fxpipe.passes.partition.balanced import settle
+from fxpipe.passes.partition.capped import (
+    Capacity,
+    Timing,
+    capped_minmax,
+    check_fits,
+    split_lanes,
+    trace_lane,
+)
 from fxpipe.passes.partition.validate import check_planner_args
 
 __all__ = ["Packing", "imd", "masp", "window_min"]
@@ -142,8 +151,8 @@ def masp(cost: CostTable, v1: float, v2: float, p: int = 1) -> tuple[int, ...] |
     return tuple(int(e) for e in ends[0, : counts[0]]) if counts[0] else None
 
 
-def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | None = None
-        ) -> Partition:
+def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | None = None,
+        memory: MemoryBudget | None = None) -> Partition:
     """Minimise ρF + ρB over partitions into at most `stages` stages (CSIMD Alg. 2).
 
     Bisection on the volume D: D is feasible when some weight vector (j/η, 1 - j/η), j = 0..η,
@@ -151,8 +160,14 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
     OPT·η/(η-1) + ε of the optimum. The returned Partition may have fewer than N stages when
     extra stages only add communication; of all feasible packings met on the way it keeps the
     one with the smallest ρF + ρB (ties: the smaller link-cost sum). Default ε = 1e-4·D_max.
+
+    Under a `memory` cap: exactly N stages (a stage's memory depends on its place among
+    them), and D is feasible when some weight's caps admit a partition whose stages also fit
+    their memory (`capped._reach`, recomputing where the budget allows and needs: Σb + Σf);
+    PlanError when no partition fits at all.
     """
     check_planner_args(cost, stages, p)
+    cap = check_fits(cost, stages, p, memory)
     if isinstance(eta, bool) or int(eta) != eta or eta < 2:
         raise ValueError(f"eta={eta!r} must be an integer >= 2 (the paper uses 10, 100, 1000)")
     pack = Packing.of(cost, p)
@@ -163,6 +178,14 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
         raise ValueError(f"eps={eps} must be > 0 (the bisection stops when D_max - D_min < eps)")
     eps = 1e-4 * d_max if eps is None else float(eps)
     weights = np.arange(eta + 1) / eta
+    if cap is not None:
+        free = imd(cost, stages, p, eta, eps)  # when its N stages fit without recomputing,
+        fitting = (cap.evaluate(cost, free.bounds, "imd")  # the cap changes nothing
+                   if len(free.bounds) == stages else None)
+        if fitting is None or any(fitting.recompute):
+            fitting = _capped(cost, cap, pack, weights, stages, eps, d_max)
+        found = fitting
+        return settle(cost, found, "rho", stages, cap)
     lanes = _Lanes(pack, weights, stages, float(f.max()), float(b.max()))
 
     d_lo = max(float(f.max()), float(b.max()))
@@ -180,6 +203,60 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
             d_hi = d_mid
             best = min(best, found, key=lambda x: x[:2])
     return settle(cost, Partition.evaluate(cost, best[2], p, "imd"), "rho", stages)
+
+
+def _capped(cost: CostTable, cap: Capacity, pack: Packing, weights: np.ndarray, stages: int,
+            eps: float, d_max: float) -> Partition:
+    """IMD's bisection on D under a memory cap: exactly N stages, each within the caps
+    (v1, v2) = (wD, (1 − w)D) and its memory cap, links within the caps; of the lanes that fit
+    at the last feasible D, the partition with the least ρF + ρB (then link sum)."""
+    f, b = np.diff(pack.sum_f), np.diff(pack.sum_b)
+    again = pack.sum_b + pack.sum_f  # a recomputing stage's backward runs its forward again
+
+    def fitting(volume: float) -> tuple[np.ndarray, np.ndarray]:
+        v1, v2 = weights * volume, (1.0 - weights) * volume
+        keep = ((v1 + 2 * pack.tol >= f.max()) & (v2 + 2 * pack.tol >= b.max())
+                & (stages * (v1 + 2 * pack.tol) >= pack.sum_f[-1])
+                & (stages * (v2 + 2 * pack.tol) >= pack.sum_b[-1]))
+        v1, v2 = v1[keep], v2[keep]
+        if not v1.size:
+            return v1, v2
+        fits = split_lanes(cap, _timings(pack, again, v1, v2), _links_ok(pack, v1, v2))
+        return v1[fits], v2[fits]
+
+    d_lo = max(float(f.max()), float(b.max()))
+    d_hi = max(d_max, again[-1] + pack.sum_f[-1]) * len(weights) / max(len(weights) - 2, 1)
+    if not split_lanes(cap, [])[0]:  # a partition fits (checked), but no stage-by-stage
+        # greedy one (memory is not monotone in a stage's end): balanced's exact DP finds it
+        bounds, setting = capped_minmax(cap, f + b, 2 * f + b)
+        return cap.evaluate(cost, bounds, "imd", setting)
+    while not fitting(d_hi)[0].size:  # with the time caps loose enough, some D fits
+        d_lo, d_hi = d_hi, 2 * d_hi
+    while d_hi - d_lo >= eps:
+        d_mid = 0.5 * (d_lo + d_hi)
+        if not d_lo < d_mid < d_hi:
+            break
+        if fitting(d_mid)[0].size:
+            d_hi = d_mid
+        else:
+            d_lo = d_mid
+    found = []
+    for v1, v2 in zip(*fitting(d_hi)):
+        one, two = np.array([v1]), np.array([v2])
+        bounds, setting = trace_lane(cap, _timings(pack, again, one, two),
+                                     _links_ok(pack, one, two))
+        part = cap.evaluate(cost, bounds, "imd", setting)
+        found.append((part.rho_f + part.rho_b, sum(s.cf + s.cb for s in part.stages), part))
+    return min(found, key=lambda x: x[:2])[2]
+
+
+def _timings(pack: Packing, again: np.ndarray, v1: np.ndarray, v2: np.ndarray) -> list[Timing]:
+    return [Timing(pack.sum_f, pack.sum_f, v1, pack.tol), Timing(pack.sum_b, again, v2, pack.tol)]
+
+
+def _links_ok(pack: Packing, v1: np.ndarray, v2: np.ndarray) -> np.ndarray:
+    return ((pack.link_f[None, :] <= v1[:, None] + pack.tol)
+            & (pack.link_b[None, :] <= v2[:, None] + pack.tol))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,111 @@
+"""The smallest memory cap any partition fits, found fast: a DP over a band of stage widths."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fxpipe.cost import CostTable, Partition
+from fxpipe.memory import MemoryBudget
+
+__all__ = ["frontier", "least_scale", "row_terms", "walk_fields"]
+
+
+def walk_fields(cost: CostTable, p: int) -> dict[str, np.ndarray]:
+    """Per cut i (before unit i), what `stage_bytes` reads for a stage starting or ending
+    there, and the saved bytes' prefix sums."""
+    crossing, grads, crossing_saved, outputs = cost.crossing_bytes(p)
+    at_cut = lambda v: np.concatenate([[0.0], v])  # noqa: E731  [i]: the cut before unit i
+    return {"saved": np.concatenate([[0.0], np.cumsum(cost.saved_bytes(p))]),
+            "crossing": at_cut(crossing), "grads": at_cut(grads),
+            "crossing_saved": at_cut(crossing_saved), "outputs": np.float64(outputs)}
+
+
+def row_terms(row: np.ndarray, fields: dict[str, np.ndarray], s: int, last: bool
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """One step's coefficients (FIELDS' order) · StageBytes(a, e) but the workspace, as
+    start(a) + end(e): the saved bytes' prefix sums and what crosses the two cuts."""
+    saved, received, sent, sent_saved, received_grads, sent_grads, _ = row
+    start = -saved * fields["saved"]
+    if s:  # the first stage receives nothing (its inputs are the caller's)
+        start = start + received * fields["crossing"] + sent_grads * fields["grads"]
+    end = saved * fields["saved"] + (sent * fields["outputs"] if last else (
+        sent * fields["crossing"] + sent_saved * fields["crossing_saved"]
+        + received_grads * fields["grads"]))
+    return start, end
+
+
+def frontier(rows: np.ndarray) -> np.ndarray:
+    """The rows no other row is at least as large as everywhere (the bytes are >= 0, so the
+    others never hold the maximum)."""
+    rows = np.unique(np.round(rows, 12), axis=0)
+    keep = [i for i, r in enumerate(rows)
+            if not any(j != i and np.all(o >= r) for j, o in enumerate(rows))]
+    return rows[keep]
+
+
+def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget
+                ) -> tuple[float, tuple[int, ...], tuple[bool, ...]]:
+    """What `capped.smallest_scale` finds (the least over partitions and allowed recompute
+    settings of the largest stage memory / cap, the partition and settings), without the
+    (K+1)² tables: the even split's ratio U bounds the optimum, and a stage's memory is at
+    least its weights' share plus its saved bytes × the largest coefficient a step gives
+    them, so only stages within that bound's widths are searched (O(N·K·width))."""
+    modes, limits = budget.modes(stages), budget.limits(stages)
+    fields = walk_fields(cost, p)
+    kept = np.concatenate([[0.0], np.cumsum((2.0 + budget.optimizer_slots) * cost.param_bytes)])
+    work = cost.unit_workspace(p)
+    units = cost.units
+    even = tuple((i + 1) * units // stages for i in range(stages))  # any partition bounds it
+    ratio = np.full(stages, np.inf)
+    for r in (False, True):
+        settings = tuple(r if r in m else m[0] for m in modes)
+        part = Partition.evaluate(cost, even, p, recompute=settings, memory=budget)
+        ratio = np.minimum(ratio, [s.memory / c for s, c in zip(part.stages, limits)])
+    bound = float(ratio.max()) * (1 + 1e-9)
+    rows = {(s, r): frontier(budget.terms(stages, p, s, r).sum(axis=1))
+            for s in range(stages) for r in modes[s]}
+    width = 1
+    for (s, _), terms in rows.items():
+        lower = kept + terms[:, 0].max() * fields["saved"]  # nondecreasing in the end
+        far = np.searchsorted(lower, lower + bound * limits[s], side="right") - 1
+        width = max(width, int((far - np.arange(units + 1)).max()))
+    width = min(width, units)
+    # workspace over [a, a + j): ws[j][a]
+    spans = np.full((width + 1, units + 1), -np.inf)
+    for j in range(1, width + 1):
+        spans[j, : units + 1 - j] = np.maximum(spans[j - 1, : units + 1 - j],
+                                               work[j - 1: units])
+    best = np.full(units + 1, np.inf)
+    best[0] = -np.inf
+    steps = []
+    for s in range(stages):
+        new = np.full(units + 1, np.inf)
+        pick = np.zeros((units + 1, 2), dtype=np.int64)  # per end: width, mode index
+        for m, r in enumerate(modes[s]):
+            cost_s = np.full((width + 1, units + 1), -np.inf)  # [j, a]: stage [a, a + j)
+            for row in rows[(s, r)]:
+                start, end = row_terms(row, fields, s, s == stages - 1)
+                start = np.broadcast_to(start - kept, (units + 1,))
+                end = np.broadcast_to(end + kept, (units + 1,))
+                for j in range(1, width + 1):
+                    value = start[: units + 1 - j] + end[j:] + row[-1] * np.maximum(
+                        spans[j, : units + 1 - j], 0.0)
+                    np.maximum(cost_s[j, : units + 1 - j], value,
+                               out=cost_s[j, : units + 1 - j])
+            for j in range(1, width + 1):
+                a = np.arange(units + 1 - j)
+                valid = a > 0 if s else a == 0  # a later stage never starts at unit 0
+                value = np.where(valid, np.maximum(best[a], cost_s[j, a] / limits[s]), np.inf)
+                better = value < new[j:]
+                new[j:][better] = value[better]
+                pick[j:][better] = (j, m)
+        steps.append(pick)
+        best = new
+    value = float(best[units])
+    bounds, settings, e = [], [], units
+    for s in range(stages - 1, -1, -1):
+        j, m = steps[s][e]
+        bounds.append(e)
+        settings.append(modes[s][int(m)])
+        e -= int(j)
+    return value, tuple(reversed(bounds)), tuple(reversed(settings))

@@ -1,0 +1,204 @@
+"""Planning under a memory cap: exact equals the capped brute force, every other planner fits
+whenever some partition does, and no fit at all names the smallest cap that would."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from partition_tables import BATCH, SIZES, close
+
+from fxpipe.cost import CostTable, Partition
+from fxpipe.errors import PlanError
+from fxpipe.memory import MemoryBudget
+from fxpipe.passes.partition import (
+    ampa,
+    balanced,
+    brute_force,
+    csimd,
+    divisors,
+    even,
+    exact,
+    imd,
+    params,
+)
+from fxpipe.passes.partition.capped import Capacity
+
+SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
+
+
+@st.composite
+def capped(draw, max_units: int = 7, max_stages: int = 4, sizes: bool = False,
+           recompute: bool = True):
+    """(table with weights, saved and boundary bytes; stages; p; budget). The cap is a share
+    of what one stage holding everything needs, so some draws fit and some do not."""
+    units = draw(st.integers(2, max_units))
+    stages = draw(st.integers(1, min(units, max_stages)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rows = SIZES[:, None] if sizes else np.ones((1, 1))
+    f, b = (1 + rng.uniform(0, 10, units) * rows for _ in range(2))
+    cf, cb = (rng.uniform(0, 5, units) * rows * (rng.uniform() < 0.7) for _ in range(2))
+    weights = rng.integers(1, 100, units) * (rng.uniform(size=units) < 0.8)
+    weights[0] += 1  # params balances parameter counts: give it some
+    saved = rng.uniform(0, 100, units) * rows
+    crossing = rng.uniform(0, 60, units) * rows
+    cost = CostTable.from_arrays(f, b, cf, cb, sizes=SIZES if sizes else None,
+                                 batch=BATCH if sizes else None, params=weights,
+                                 activation_bytes=saved, boundary_bytes=crossing)
+    p = draw(st.integers(1, 4))
+    schedule = draw(st.sampled_from(SCHEDULES))
+    whole = 16 * weights.sum() + max(p, 2) * saved.max(0).sum()
+    share = draw(st.floats(0.1, 1.0))
+    per_stage = draw(st.booleans())
+    limit = (tuple(whole * share * rng.uniform(0.5, 1.5, stages)) if per_stage
+             else float(whole * share))
+    mode = draw(st.sampled_from([False, "auto", True])) if recompute else False
+    return cost, stages, p, MemoryBudget(limit, schedule, 2.0, mode)
+
+
+def fits(part: Partition, budget: MemoryBudget) -> bool:
+    limits = budget.limits(len(part.stages))
+    return all(s.memory <= limit * (1 + 1e-9) for s, limit in zip(part.stages, limits))
+
+
+def smallest_cap(error: PlanError) -> float | tuple[float, ...]:
+    found = re.search(r"memory_limit=(\d+|\[[\d, ]+\]) bytes", str(error))
+    assert found, str(error)
+    text = found.group(1)
+    return (float(text) if not text.startswith("[") else
+            tuple(float(x) for x in text.strip("[]").split(",")))
+
+
+def scaled(budget: MemoryBudget, limit, less: bool = False) -> MemoryBudget:
+    """`budget` with the cap `limit` (whole bytes, rounded up), or a little less: a byte, or a
+    millionth where that is more."""
+    cut = (lambda x: x - max(1.0, 1e-6 * x)) if less else (lambda x: x)
+    limit = tuple(map(cut, limit)) if isinstance(limit, tuple) else cut(limit)
+    return MemoryBudget(limit, budget.schedule, budget.optimizer_slots, budget.recompute)
+
+
+@settings(max_examples=40, deadline=None)
+@given(capped(), st.sampled_from(["time", "rho"]))
+def test_exact_equals_the_capped_brute_force(instance, objective):
+    cost, stages, p, budget = instance
+    best = brute_force(cost, stages, p, objective, memory=budget)
+    if best is None:
+        with pytest.raises(PlanError, match="no partition"):
+            exact(cost, stages, p, objective, memory=budget)
+        return
+    part = exact(cost, stages, p, objective, memory=budget)
+    assert len(part.bounds) == stages and fits(part, budget)
+    score = (lambda x: x.predicted_time) if objective == "time" else (lambda x: x.rho_f + x.rho_b)
+    assert close(score(part), score(best))
+
+
+PLANNERS = {"balanced": balanced, "imd": imd, "ampa": ampa, "exact": exact}
+
+
+@settings(max_examples=30, deadline=None)
+@given(capped(), st.sampled_from(sorted(PLANNERS)))
+def test_every_planner_fits_whenever_a_partition_does(instance, name):
+    cost, stages, p, budget = instance
+    best = brute_force(cost, stages, p, "compute", memory=budget)
+    planner = PLANNERS[name]
+    if best is not None:
+        part = planner(cost, stages, p, memory=budget)
+        assert len(part.bounds) == stages and fits(part, budget)
+        if name == "balanced":  # balanced's own objective: the capped optimum
+            compute = lambda x: max(s.f + s.b for s in x.stages)  # noqa: E731
+            assert close(compute(part), compute(best))
+        return
+    with pytest.raises(PlanError, match="no partition") as error:
+        planner(cost, stages, p, memory=budget)
+    limit = smallest_cap(error.value)  # that cap fits, and one slightly smaller does not
+    assert fits(planner(cost, stages, p, memory=scaled(budget, limit)), scaled(budget, limit))
+    with pytest.raises(PlanError, match="no partition"):
+        planner(cost, stages, p, memory=scaled(budget, limit, less=True))
+
+
+def test_balanced_recomputes_the_least_forward_time_among_its_optima():
+    # two splits share the least largest f + b (17): (2, 5) with stage 0 recomputing (2·6 +
+    # 5), and (1, 5) with nothing recomputed (stage 1: 8 + 9); the second adds no forward
+    cost = CostTable.from_arrays([3.0, 3.0, 3.0, 1.0, 1.0], [2.0, 3.0, 3.0, 1.0, 2.0],
+                                 activation_bytes=[40.0, 20.0, 10.0, 30.0, 40.0],
+                                 boundary_bytes=[1.0, 1.0, 1.0, 0.0, 2.0])
+    budget = MemoryBudget(115.0, "1f1b", 0.0, "auto")
+    assert Capacity.of(cost, 2, 3, budget).settings((2, 5)) == (True, False)  # it fits too
+    part = balanced(cost, 2, 3, memory=budget)
+    assert part.bounds == (1, 5) and part.recompute == ()
+    assert max(s.f + s.b for s in part.stages) == 17.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(capped(sizes=True))
+def test_csimd_searches_the_micro_batch_counts_that_fit(instance):
+    cost, stages, _, budget = instance
+    fitting = [q for q in divisors(BATCH) if brute_force(cost, stages, q, memory=budget)]
+    if not fitting:
+        with pytest.raises(PlanError, match="no micro-batch count"):
+            csimd(cost, stages, memory=budget, schedule=budget.schedule)
+        return
+    part = csimd(cost, stages, memory=budget, schedule=budget.schedule)
+    assert part.schedule == budget.schedule
+    assert part.micro_batches in fitting and len(part.bounds) == stages
+    assert fits(part, budget)
+
+
+@settings(max_examples=25, deadline=None)
+@given(capped(), st.sampled_from([even, params]))
+def test_fixed_rules_fit_or_say_which_stage_does_not(instance, planner):
+    cost, stages, p, budget = instance
+    if brute_force(cost, stages, p, memory=budget) is None:
+        with pytest.raises(PlanError, match="no partition"):
+            planner(cost, stages, p, memory=budget)
+        return
+    plain = planner(cost, stages, p)
+    fitting = Capacity.of(cost, stages, p, budget).settings(plain.bounds) is not None
+    if not fitting:
+        with pytest.raises(PlanError, match=r"fixed rule .* stage \d+ \(units .* honours the cap"):
+            planner(cost, stages, p, memory=budget)
+        return
+    part = planner(cost, stages, p, memory=budget)
+    assert part.bounds == plain.bounds and fits(part, budget)
+
+
+def test_recomputation_adds_the_forward_to_the_backward_and_holds_only_inputs():
+    cost = CostTable.from_arrays([1.0, 2.0], [3.0, 4.0], params=[10, 0],
+                                 activation_bytes=[100.0, 50.0], boundary_bytes=[8.0, 0.0])
+    budget = MemoryBudget(schedule="gpipe", optimizer_slots=2.0)
+    plain = Partition.evaluate(cost, (1, 2), 4, memory=budget)
+    again = Partition.evaluate(cost, (1, 2), 4, recompute=(False, True), memory=budget)
+    assert again.recompute == (False, True) and plain.recompute == ()
+    assert [s.b for s in again.stages] == [3.0, 4.0 + 2.0]
+    # gpipe posts the four receives at the start, and holds four micro-batches' activations
+    assert plain.stages[1].memory == 4 * 8.0 + 4 * 50.0
+    assert again.stages[1].memory == 4 * 8.0 + 50.0  # their inputs, and one recompute's
+    # stage 0 holds its four sends until the step ends, and in its backward a new weight
+    # gradient beside .grad (its workspace)
+    assert plain.stages[0].memory == again.stages[0].memory == (
+        4 * 10 * 4 + 4 * 100.0 + 4 * 8.0 + 10 * 4)
+
+
+def test_auto_recomputes_only_the_stage_that_needs_it():
+    cost = CostTable.from_arrays([1.0] * 4, [1.0] * 4, activation_bytes=[100.0] * 4,
+                                 boundary_bytes=[1.0] * 4)
+    budget = MemoryBudget(250.0, "1f1b", 2.0, "auto")  # 1f1b: stage 0 holds 2, stage 1 one
+    part = balanced(cost, 2, 4, memory=budget)
+    assert part.bounds == (2, 4) and part.recompute == (True, False)
+    assert fits(part, budget)
+
+
+def test_no_fit_fails_fast_naming_the_smallest_cap_and_the_stage():
+    rng = np.random.default_rng(0)
+    units = 300
+    cost = CostTable.from_arrays(rng.uniform(1, 2, units), rng.uniform(1, 2, units),
+                                 params=rng.integers(1000, 2000, units),
+                                 activation_bytes=rng.uniform(1e5, 2e5, units))
+    budget = MemoryBudget(1024.0, "1f1b")
+    for planner in (balanced, exact, imd, ampa, even, params):
+        with pytest.raises(PlanError, match=r"no partition into 8 stages fits the memory cap"
+                           r".* on stage \d+ .*give memory_limit=\d+ bytes"):
+            planner(cost, 8, 4, memory=budget)

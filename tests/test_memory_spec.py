@@ -1,0 +1,124 @@
+"""Plan(memory_limit=..., optimizer=..., recompute=...): parsing, errors that say the fix,
+save/load, and compile honouring the cap."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import Plan
+from fxpipe.errors import PlanError
+from fxpipe.memory_spec import optimizer_slots, parse_bytes
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("8GiB", 8 * 2**30), ("512MB", 512e6), ("1.5 GiB", 1.5 * 2**30), ("2 kib", 2048),
+    ("100", 100), ("1e3KB", 1e6), (4096, 4096), (2.5e9, 2.5e9),
+])
+def test_memory_limit_reads_bytes_and_binary_and_decimal_units(text, expected):
+    assert parse_bytes(text) == expected
+    assert Plan(stages=2, memory_limit=text).memory_limit == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    ("8 gigs", "not an amount of memory.*'8GiB'"),
+    ("GiB", "not an amount of memory"),
+    (True, "not an amount of memory"),
+    (0, "more than 0 bytes"),
+    (-5, "more than 0 bytes"),
+    (float("inf"), "finite"),
+    ({"a": 1}, "not an amount of memory"),
+])
+def test_bad_memory_limits_say_how_to_give_one(value, message):
+    with pytest.raises(PlanError, match=message):
+        Plan(stages=2, memory_limit=value)
+
+
+def test_one_memory_limit_per_device():
+    plan = Plan(stages=4, memory_limit=["1GiB", "2GiB", 3e9, "4 GB"])
+    assert plan.memory_limit == (2**30, 2**31, 3e9, 4e9)
+    with pytest.raises(PlanError, match=r"gives 3 caps for the plan's 4 device.*one per device"):
+        Plan(stages=4, memory_limit=["1GiB"] * 3)
+    # two stages per device: one cap per device
+    plan = Plan(stages=4, stages_per_device=2, schedule="interleaved-1f1b", micro_batches=2,
+                memory_limit=["1GiB", "2GiB"])
+    assert plan.memory_limit == (2**30, 2**31)
+    with pytest.raises(PlanError, match="gives 4 caps for the plan's 2 device"):
+        Plan(stages=4, stages_per_device=2, schedule="interleaved-1f1b", micro_batches=2,
+             memory_limit=["1GiB"] * 4)
+
+
+def test_optimizer_slots_by_name_or_number():
+    assert optimizer_slots(None) == 2  # Adam's two moments unless told otherwise
+    assert [optimizer_slots(n) for n in ("adam", "AdamW", "sgd", "sgd-momentum")] == [2, 2, 0, 1]
+    assert optimizer_slots(3) == 3.0
+    with pytest.raises(PlanError, match=r"optimizer='lbfgs'.*'adam'.*Adam: 2"):
+        Plan(stages=2, optimizer="lbfgs")
+    with pytest.raises(PlanError, match="optimizer=-1"):
+        Plan(stages=2, optimizer=-1)
+
+
+def test_recompute_values_and_their_errors():
+    assert Plan(stages=2, recompute=[True, False]).recompute == (True, False)
+    with pytest.raises(PlanError, match=r"gives 1 values for stages=2; give exactly one"):
+        Plan(stages=2, recompute=[True])
+    with pytest.raises(PlanError, match=r"recompute='sometimes'\) is not known.*'auto'"):
+        Plan(stages=2, recompute="sometimes")
+    # "auto" without a cap: every stage fits, so none recomputes (fxpipe.recompute_spec)
+    assert Plan(stages=2, recompute="auto").recompute == "auto"
+
+
+def test_save_and_load_keep_the_memory_fields(tmp_path):
+    plan = Plan(stages=2, memory_limit=["1.5GiB", 1e9], optimizer="sgd-momentum",
+                recompute="auto")
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan
+    assert (loaded.memory_limit, loaded.optimizer, loaded.recompute) == (
+        (1.5 * 2**30, 1e9), "sgd-momentum", "auto")
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+
+
+def test_compile_honours_the_cap_and_prints_it():
+    x = torch.randn(4, 32)
+    weights = 32 * 33 * 4 * 4  # bytes per layer: weights, gradients, Adam's two moments
+    limit = 2.5 * weights  # two layers and their few activation bytes fit, three do not
+    plan = Plan(stages=2, partitioner=[3, 1], memory_limit=limit)
+    with pytest.raises(PlanError, match=r"your stage sizes \(3\+1 .* stage 0 .* honours the cap"):
+        fxpipe.compile(_model(), plan, example_inputs=(x,))
+    pipe = fxpipe.compile(_model(), Plan(stages=2, memory_limit=limit), example_inputs=(x,))
+    assert pipe.partition.sizes == (2, 2)
+    assert all(s.memory <= limit for s in pipe.partition.stages)
+    assert "memory cap (Plan(memory_limit))" in str(pipe) and " / " in str(pipe)
+
+
+def test_compile_with_a_cap_too_small_for_any_plan_names_the_smallest():
+    x = torch.randn(8, 32)
+    with pytest.raises(PlanError, match=r"cannot partition Sequential: no partition into 2 "
+                       r"stages fits .* give memory_limit=\d+ bytes"):
+        fxpipe.compile(_model(), Plan(stages=2, memory_limit="1KiB"), example_inputs=(x,))
+
+
+def test_auto_recomputes_only_the_stage_that_needs_it_to_fit():
+    # eight Linear(8, 8): each saves its 256-row input (8 KiB per micro-batch); under 1f1b
+    # stage 0 holds two micro-batches in flight, stage 1 one, so only stage 0 is over the cap
+    # (each stage also holds its messages and backward workspace: 4+4 units need 117 KiB on
+    # stage 0, 95 KiB recomputing, and 85 KiB on stage 1 either way)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])
+    x = torch.randn(512, 8)
+    plan = Plan(stages=2, schedule="1f1b", micro_batches=2, memory_limit=100_000)
+    with pytest.raises(PlanError, match=r"no partition .* recompute='auto'"):
+        fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe = fxpipe.compile(model, dataclasses.replace(plan, recompute="auto"),
+                          example_inputs=(x,))
+    assert pipe.partition.recompute == (True, False)
+    # what enters a stage, per micro-batch: the profile's bytes crossing the cut before it
+    assert list(pipe.cost.input_bytes(2)) == [0.0] + [256 * 8 * 4] * 7 + [0.0]
+    assert all(s.memory <= 100_000 for s in pipe.partition.stages)
+    assert "recomputing the forward in backward: stage 0" in str(pipe)
