@@ -9,7 +9,8 @@ torch.cuda outside any such branch are listed apart: they are what the tests rep
 
     pip install coverage    # for measuring only; not a dependency of fxpipe
     coverage run --source=fxpipe/,passes/,runtime/ -m pytest -q tests/test_devices.py \\
-        tests/runtime/test_device_copies.py tests/test_gpu_check.py
+        tests/runtime/test_device_copies.py tests/test_gpu_check.py tests/test_peak_memory.py \\
+        tests/test_precision.py tests/runtime/test_loss_scaling.py tests/test_cli.py
     python benchmarks/cuda_branches.py --data .coverage
 """
 

@@ -10,9 +10,9 @@ import torch
 
 from fxpipe.errors import PlanError
 
-__all__ = ["CopyRoute", "backend_for", "copy_route", "job_backend", "plan_rank_device",
-           "shares_cpu_generator", "should_pin", "slot_device_types", "timer_kind",
-           "timing_device", "wire_device"]
+__all__ = ["CopyRoute", "backend_for", "collective_device", "copy_route", "job_backend",
+           "plan_rank_device", "shares_cpu_generator", "should_pin", "slot_device_types",
+           "timer_kind", "timing_device", "wire_device"]
 
 Device = torch.device | str
 
@@ -65,6 +65,14 @@ def should_pin(value: Any, dst: Device) -> bool:
         return False
     route = copy_route(value.device, dst)
     return route is not None and route.pin and not value.is_pinned()
+
+
+def collective_device(home: Device, backend: str) -> torch.device:
+    """Where a small collective of a job (e.g. the loss scaler's inf/nan flag) is reduced:
+    on the host wherever the job has gloo, since a job of CPU and GPU ranks reduces CPU
+    tensors over gloo and GPU ones over NCCL and every rank must use the same kind; on
+    `home` (this rank's GPU) in a job of NCCL alone."""
+    return _device(home) if backend == "nccl" else torch.device("cpu")
 
 
 def timing_device(devices: Sequence[Device]) -> str:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
+from fxpipe.devices import collective_device
 from fxpipe.errors import FxpipeError
 
 __all__ = ["PipelineScaler"]
@@ -103,10 +104,7 @@ class PipelineScaler(torch.amp.GradScaler):
             for flag in per_device.values():
                 total += flag.to(self.home)
         if self.distributed and dist.is_initialized() and dist.get_world_size() > 1:
-            # over the host where the job has gloo: a job of CPU and GPU ranks reduces CPU
-            # tensors over gloo and GPU ones over NCCL, so every rank must use the same kind
-            wire = self.home if dist.get_backend() == "nccl" else torch.device("cpu")
-            reduced = total.to(wire)
+            reduced = total.to(collective_device(self.home, dist.get_backend()))
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
             total = reduced.to(self.home)
         for per_device in found:

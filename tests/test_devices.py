@@ -296,3 +296,9 @@ def test_a_bare_cuda_device_is_named_by_its_index_so_stages_on_it_share_one_devi
     placed = stage_devices(model, fxpipe.Plan(stages=2, devices=["cuda", "cuda:2"]))
     assert placed == ["cuda:2", "cuda:2"]
     assert devices.copy_route(*placed) is None  # no copy between them
+
+
+@pytest.mark.parametrize("backend, where", [("cpu:gloo,cuda:nccl", "cpu"), ("gloo", "cpu"),
+                                            ("nccl", "cuda:1")])
+def test_a_jobs_small_collectives_go_over_the_host_unless_it_has_nccl_alone(backend, where):
+    assert devices.collective_device("cuda:1", backend) == torch.device(where)
