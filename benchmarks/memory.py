@@ -2,6 +2,7 @@
 gpipe and 1f1b, each stage in a process of its own (torchrun, gloo on localhost).
 
     python benchmarks/memory.py [--models mlp,resnet,vgg,gpt] [--batch 32] [--micro-batches 4]
+                                [--recompute]   # every stage recomputes (Plan(recompute=True))
 
 A stage's measured peak is `fxpipe.measure_memory`'s: its parameters, gradients and Adam's
 state counted from the tensors, and the peak a training step allocates above that (the
@@ -22,7 +23,7 @@ THRESHOLD = 0.15  # the target: predicted within 15% of measured
 
 
 def worker(model_name: str, stages: int, schedule: str, batch: int, micro_batches: int,
-           repeats: int, out: str) -> None:
+           repeats: int, out: str, recompute: bool = False) -> None:
     """One rank of one configuration: compile, create Adam's state, measure, and on rank 0
     write every stage's predicted and measured figures."""
     import torch
@@ -36,7 +37,7 @@ def worker(model_name: str, stages: int, schedule: str, batch: int, micro_batche
     model = bundle.build()
     x, y = bundle.batch(batch, torch.Generator().manual_seed(0))
     plan = fxpipe.Plan(stages=stages, partitioner="even", schedule=schedule,
-                       micro_batches=micro_batches, loss_fn=bundle.loss_fn)
+                       micro_batches=micro_batches, loss_fn=bundle.loss_fn, recompute=recompute)
     pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=0.0)  # lr 0: the state, weights kept
     pipe.step(x, y)
@@ -63,7 +64,7 @@ def run(model: str, stages: int, schedule: str, args: argparse.Namespace) -> lis
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", str(stages), os.path.abspath(__file__), "--worker",
                    model, str(stages), schedule, str(args.batch), str(args.micro_batches),
-                   str(args.repeats), out]
+                   str(args.repeats), out, str(int(args.recompute))]
         job = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if job.returncode != 0:
             raise SystemExit(f"{model} {stages} {schedule} failed:\n{job.stderr[-4000:]}")
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--recompute", action="store_true", help="every stage recomputes")
     args = parser.parse_args()
     header = ("model", "N", "schedule", "stage", "units", "predicted MiB",
               "measured MiB (range)", "pred/meas", "of it: state MiB", "activations MiB")
@@ -110,7 +112,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        model, stages, schedule, batch, p, repeats, out = sys.argv[2:9]
-        worker(model, int(stages), schedule, int(batch), int(p), int(repeats), out)
+        model, stages, schedule, batch, p, repeats, out, again = sys.argv[2:10]
+        worker(model, int(stages), schedule, int(batch), int(p), int(repeats), out,
+               again == "1")
     else:
         main()
