@@ -35,9 +35,7 @@ def test_without_a_gpu_it_runs_the_cpu_half_says_what_it_skipped_and_passes():
 
 def test_a_mismatch_or_a_failure_exits_non_zero(monkeypatch, capsys):
     gpu_check = _module()
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32",
-                        torch.backends.cuda.matmul.allow_tf32)
+    tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
 
     def wrong(name, devices, schedule, size, steps, check, stages):
         check.close(f"{name}: loss", torch.tensor(1.0), torch.tensor(1.1))
@@ -52,6 +50,8 @@ def test_a_mismatch_or_a_failure_exits_non_zero(monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "check_model", broken)
     assert gpu_check.main(["--quick", "--models", "mlp"]) == 1
     assert "illegal memory access" in capsys.readouterr().out
+    # main() leaves the process's TF32 settings as they were (only the script sets them)
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == tf32
 
 
 def test_it_checks_every_gpu_and_a_cpu_stage_before_them_and_says_what_a_run_skips():
