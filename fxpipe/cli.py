@@ -256,6 +256,9 @@ def _compared_schedules(args: argparse.Namespace, plan: Plan) -> list[str]:
 def _schedule_comparison(pipe, schedules: Sequence[str]) -> str:
     rows = []
     for name, part in compare_schedules(pipe, schedules).items():
+        if part is None:  # no partition fits the memory cap under this schedule
+            rows.append([name, "does not fit the memory cap", *"-----"])
+            continue
         placed = {"devices": pipe.plan.device_count} if name in VIRTUAL else {}
         peaks = peak_activations(build(name, len(part.stages), part.micro_batches, **placed))
         rows.append([name, format_sizes(part.sizes), part.micro_batches,

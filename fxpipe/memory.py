@@ -271,6 +271,9 @@ class MemoryBudget:
     optimizer_slots: float = 2.0
     recompute: bool | str | tuple[bool, ...] = False
     devices: int | None = None
+    # each stage's device where several share one (each then capped at an equal share of its
+    # device's cap); () : a device per stage
+    placement: tuple[int, ...] = ()
 
     def limits(self, stages: int) -> np.ndarray:
         """(stages,) the cap of each stage, in bytes."""

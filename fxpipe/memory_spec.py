@@ -85,6 +85,11 @@ def memory_fields(plan: Any) -> float | tuple[float, ...] | None:
     """A Plan's memory_limit, normalised, and its optimizer, checked; PlanError for a bad one.
     (Its recompute: fxpipe.recompute_spec.)"""
     optimizer_slots(plan.optimizer)
+    if plan.memory_limit is not None and plan.costs == "none":
+        raise PlanError("Plan(memory_limit=...) caps what each stage holds, activations and "
+                        "messages included, which the profile measures, but costs='none' "
+                        "measures nothing; use costs='measure' (the default) or drop "
+                        "memory_limit.")
     return memory_limit_spec(plan.memory_limit, plan.device_count)
 
 

@@ -37,6 +37,11 @@ def test_bad_memory_limits_say_how_to_give_one(value, message):
         Plan(stages=2, memory_limit=value)
 
 
+def test_a_cap_without_measured_costs_is_refused():
+    with pytest.raises(PlanError, match="costs='none' measures nothing"):
+        Plan(stages=2, memory_limit="1GiB", costs="none", partitioner="even")
+
+
 def test_one_memory_limit_per_device():
     plan = Plan(stages=4, memory_limit=["1GiB", "2GiB", 3e9, "4 GB"])
     assert plan.memory_limit == (2**30, 2**31, 3e9, 4e9)
@@ -105,6 +110,22 @@ def test_compile_with_a_cap_too_small_for_any_plan_names_the_smallest():
         fxpipe.compile(_model(), Plan(stages=2, memory_limit="1KiB"), example_inputs=(x,))
 
 
+def test_with_several_stages_per_device_the_smallest_cap_named_is_a_devices_and_fits():
+    import re
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
+    x = torch.randn(16, 64)
+    plan = Plan(stages=4, stages_per_device=2, schedule="interleaved-1f1b", micro_batches=4)
+    with pytest.raises(PlanError, match="equal share of its cap") as refused:
+        fxpipe.compile(model, dataclasses.replace(plan, memory_limit="64KiB"),
+                       example_inputs=(x,))
+    smallest = int(re.search(r"memory_limit=(\d+) bytes", str(refused.value)).group(1))
+    pipe = fxpipe.compile(model, dataclasses.replace(plan, memory_limit=smallest),
+                          example_inputs=(x,))  # fits: the device's cap, not a stage's
+    assert len(pipe.partition.stages) == 4
+
+
 def test_auto_recomputes_only_the_stage_that_needs_it_to_fit():
     # eight Linear(8, 8): each saves its 256-row input (8 KiB per micro-batch); under 1f1b
     # stage 0 holds two micro-batches in flight, stage 1 one, so only stage 0 is over the cap
@@ -122,3 +143,23 @@ def test_auto_recomputes_only_the_stage_that_needs_it_to_fit():
     assert list(pipe.cost.input_bytes(2)) == [0.0] + [256 * 8 * 4] * 7 + [0.0]
     assert all(s.memory <= 100_000 for s in pipe.partition.stages)
     assert "recomputing the forward in backward: stage 0" in str(pipe)
+
+
+def test_schedules_compared_under_a_cap_say_which_do_not_fit():
+    from fxpipe.compiler.partitioning import compare_schedules
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(256, 256),
+                                                                 torch.nn.ReLU())))
+    x = torch.randn(64, 256)  # activations outweigh the weights: gpipe holds 8, 1f1b 2
+    plan = Plan(stages=2, micro_batches=8, schedule="1f1b")
+    uncapped = compare_schedules(fxpipe.compile(model, plan, example_inputs=(x,)),
+                                 ["gpipe", "1f1b"])
+    need = {name: max(s.memory for s in part.stages) for name, part in uncapped.items()}
+    assert need["1f1b"] < need["gpipe"]
+    cap = (need["1f1b"] + need["gpipe"]) / 2
+    capped = dataclasses.replace(plan, memory_limit=cap)
+    found = compare_schedules(fxpipe.compile(model, capped, example_inputs=(x,)),
+                              ["gpipe", "1f1b"])
+    assert found["gpipe"] is None  # no partition fits under gpipe: said, not raised
+    assert max(s.memory for s in found["1f1b"].stages) <= cap

@@ -298,3 +298,15 @@ def test_with_several_stages_per_device_a_device_is_idle_only_when_none_of_its_s
         busy = row.compute + partner.compute  # (waits for messages are not idle)
         assert row.idle <= step.makespan - busy + 1e-9
     assert step.share("idle") <= step.bubble + 1e-9
+
+
+def test_replan_scores_a_schedule_of_several_stages_per_device_as_compile_does():
+    model = MLP((32, 64, 64, 64, 64, 64, 64, 10))
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    plan = fxpipe.Plan(stages=4, stages_per_device=2, schedule="interleaved-1f1b",
+                       partitioner="even", micro_batches=4, loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    pipe.step(x, y)
+    result = fxpipe.replan(pipe, threshold=0.0, partitioner="exact")
+    assert len(result.proposed.sizes) == 4
+    assert result.current.schedule == "interleaved-1f1b"  # its device programs, simulated

@@ -84,6 +84,7 @@ def _retracer(model: torch.nn.Module, c: Compilation, executor: Any):
     mode: the same stages and micro-batch count, nothing timed, and the same loss scaler."""
     plan = dataclasses.replace(c.plan, partitioner=list(c.partition.sizes), costs="none",
                                micro_batches=c.partition.micro_batches, dump=False,
+                               memory_limit=None,  # the partition is the capped one already
                                recompute=list(stage_recompute(c.plan, c.partition)))
     args, kwargs = c.args, c.kwargs
 

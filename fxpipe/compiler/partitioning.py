@@ -21,7 +21,7 @@ from fxpipe.schedules import Schedule, build
 from fxpipe.units import Unit
 
 __all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "compare_schedules",
-           "exactly_n_stages", "memory_budget"]
+           "evaluate_for_plan", "exactly_n_stages", "memory_budget"]
 
 
 # the names Plan accepts (plan.PARTITIONERS, the same keys) and the planner each runs
@@ -68,9 +68,9 @@ def choose_partition_of(model_name: str, plan: Plan, cost: CostTable) -> Partiti
     try:
         if plan.sizes is not None:  # which cover the units (checked by the units pass)
             bounds = torch.tensor(plan.sizes).cumsum(0).tolist()
-            given = _evaluate(cost, bounds, p, "given", plan)
+            given = evaluate_for_plan(cost, bounds, p, "given", plan)
             cap = check_fits(cost, plan.stages, p, memory_budget(plan, p))
-            return given if cap is None else _evaluate(
+            return given if cap is None else evaluate_for_plan(
                 cost, bounds, p, "given", plan, fit_or_explain(cost, cap, given, "given"))
         if plan.micro_batches == "auto" and plan.partitioner != "csimd":  # CSIMD's choice of p
             p = PARTITIONERS["csimd"](cost, plan.stages, schedule=plan.schedule,
@@ -94,11 +94,13 @@ def memory_budget(plan: Plan, p: int | None) -> MemoryBudget | None:
     schedule = (plan.schedule if isinstance(plan.schedule, Schedule) or p is None
                 else _scored(plan, p))
     recompute = False if plan.recompute == "auto" and cannot_recompute(plan) else plan.recompute
+    shared = plan.stages_per_device > 1
     return MemoryBudget(limits, schedule, optimizer_slots(plan.optimizer), recompute,
-                        plan.device_count if plan.schedule in VIRTUAL else None)
+                        plan.device_count if plan.schedule in VIRTUAL else None,
+                        tuple(plan.placement) if shared else ())
 
 
-def _evaluate(cost: CostTable, bounds: Sequence[int], p: int, name: str, plan: Plan,
+def evaluate_for_plan(cost: CostTable, bounds: Sequence[int], p: int, name: str, plan: Plan,
               recompute: Partition | tuple[bool, ...] | None = None) -> Partition:
     """`bounds` scored for the plan's schedule, memory counted for its optimizer, with the
     plan's recomputation (or the given settings, or a Partition's)."""
@@ -126,9 +128,9 @@ def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:
         planned = dataclasses.replace(cost, b=cost.b + cost.f)
     chosen = PARTITIONERS[name](planned, plan.stages, p, **extra)
     if memory is not None:  # every planner returns exactly N stages that fit under a cap
-        return _evaluate(cost, chosen.bounds, chosen.micro_batches, name, plan, chosen)
+        return evaluate_for_plan(cost, chosen.bounds, chosen.micro_batches, name, plan, chosen)
     bounds = exactly_n_stages(chosen.bounds, plan.stages, cost, chosen.micro_batches)
-    return _evaluate(cost, bounds, chosen.micro_batches, name, plan)
+    return evaluate_for_plan(cost, bounds, chosen.micro_batches, name, plan)
 
 
 def _scored(plan: Plan, p: int) -> str | Schedule:
@@ -143,14 +145,24 @@ def _scored(plan: Plan, p: int) -> str | Schedule:
         return plan.schedule
 
 
-def compare_schedules(pipe: CompiledPipeline, schedules: Sequence[str]) -> dict[str, Partition]:
+def compare_schedules(pipe: CompiledPipeline, schedules: Sequence[str]
+                      ) -> dict[str, Partition | None]:
     """The plan's partition of `pipe`'s cost table under each of `schedules` (names), each
     chosen as compile would for a plan of that schedule (csimd and micro_batches='auto'
-    choose p by it) and scored by its simulated step. A Plan cannot take one of them (e.g.
-    async-1f1b with groups): PlanError, before any is partitioned."""
+    choose p by it) and scored by its simulated step; None where no partition fits the
+    plan's memory cap under that schedule. A Plan cannot take one of them (e.g. async-1f1b
+    with groups): PlanError, before any is partitioned."""
     plans = {name: dataclasses.replace(pipe.plan, schedule=name) for name in schedules}
-    return {name: choose_partition_of(pipe.model_name, plan, pipe.cost)
-            for name, plan in plans.items()}
+    return {name: _fitting(pipe.model_name, plan, pipe.cost) for name, plan in plans.items()}
+
+
+def _fitting(model_name: str, plan: Plan, cost: CostTable) -> Partition | None:
+    try:
+        return choose_partition_of(model_name, plan, cost)
+    except PlanError:
+        if plan.memory_limit is None:
+            raise
+        return None
 
 
 def exactly_n_stages(bounds: Sequence[int], stages: int, cost: CostTable, p: int

@@ -6,7 +6,12 @@ import dataclasses
 
 import numpy as np
 
-from fxpipe.compiler.partitioning import PARTITIONERS, exactly_n_stages, memory_budget
+from fxpipe.compiler.partitioning import (
+    PARTITIONERS,
+    evaluate_for_plan,
+    exactly_n_stages,
+    memory_budget,
+)
 from fxpipe.cost import Partition
 from fxpipe.errors import FxpipeError
 from fxpipe.passes.partition.ampa import dispersion as ampa_dispersion
@@ -73,9 +78,10 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
     cost = dataclasses.replace(pipe.cost, f=pipe.cost.f * scale, b=pipe.cost.b * scale)
     busy = np.array([t.compute for t in measured])
     dispersion = ampa_dispersion(busy)
-    schedule = pipe.plan.schedule
-    current = Partition.evaluate(cost, pipe.partition.bounds, p, pipe.partition.partitioner,
-                                 schedule=schedule, recompute=pipe.partition.recompute)
+    # scored as compile scores: the plan's schedule (built, where it places several stages per
+    # device), memory counted for its optimizer
+    current = evaluate_for_plan(cost, pipe.partition.bounds, p, pipe.partition.partitioner,
+                                pipe.plan, pipe.partition)
     name = partitioner or (pipe.plan.partitioner if isinstance(pipe.plan.partitioner, str)
                            and pipe.plan.partitioner != "even" else "balanced")
     proposed = current
@@ -85,7 +91,7 @@ def replan(pipe: CompiledPipeline, threshold: float = 0.05,
                                    **({} if memory is None else {"memory": memory}))
         bounds = exactly_n_stages(found.bounds, pipe.plan.stages, cost, p)
         again = found.recompute if memory else pipe.partition.recompute  # chosen, or fixed
-        found = Partition.evaluate(cost, bounds, p, name, schedule=schedule, recompute=again)
+        found = evaluate_for_plan(cost, bounds, p, name, pipe.plan, again)
         if found.predicted_time < current.predicted_time:
             proposed = found
     result = Replan(current, proposed, dispersion, threshold)

@@ -337,9 +337,8 @@ def _explain(cost: CostTable, p: int, budget: MemoryBudget, scale: float,
                                                  memory=budget).stages]
     s = int(np.argmax(np.asarray(need) / limits))
     start, end = (0, *bounds)[s], bounds[s]
-    needed = [int(np.ceil(x * scale)) if np.isfinite(x) else None for x in limits]
-    limit = (f"{needed[0]} bytes" if len(set(needed)) == 1 else
-             "[" + ", ".join(str(x) for x in needed) + "] bytes (per stage)")
+    needed = _per_device([int(np.ceil(x * scale)) if np.isfinite(x) else None
+                          for x in limits], budget.placement)
     how = ("recomputing: its messages, and one micro-batch's activations in its backward"
            if again[s] else f"its activations × up to {budget.held(len(bounds), p)[s]} "
            "micro-batches in flight, "
@@ -352,7 +351,9 @@ def _explain(cost: CostTable, p: int, budget: MemoryBudget, scale: float,
             f"least ({'+'.join(str(e - a) for a, e in zip((0, *bounds), bounds))} units) still "
             f"needs {_bytes(need[s])} on stage {s} (units "
             f"{start}-{end - 1}: weights, gradients, optimizer state and {how}); give "
-            f"memory_limit={limit} ({_bytes(max(x for x in needed if x))}) or more, "
+            f"memory_limit={_as_limit(needed)} ({_bytes(max(x for x in needed if x))}) or more"
+            + (" (a device's stages are capped at an equal share of its cap)"
+               if budget.placement else "") + ", "
             f"more stages{hint}"
             + ("" if every_count else
                ", or more micro-batches (smaller ones hold fewer activation bytes)"))
@@ -364,3 +365,24 @@ def _bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def _per_device(needed: list[int | None], placement: tuple[int, ...]) -> list[int | None]:
+    """Per-stage caps as the per-device caps memory_limit takes: a device holding v stages
+    gives each 1/v of its cap, so it needs v times its stages' largest."""
+    if not placement:
+        return needed
+    share = len(placement) // (max(placement) + 1)
+    devices: dict[int, int | None] = {}
+    for d, x in zip(placement, needed):
+        held = devices.get(d)
+        devices[d] = None if x is None or (d in devices and held is None) else max(
+            x * share, held or 0)
+    return [devices[d] for d in sorted(devices)]
+
+
+def _as_limit(needed: list[int | None]) -> str:
+    if len(set(needed)) == 1:
+        return f"{needed[0]} bytes"
+    return "[" + ", ".join(str(x) for x in needed) + "] bytes (per device)"
+
