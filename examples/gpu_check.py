@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.devices import job_backend, plan_rank_device
+from fxpipe.devices import cuda_count, job_backend, plan_rank_device
 from fxpipe.models import MLP, bundled
 from fxpipe.report import step_time
 
@@ -216,7 +216,7 @@ def _without_dropout(model: nn.Module) -> nn.Module:
 
 def _rank_device() -> str:
     """This rank's device, as fxpipe chooses it for Plan(devices=None)."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_count()
     return str(plan_rank_device(None, int(os.environ.get("LOCAL_RANK", "0")), count))
 
 
@@ -292,10 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torchrun = fxpipe.distributed.launched()
     if torchrun:
-        dist.init_process_group(job_backend(
-            None, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+        dist.init_process_group(job_backend(None, cuda_count()))
     check = Check(torchrun)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_count()
     hf = importlib.util.find_spec("transformers") is not None
     names = ["mlp", "gpt"] if args.quick else ["mlp", "resnet", "vgg", "gpt"]
     if hf:

@@ -10,9 +10,9 @@ import torch
 
 from fxpipe.errors import PlanError
 
-__all__ = ["CopyRoute", "backend_for", "collective_device", "copy_route", "job_backend",
-           "plan_rank_device", "shares_cpu_generator", "should_pin", "slot_device_types",
-           "timer_kind", "timing_device", "wire_device"]
+__all__ = ["CopyRoute", "backend_for", "collective_device", "copy_route", "cuda_count",
+           "job_backend", "plan_rank_device", "shares_cpu_generator", "should_pin",
+           "slot_device_types", "timer_kind", "timing_device", "wire_device"]
 
 Device = torch.device | str
 
@@ -73,6 +73,11 @@ def collective_device(home: Device, backend: str) -> torch.device:
     tensors over gloo and GPU ones over NCCL and every rank must use the same kind; on
     `home` (this rank's GPU) in a job of NCCL alone."""
     return _device(home) if backend == "nccl" else torch.device("cpu")
+
+
+def cuda_count() -> int:
+    """The GPUs this process can use: none where CUDA is not available."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def timing_device(devices: Sequence[Device]) -> str:

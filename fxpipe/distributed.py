@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.devices import job_backend, plan_rank_device
+from fxpipe.devices import cuda_count, job_backend, plan_rank_device
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.plan import Plan
 
@@ -105,7 +105,7 @@ def rank_device(plan: Plan, layout: RankLayout) -> str:
     """The device of this rank's stage: the plan's (a bare "cuda": this node's GPU numbered
     LOCAL_RANK), else this rank's GPU by LOCAL_RANK, else the CPU (fxpipe.devices)."""
     given = None if plan.devices is None else plan.devices[layout.device]
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_count()
     local_rank = int(os.environ.get("LOCAL_RANK", layout.rank))
     return str(plan_rank_device(given, local_rank, count, layout.rank, layout.stage))
 

@@ -11,7 +11,7 @@ from fxpipe.compiler.assemble import materialize_stages, model_names
 from fxpipe.compiler.inputs import output_names
 from fxpipe.compiler.state import Compilation
 from fxpipe.cost import Link
-from fxpipe.devices import slot_device_types, wire_device
+from fxpipe.devices import cuda_count, slot_device_types, wire_device
 from fxpipe.distributed import RankLayout
 from fxpipe.errors import PlanError
 from fxpipe.ir import CommTable, tied_parameters
@@ -91,7 +91,7 @@ def ping_pong(plan: Plan, layout: RankLayout, groups: LinkGroups, device: str) -
 
 def stage_device_types(plan: Plan, layout: RankLayout) -> list[str]:
     """The device type ("cpu", "cuda") of every stage's rank, as every rank can tell."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_count()
     kinds = slot_device_types(plan.devices, count, layout.devices)
     return [kinds[layout.device_of(s)] for s in range(plan.stages)]
 
