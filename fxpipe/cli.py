@@ -23,15 +23,18 @@ from fxpipe.bench import (
     write_csv,
 )
 from fxpipe.calibrate import calibrate
-from fxpipe.compiler import compare_partitioners, compile
-from fxpipe.compiler.partitioning import compare_schedules
+from fxpipe.cli_compare import (
+    comma_separated,
+    compared_schedules,
+    partitioner_comparison,
+    schedule_comparison,
+)
+from fxpipe.compiler import compile
 from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
-from fxpipe.inspect import format_bytes, format_sizes, format_table
 from fxpipe.loading import bench_build, bundled_model, factory, load_model
 from fxpipe.models import MODELS
 from fxpipe.plan import PARTITIONERS, SCHEDULES, VIRTUAL, Plan
-from fxpipe.schedules import build, peak_activations
 
 __all__ = ["at_least_one", "main"]
 
@@ -114,17 +117,17 @@ def _plan(args: argparse.Namespace) -> None:
                 micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer,
                 stages_per_device=args.stages_per_device,
                 memory_limit=args.memory_limit)
-    schedules = _compared_schedules(args, plan)
+    schedules = compared_schedules(args, plan)
     model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
     pipe = compile(model, plan, example_inputs=inputs)
     print(pipe)
     if args.compare:
         print()
-        print(_comparison(pipe))
+        print(partitioner_comparison(pipe))
     if schedules:
         print()
-        print(_schedule_comparison(pipe, schedules))
+        print(schedule_comparison(pipe, schedules))
     if args.json:
         chosen = dataclasses.replace(plan, partitioner=list(pipe.partition.sizes),
                                      micro_batches=pipe.partition.micro_batches)
@@ -134,18 +137,10 @@ def _plan(args: argparse.Namespace) -> None:
         print(f"\nplan written to {args.json}")
 
 
-def _comma_separated(option: str, text: str) -> list[str]:
-    names = text.split(",")
-    if not all(names):
-        raise FxpipeError(f"{option} {text!r} has an empty name: separate the names with "
-                          "single commas, e.g. even,balanced.")
-    return names
-
-
 def _bench(args: argparse.Namespace) -> None:
     micro_batches = args.micro_batches
-    partitioners = _comma_separated("--partitioners", args.partitioners)
-    schedules = _comma_separated("--schedules", args.schedules)
+    partitioners = comma_separated("--partitioners", args.partitioners)
+    schedules = comma_separated("--schedules", args.schedules)
     if args.nproc == 1:
         raise FxpipeError("--nproc 1 runs one process, as the run without --nproc does: drop "
                           "--nproc, or give at least 2 stages and as many processes.")
@@ -218,58 +213,6 @@ def _without_option(argv: Sequence[str], option: str) -> list[str]:
             continue
         out.append(item)
     return out
-
-
-def _comparison(pipe) -> str:
-    rows, failed = [], {}
-    for name, part in compare_partitioners(pipe, failed).items():
-        slowest = max(s.f + s.b for s in part.stages)
-        rows.append([name, format_sizes(part.sizes), part.micro_batches,
-                     f"{part.predicted_time * 1e3:.2f}",
-                     f"{part.bubble:.0%}", f"{slowest * 1e3:.2f}",
-                     format_bytes(max(s.memory for s in part.stages))])
-    header = ["partitioner", "units per stage", "p", "predicted ms", "bubble",
-              "slowest stage ms", "max memory"]
-    return (f"partitioners compared (same cost table, {pipe.plan.schedule_name}'s step; p: "
-            "micro-batches, csimd chooses its own):\n" + format_table(header, rows)
-            + "".join(f"\n{name}: does not fit: {why}" for name, why in failed.items()))
-
-
-def _compared_schedules(args: argparse.Namespace, plan: Plan) -> list[str]:
-    """--schedules, checked before any work: known names a plan like `plan` takes, and only
-    with --compare."""
-    if args.schedules is None:
-        return []
-    if not args.compare:
-        raise FxpipeError("--schedules compares schedules alongside the partitioners: add "
-                          "--compare.")
-    names = _comma_separated("--schedules", args.schedules)
-    unknown = [name for name in names if name not in SCHEDULES]
-    if unknown:
-        raise FxpipeError(f"--schedules: {', '.join(map(repr, unknown))} is not a schedule "
-                          f"fxpipe plans for; choose among {','.join(SCHEDULES)}.")
-    for name in names:  # Plan's own checks of the schedule, before anything is measured
-        dataclasses.replace(plan, schedule=name)
-    return names
-
-
-def _schedule_comparison(pipe, schedules: Sequence[str]) -> str:
-    rows = []
-    for name, part in compare_schedules(pipe, schedules).items():
-        if part is None:  # no partition fits the memory cap under this schedule
-            rows.append([name, "does not fit the memory cap", *"-----"])
-            continue
-        placed = {"devices": pipe.plan.device_count} if name in VIRTUAL else {}
-        peaks = peak_activations(build(name, len(part.stages), part.micro_batches, **placed))
-        rows.append([name, format_sizes(part.sizes), part.micro_batches,
-                     f"{part.predicted_time * 1e3:.2f}", f"{part.bubble:.0%}",
-                     "/".join(map(str, peaks)), format_bytes(max(s.memory for s in part.stages))])
-    header = ["schedule", "units per stage", "p", "simulated ms", "bubble",
-              "peak activations", "max memory"]
-    partitioner = pipe.partition.partitioner
-    return (f"schedules compared ({partitioner}'s partition for each; simulated on a chain of "
-            "stages; peak activations: micro-batches held at once per stage; async-1f1b: per "
-            "mini-batch of two streamed):\n" + format_table(header, rows))
 
 
 def _partitioner(text: str | None) -> str | list[int] | None:
