@@ -29,6 +29,7 @@ from fxpipe.cli_compare import (
     partitioner_comparison,
     schedule_comparison,
 )
+from fxpipe.cli_plan_options import add_training_options, training_fields
 from fxpipe.compiler import compile
 from fxpipe.distributed import launched, shutdown
 from fxpipe.errors import FxpipeError
@@ -56,7 +57,8 @@ def _demo(args: argparse.Namespace) -> None:
     x, y = spec.batch(args.batch, data)
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
                 micro_batches=args.micro_batches, schedule=args.schedule, loss_fn=spec.loss_fn,
-                stages_per_device=args.stages_per_device)
+                stages_per_device=args.stages_per_device, optimizer="sgd-momentum",
+                **training_fields(args))  # the optimizer it trains with, below
     pipe = compile(model, plan, example_inputs=(x,), example_target=y)
     print(pipe)
     print()
@@ -72,7 +74,8 @@ def _demo(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         optimizer.zero_grad()
         loss = pipe.step(x, y)
-        optimizer.step()
+        pipe.scaler.step(optimizer)  # fp16's loss scaling; otherwise optimizer.step()
+        pipe.scaler.update()
         print(f"  step {step}: loss {loss.item():.4f}")
     print()
     print("the last step, measured against predicted from the units' times:")
@@ -116,7 +119,7 @@ def _plan(args: argparse.Namespace) -> None:
     plan = Plan(stages=args.stages, partitioner=_partitioner(args.partitioner),
                 micro_batches=args.micro_batches, schedule=args.schedule, tracer=args.tracer,
                 stages_per_device=args.stages_per_device,
-                memory_limit=args.memory_limit)
+                memory_limit=args.memory_limit, **training_fields(args))
     schedules = compared_schedules(args, plan)
     model, inputs = load_model(args.model, args.batch, args.input_shape, args.input_dtype,
                                 args.input_high)
@@ -324,6 +327,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
     _stages_per_device_option(demo)
+    add_training_options(demo, optimizer=False)  # it trains with SGD and momentum
     _threads_option(demo)
     demo.set_defaults(run=_demo)
 
@@ -343,6 +347,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_inputs(plan)
     plan.add_argument("--compare", action="store_true", help="every partitioner side by side")
     plan.add_argument("--memory-limit", help="memory cap per device, e.g. 8GiB: planners fit it")
+    add_training_options(plan)
     plan.add_argument("--schedules", help="with --compare, also these schedules side by side "
                                           "for the chosen partitioner, e.g. gpipe,1f1b,zb-h1")
     plan.add_argument("--json", help="write the chosen plan to this file")

@@ -63,6 +63,18 @@ def test_bench_reports_user_errors_before_any_progress(capsys, options, error):
     (["demo", "--stages", "0"], "argument --stages: give a whole number of at least 1"),
     (["demo", "--threads", "some"], "argument --threads: give auto, torch"),
     (["bench", "mlp", "--npro", "2"], "unrecognized arguments: --npro 2"),  # torchrun's would
+    (["plan", "mlp", "--stages", "2", "--recompute", "maybe"], "argument --recompute: 'maybe' "
+     "is not a recompute choice; give true (every stage), false (none), auto"),
+    (["plan", "mlp", "--stages", "2", "--recompute", "1,2"], "'1,2' is not a recompute choice"),
+    (["plan", "mlp", "--stages", "2", "--recompute", "1,,0"], "one true/false per stage such "
+     "as 1,0,0,1"),
+    (["plan", "mlp", "--stages", "2", "--optimizer", "lbfgs"], "argument --optimizer: 'lbfgs' "
+     "is not an optimizer fxpipe knows; give adam, sgd, sgd-momentum"),
+    (["plan", "mlp", "--stages", "2", "--optimizer", "-1"], "or the number of weight-sized "
+     "state tensors it keeps per parameter"),
+    (["plan", "mlp", "--stages", "2", "--precision", "fp8"], "argument --precision: invalid "
+     "choice: 'fp8'"),
+    (["demo", "--recompute", "sometimes"], "argument --recompute: 'sometimes'"),
 ])
 def test_options_that_are_not_numbers_of_the_right_kind_are_refused_by_name(capsys, argv,
                                                                             message):
@@ -466,3 +478,46 @@ def test_the_bench_estimates_its_time_from_its_first_configuration(first, step,
     from fxpipe.bench import _estimate
 
     assert _estimate(first, step, configurations, steps) == shown
+
+
+def test_plan_sets_recompute_optimizer_and_precision_of_its_plan(capsys, tmp_path):
+    from fxpipe import Plan
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "mlp", "--stages", "2", "--batch", "4", "--partitioner", "even",
+                 "--recompute", "1,0", "--optimizer", "sgd", "--precision", "bf16",
+                 "--json", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[2].startswith("0 rc ") and not table[3].startswith("1 rc")
+    saved = Plan.load(path)
+    assert (saved.recompute, saved.optimizer, saved.precision) == ((True, False), "sgd", "bf16")
+
+
+@pytest.mark.parametrize("options, fields", [
+    ([], {"recompute": False, "optimizer": None, "precision": None}),  # Plan's defaults
+    (["--recompute", "auto", "--optimizer", "3", "--precision", "fp16"],
+     {"recompute": "auto", "optimizer": 3, "precision": "fp16"}),
+    (["--recompute", "TRUE", "--optimizer", "sgd-momentum"],
+     {"recompute": True, "optimizer": "sgd-momentum"}),
+    (["--recompute", "0,1,1"], {"recompute": (False, True, True)}),
+])
+def test_training_options_reach_the_plan_of_plan_and_demo(monkeypatch, capsys, options, fields):
+    import fxpipe.cli
+    from fxpipe.errors import FxpipeError
+
+    plans = []
+
+    def compiled(model, plan, **kwargs):  # the plan is all this test needs: stop there
+        plans.append(plan)
+        raise FxpipeError("stopped before compiling")
+
+    monkeypatch.setattr(fxpipe.cli, "compile", compiled)
+    assert main(["plan", "mlp", "--stages", "3", "--partitioner", "even", *options]) == 2
+    demo_options = [o for o in options if o not in ("--optimizer", "3", "sgd-momentum")]
+    assert main(["demo", "--model", "mlp", "--stages", "3", *demo_options]) == 2
+    assert "stopped before compiling" in capsys.readouterr().err
+    for field, value in fields.items():
+        assert getattr(plans[0], field) == value
+        if field != "optimizer":
+            assert getattr(plans[1], field) == value
+    assert plans[1].optimizer == "sgd-momentum"  # the optimizer the demo trains with
