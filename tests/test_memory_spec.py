@@ -4,6 +4,8 @@ save/load, and compile honouring the cap."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import pytest
 import torch
@@ -105,9 +107,35 @@ def test_compile_honours_the_cap_and_prints_it():
 
 def test_compile_with_a_cap_too_small_for_any_plan_names_the_smallest():
     x = torch.randn(8, 32)
+    weights = 32 * 33 * 4 * 4  # bytes per layer: weights, gradients, Adam's two moments
+    limit = 2 * weights + 16  # two layers' parameters fit (checked before profiling), but
     with pytest.raises(PlanError, match=r"cannot partition Sequential: no partition into 2 "
-                       r"stages fits .* give memory_limit=\d+ bytes"):
-        fxpipe.compile(_model(), Plan(stages=2, memory_limit="1KiB"), example_inputs=(x,))
+                       r"stages fits .* give memory_limit=\d+ bytes"):  # not their activations
+        fxpipe.compile(_model(), Plan(stages=2, memory_limit=limit), example_inputs=(x,))
+
+
+@pytest.mark.parametrize("plan, least", [
+    (Plan(stages=2, memory_limit="1KiB"), 2 * 16896),  # 2+2 layers of 16896 bytes with Adam
+    (Plan(stages=2, memory_limit=[10**6, 1024], partitioner=[3, 1]), [10**6, 16896]),
+    (Plan(stages=4, memory_limit=8000, optimizer="sgd"), 8448),  # a layer a stage, no slots
+])
+def test_a_cap_too_small_for_the_parameters_is_refused_before_profiling(monkeypatch, plan,
+                                                                          least):
+    import fxpipe.compiler.passes
+
+    def profiled(*args, **kwargs):
+        raise AssertionError("profiled a plan whose parameters cannot fit")
+
+    monkeypatch.setattr(fxpipe.compiler.passes, "profile_units", profiled)
+    with pytest.raises(PlanError, match=r"cannot hold Sequential's parameters, before any "
+                       r"activation") as refused:
+        fxpipe.compile(_model(), plan, example_inputs=(torch.randn(8, 32),))
+    named = re.search(r"give memory_limit=(\d+|\[[\d, ]+\]) bytes .* at least",
+                      str(refused.value)).group(1)
+    assert json.loads(named) == least
+    fits = dataclasses.replace(plan, memory_limit=least)  # the cap named passes the check
+    with pytest.raises(AssertionError, match="profiled a plan"):
+        fxpipe.compile(_model(), fits, example_inputs=(torch.randn(8, 32),))
 
 
 def test_with_several_stages_per_device_the_smallest_cap_named_is_a_devices_and_fits():
@@ -117,8 +145,9 @@ def test_with_several_stages_per_device_the_smallest_cap_named_is_a_devices_and_
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
     x = torch.randn(16, 64)
     plan = Plan(stages=4, stages_per_device=2, schedule="interleaved-1f1b", micro_batches=4)
-    with pytest.raises(PlanError, match="equal share of its cap") as refused:
-        fxpipe.compile(model, dataclasses.replace(plan, memory_limit="64KiB"),
+    layers = 2 * 2 * 64 * 65 * 4 * 4  # a device's: two stages of two layers' parameters,
+    with pytest.raises(PlanError, match="equal share of its cap") as refused:  # with Adam
+        fxpipe.compile(model, dataclasses.replace(plan, memory_limit=layers + 1024),
                        example_inputs=(x,))
     smallest = int(re.search(r"memory_limit=(\d+) bytes", str(refused.value)).group(1))
     pipe = fxpipe.compile(model, dataclasses.replace(plan, memory_limit=smallest),

@@ -25,6 +25,7 @@ from fxpipe.compiler.inputs import (
 from fxpipe.compiler.intra_layer import split_heavy_layers
 from fxpipe.compiler.loss import check_target, traced_loss
 from fxpipe.compiler.model_loss import LABEL_NAMES, scalar_joins
+from fxpipe.compiler.parameter_fit import check_parameters_fit
 from fxpipe.compiler.partitioning import choose_partition
 from fxpipe.compiler.state import Compilation, Pass, ensure
 from fxpipe.cost import CostTable, Link, fit_to_flops
@@ -110,6 +111,7 @@ def cut(c: Compilation) -> None:
     c.units = cut_units(c.traced.gm, c.plan.unit_depth, c.traced.leaf_paths)
     check_stage_count(c.model, c.plan, c.units)
     check_stage_sizes(c.model, c.plan, c.units)
+    check_parameters_fit(c.model, c.plan, c.traced.gm, c.units)  # a cap too small, untimed
     c.whole = whole_positions(c.traced, c.plan, c.args, c.kwargs)
     batch_norm = batch_norm_of_one(c.traced.gm) if c.model.training else None
     # the default micro-batch count, from the example (two samples each for a batch norm)

@@ -7,7 +7,8 @@ import numpy as np
 from fxpipe.cost import CostTable, Partition
 from fxpipe.memory import MemoryBudget
 
-__all__ = ["frontier", "least_scale", "row_terms", "walk_fields"]
+__all__ = ["frontier", "least_scale", "least_state_split", "row_terms", "state_split",
+           "walk_fields"]
 
 
 def walk_fields(cost: CostTable, p: int) -> dict[str, np.ndarray]:
@@ -109,3 +110,43 @@ def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget
         settings.append(modes[s][int(m)])
         e -= int(j)
     return value, tuple(reversed(bounds)), tuple(reversed(settings))
+
+
+
+def state_split(state: np.ndarray, limits: np.ndarray, scale: float = 1.0
+                ) -> tuple[int, ...] | None:
+    """Bounds of a split of units holding `state` bytes each (weights, gradients, optimizer
+    slots) into len(limits) contiguous non-empty stages, each stage's state within its limit
+    x scale, or None when there is none: a necessary condition for any partition to fit, a
+    stage holding at least its units' state. Reachable ends stage by stage, O(N K log K)."""
+    held = np.concatenate([[0.0], np.cumsum(state)])
+    units = len(state)
+    reach = np.zeros(units + 1, dtype=bool)
+    reach[0] = True
+    history = []
+    for limit in limits:
+        room = limit * scale * (1 + 1e-9)  # a stage exactly at its cap fits
+        first = np.searchsorted(held, held - room, side="left")  # the earliest start per end
+        count = np.concatenate([[0], np.cumsum(reach)])  # [i]: reached ends before i
+        history.append((reach, first))
+        reach = count[np.arange(units + 1)] - count[first] > 0  # a reached start in [first, e)
+        reach[0] = False
+    if not reach[units]:
+        return None
+    bounds, end = [], units
+    for reached, first in reversed(history):
+        bounds.append(end)
+        end = int(np.flatnonzero(reached[first[end]:end])[-1]) + int(first[end])
+    return tuple(reversed(bounds))
+
+
+def least_state_split(state: np.ndarray, limits: np.ndarray) -> tuple[int, ...]:
+    """A `state_split` at the least scale (within 1e-9) any split needs: its stages' state is
+    what the units' state alone needs of the caps, activations aside."""
+    low = max(float(np.sum(state)) / float(np.sum(limits)), 1e-300)  # the stages' sum holds it
+    high = max(float(np.sum(state)) / float(np.min(limits)), low)  # any split fits
+    while high > low * (1 + 1e-9):
+        middle = (low * high) ** 0.5
+        low, high = ((low, middle) if state_split(state, limits, middle) is not None
+                     else (middle, high))
+    return state_split(state, limits, high)

@@ -25,7 +25,8 @@ from fxpipe.passes.partition import (
     imd,
     params,
 )
-from fxpipe.passes.partition.capped import Capacity
+from fxpipe.passes.partition.capped import Capacity, smallest_scale
+from fxpipe.passes.partition.least_cap import least_state_split, state_split
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
 
@@ -202,3 +203,33 @@ def test_no_fit_fails_fast_naming_the_smallest_cap_and_the_stage():
         with pytest.raises(PlanError, match=r"no partition into 8 stages fits the memory cap"
                            r".* on stage \d+ .*give memory_limit=\d+ bytes"):
             planner(cost, 8, 4, memory=budget)
+
+
+@given(capped())
+def test_the_parameters_bound_refuses_only_caps_no_partition_fits(case):
+    cost, stages, p, budget = case
+    state = (2.0 + budget.optimizer_slots) * cost.param_bytes  # weights, grads, Adam's two
+    limits = budget.limits(stages)
+    least = smallest_scale(Capacity.of(cost, stages, p, budget))[0]  # every byte counted
+    if state_split(state, limits) is None:
+        assert least > 1
+    bounds = least_state_split(state, limits)  # the parameters' least share of the caps
+    held = np.add.reduceat(state, (0, *bounds[:-1]))
+    assert len(bounds) == stages and bounds[-1] == cost.units
+    assert (held / limits).max() <= least * (1 + 1e-6)
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=7), st.data())
+def test_the_parameters_least_split_is_the_brute_force_one(state, data):
+    import itertools
+
+    stages = data.draw(st.integers(1, len(state)))
+    limits = np.asarray(data.draw(st.lists(st.integers(1, 60), min_size=stages,
+                                           max_size=stages)), dtype=float)
+    state = np.asarray(state, dtype=float)
+    splits = [(*cuts, len(state)) for cuts in
+              itertools.combinations(range(1, len(state)), stages - 1)]
+    ratio = lambda b: (np.add.reduceat(state, (0, *b[:-1])) / limits).max()  # noqa: E731
+    assert (state_split(state, limits) is not None) == any(ratio(b) <= 1 for b in splits)
+    assert ratio(least_state_split(state, limits)) == pytest.approx(
+        min(map(ratio, splits)), rel=1e-6, abs=1e-12)
