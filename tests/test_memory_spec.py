@@ -192,3 +192,55 @@ def test_schedules_compared_under_a_cap_say_which_do_not_fit():
                               ["gpipe", "1f1b"])
     assert found["gpipe"] is None  # no partition fits under gpipe: said, not raised
     assert max(s.memory for s in found["1f1b"].stages) <= cap
+
+
+def _saving_table():
+    """Four units whose saved activations grow with the micro-batch size and whose times do
+    not: the fewer micro-batches, the shorter the step and the more memory under 1f1b."""
+    import numpy as np
+
+    from fxpipe.cost import CostTable
+
+    sizes = [1, 2, 4, 8]
+    f = np.full((4, 4), 1e-3)
+    return CostTable.from_arrays(f, 2 * f, sizes=sizes, batch=8, params=[10] * 4,
+                                 activation_bytes=1e5 * np.asarray(sizes, float)[:, None]
+                                 * np.ones(4))
+
+
+@pytest.mark.parametrize("partitioner", ["even", "params"])
+def test_auto_finds_the_count_a_fixed_split_fits_at(partitioner):
+    from fxpipe.compiler.partitioning import (
+        PARTITIONERS,
+        choose_partition_of,
+        evaluate_for_plan,
+        memory_budget,
+    )
+
+    cost = _saving_table()
+    plan = Plan(stages=2, partitioner=partitioner, schedule="1f1b", micro_batches="auto",
+                memory_limit=1.25e6)
+    chosen = PARTITIONERS["csimd"](cost, 2, schedule="1f1b", memory=memory_budget(plan, None))
+    assert chosen.sizes == (1, 3)  # csimd's own split fits at its count, 2 ...
+    with pytest.raises(PlanError, match=r"\(2\+2 units per stage\) leaves stage 0"):
+        choose_partition_of("M", dataclasses.replace(plan, micro_batches=2), cost)  # ... 2+2 not
+    part = choose_partition_of("M", plan, cost)
+    assert part.sizes == (2, 2) and all(s.memory <= 1.25e6 for s in part.stages)
+    fitting = {}
+    for q in (1, 2, 4, 8):
+        scored = evaluate_for_plan(cost, (2, 4), q, partitioner, plan)
+        if max(s.memory for s in scored.stages) <= 1.25e6:
+            fitting[q] = scored.predicted_time
+    assert set(fitting) == {4, 8}  # where the split fits; the shortest step of them chosen
+    assert part.micro_batches == min(fitting, key=fitting.get)
+    assert part.predicted_time == pytest.approx(min(fitting.values()))
+
+
+def test_auto_refuses_a_fixed_split_that_fits_at_no_count():
+    from fxpipe.compiler.partitioning import choose_partition_of
+
+    plan = Plan(stages=2, partitioner="even", schedule="1f1b", micro_batches="auto",
+                memory_limit=3.5e5)  # 1+3 fits at 8 micro-batches of one sample; 2+2 never
+    with pytest.raises(PlanError, match=r"partitioner 'even''s fixed rule \(2\+2 units per "
+                       r"stage\) .* at no micro-batch count of the batch of 8 either"):
+        choose_partition_of("M", plan, _saving_table())

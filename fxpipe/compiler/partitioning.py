@@ -14,6 +14,7 @@ from fxpipe.memory_spec import optimizer_slots, stage_limits
 from fxpipe.passes.partition import ampa, balanced, csimd, even, exact, imd, params
 from fxpipe.passes.partition.balanced import minmax_bounds
 from fxpipe.passes.partition.capped import check_fits, fit_or_explain
+from fxpipe.passes.partition.odpa import divisors
 from fxpipe.pipeline import CompiledPipeline
 from fxpipe.plan import TIMED_PARTITIONERS, VIRTUAL, Plan
 from fxpipe.recompute_spec import cannot_recompute
@@ -24,6 +25,7 @@ __all__ = ["PARTITIONERS", "choose_partition", "compare_partitioners", "compare_
            "evaluate_for_plan", "exactly_n_stages", "memory_budget"]
 
 
+FIXED_RULES = ("even", "params")  # their split ignores times: a count only decides if it fits
 # the names Plan accepts (plan.PARTITIONERS, the same keys) and the planner each runs
 PARTITIONERS = {
     "even": even, "params": params, "balanced": balanced, "ampa": ampa, "imd": imd,
@@ -75,6 +77,8 @@ def choose_partition_of(model_name: str, plan: Plan, cost: CostTable) -> Partiti
         if plan.micro_batches == "auto" and plan.partitioner != "csimd":  # CSIMD's choice of p
             p = PARTITIONERS["csimd"](cost, plan.stages, schedule=plan.schedule,
                                       memory=memory_budget(plan, None)).micro_batches
+            if plan.partitioner in FIXED_RULES and plan.memory_limit is not None:
+                return _fixed_rule_under_cap(cost, plan, p)
         return _run(plan.partitioner, cost, plan, p)
     except PlanError as error:  # the plan asks for what no partition can give
         raise PlanError(f"Plan(partitioner={plan.partitioner!r}) cannot partition "
@@ -82,6 +86,27 @@ def choose_partition_of(model_name: str, plan: Plan, cost: CostTable) -> Partiti
     except ValueError as error:  # the planner cannot work with this model's costs
         raise PlanError(f"Plan(partitioner={plan.partitioner!r}) cannot partition "
                         f"{model_name}: {error}.") from error
+
+
+def _fixed_rule_under_cap(cost: CostTable, plan: Plan, p: int) -> Partition:
+    """micro_batches='auto' for a partitioner whose split ignores times (even, params) under
+    a memory cap: csimd's count p where that split fits (as without a cap), else, of the
+    batch's other counts at which it fits, the one it steps shortest at (the rule csimd
+    chooses p by); the PlanError at p when it fits at none."""
+    try:
+        return _run(plan.partitioner, cost, plan, p)
+    except PlanError as error:
+        refused = error
+    fitting = []
+    for q in divisors(cost.batch):  # the counts csimd chooses among; the fewest first
+        try:
+            fitting.append(_run(plan.partitioner, cost, plan, q))
+        except PlanError:
+            continue
+    if not fitting:
+        raise PlanError(f"{refused} (with micro_batches='auto', at no micro-batch count of "
+                        f"the batch of {cost.batch} either)") from None
+    return min(fitting, key=lambda part: part.predicted_time)  # ties: the fewest
 
 
 def memory_budget(plan: Plan, p: int | None) -> MemoryBudget | None:
