@@ -27,7 +27,7 @@ def recompute_option(text: str) -> bool | str | tuple[bool, ...]:
         return tuple(flag in _TRUE for flag in flags)
     raise argparse.ArgumentTypeError(
         f"{text!r} is not a recompute choice; give true (every stage), false (none), auto "
-        "(the stages a --memory-limit needs), or one true/false per stage such as 1,0,0,1")
+        "(the stages a memory cap needs), or one true/false per stage such as 1,0,0,1")
 
 
 def optimizer_option(text: str) -> str | int:
@@ -49,7 +49,7 @@ def add_training_options(command: argparse.ArgumentParser, optimizer: bool = Tru
     --optimizer, each defaulting to Plan's own default."""
     command.add_argument("--recompute", type=recompute_option, default=False,
                          help="recompute each stage's forward in its backward to save memory: "
-                              "true, false, auto (only the stages --memory-limit needs), or "
+                              "true, false, auto (only the stages a memory cap needs), or "
                               "one per stage such as 1,0")
     command.add_argument("--precision", choices=PRECISIONS,
                          help="run the stages under torch.autocast in this dtype (default: "
