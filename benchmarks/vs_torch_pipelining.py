@@ -4,13 +4,15 @@
         benchmarks/vs_torch_pipelining.py
 
 For each model and schedule of SCHEDULES (GPipe, 1F1B, ZB-H1, and with two stages per rank
-interleaved 1F1B, looped BFS and ZB-V), both runtimes run the same stages (the model is an
-nn.Sequential cut at the same children, Plan(unit_depth=1)), the same micro-batch count and the
-same loss, alternated round by round in one job (each rank sets one intra-op thread); a model's
-schedules take turns within each round as well, so that the machine's drift falls on every
+interleaved 1F1B, looped BFS, ZB-V and DualPipeV), both runtimes run the same stages (the model
+is an nn.Sequential cut at the same children, Plan(unit_depth=1)), the same micro-batch count
+and the same loss, alternated round by round in one job (each rank sets one intra-op thread); a
+model's schedules take turns within each round as well, so that the machine's drift falls on every
 schedule alike. For ZB-H1 PyTorch runs ScheduleInterleavedZeroBubble with one stage per rank,
 whose action order is fxpipe's zb-h1 action for action (checked before timing: a PyTorch
-schedule whose order differs from fxpipe's is refused).
+schedule whose order differs from fxpipe's is refused). PyTorch's DualPipeV pairs a forward
+and a backward of its two stages in one OVERLAP_F_B action, which its runtime runs as the F,
+then the B, as fxpipe's dualpipev lists them.
 
 Rank 0 prints a table, each cell the median (min-max) over rounds of that round's value: the
 step times (each round's median), fxpipe / torch, fxpipe's simulated step (`fxpipe.calibrate`
@@ -37,6 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -60,6 +63,7 @@ SCHEDULES: dict[str, tuple[type, dict]] = {
     "interleaved-1f1b": (ScheduleInterleaved1F1B, VIRTUAL),
     "looped-bfs": (ScheduleLoopedBFS, VIRTUAL),
     "zbv": (ScheduleZBVZeroBubble, VIRTUAL),
+    "dualpipev": (ScheduleDualPipeV, VIRTUAL),
 }
 _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W)
 
@@ -122,8 +126,9 @@ def torch_schedule(kind: type, schedule: Schedule, sizes: Sequence[int], model: 
         return kind(stages[0], n_microbatches=chunks, loss_fn=loss_fn), mine
     theirs = kind(stages, n_microbatches=chunks, loss_fn=loss_fn)
     # pipeline_order holds each rank's compute actions (None: a bubble); PyTorch's I is
-    # fxpipe's B where a W follows
-    order = [from_pytorch(str(a)) for a in theirs.pipeline_order[rank] if a is not None]
+    # fxpipe's B where a W follows; an OVERLAP_F_B (DualPipeV) runs its F, then its B
+    order = [from_pytorch(str(leaf)) for a in theirs.pipeline_order[rank] if a is not None
+             for leaf in (a.sub_actions or (a,))]
     ours = [a for a in schedule.device_programs[rank] if a.kind in _COMPUTE]
     if [a for a in order if a.kind in _COMPUTE] != ours:
         raise SystemExit(f"{kind.__name__} on rank {rank} runs {' '.join(map(str, order))}, "

@@ -64,10 +64,15 @@ def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
         raise ValueError("calibration_from needs one wall-clock time per run, and a run")
     stages = len(partition.stages)
     took: dict[tuple[int, ActionKind], list[float]] = {}
+    whole_b: dict[int, list[float]] = {}  # B of micro-batches with no W: the whole backward
     outside = []
     for events, wall in zip(runs, walls):
+        split = {(e.stage, e.action.mb) for e in events if e.action.kind is K.W}
         for e in events:
-            took.setdefault((e.stage, e.action.kind), []).append(e.duration)
+            if e.action.kind is K.B and (e.stage, e.action.mb) not in split:
+                whole_b.setdefault(e.stage, []).append(e.duration)
+            else:
+                took.setdefault((e.stage, e.action.kind), []).append(e.duration)
         span = (max(e.end for e in events) - min(e.start for e in events)) if events else 0.0
         outside.append(max(wall - span, 0.0))
 
@@ -76,10 +81,13 @@ def calibration_from(runs: Sequence[Sequence[Event]], walls: Sequence[float],
         return statistics.median(measured) - predicted if measured else 0.0
 
     def backward(stage: int) -> float:
-        """Per B action, against the stage's backward, or where the schedule split it, against
-        B's share of it, as the simulator splits it."""
+        """Per B action, against the stage's backward, or where the schedule split that
+        micro-batch's, against B's share of it, as the simulator splits it (a stage may run
+        both, as dualpipev's do)."""
         b = partition.stages[stage].b
-        return beyond(stage, K.B, b * (1 - WEIGHT_SHARE) if (stage, K.W) in took else b)
+        residuals = [t - b for t in whole_b.get(stage, [])] + \
+            [t - b * (1 - WEIGHT_SHARE) for t in took.get((stage, K.B), [])]
+        return statistics.median(residuals) if residuals else 0.0
 
     def weight(stage: int) -> float:
         """Per W action, against W's share of the stage's backward (0 without W)."""

@@ -25,10 +25,12 @@ __all__ = ["CONSISTENCY_POLICIES", "COSTS", "DP_SYNCS", "PARTITIONERS", "SCHEDUL
            "Plan"]
 
 PARTITIONERS = ("even", "params", "balanced", "ampa", "imd", "csimd", "exact")
-SCHEDULES = ("gpipe", "1f1b", "async-1f1b", "zb-h1", "interleaved-1f1b", "looped-bfs", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "async-1f1b", "zb-h1", "interleaved-1f1b", "looped-bfs", "zbv",
+             "dualpipev")
 # several stages per device (stages_per_device=v): each device holds stages d, d+N, d+2N, ...
-# (round robin), or, for zbv, stages d and 2N-1-d (a V)
-VIRTUAL = ("interleaved-1f1b", "looped-bfs", "zbv")
+# (round robin), or, for the V schedules, stages d and 2N-1-d
+VIRTUAL = ("interleaved-1f1b", "looped-bfs", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
 CONSISTENCY_POLICIES = ("none", "stash", "2bw", "predict")
 DP_SYNCS = ("delayed", "naive")
 TRACERS = ("auto", "fx", "export")
@@ -230,7 +232,8 @@ class Plan:
 
     def _check_virtual_stages(self) -> None:
         """A named schedule against stages_per_device: several stages per device need a
-        schedule that interleaves them (and zbv exactly two), and divide the stages evenly."""
+        schedule that interleaves them (and the V schedules exactly two), and divide the stages
+        evenly; dualpipev also needs micro_batches >= stages."""
         v, s, name = self.stages_per_device, self.stages, self.schedule
         given = f"Plan(stages={s}, stages_per_device={v}, schedule={name!r})"
         if s % v:
@@ -238,21 +241,26 @@ class Plan:
             raise PlanError(f"{given}: the {s} stages do not split evenly over devices of {v} "
                             f"stages each; give stages_per_device in {fits}, or a multiple of "
                             f"{v} stages.")
-        if name == "zbv" and v != 2:
-            raise PlanError(f"{given}: zbv places exactly two stages on each device (a V: stages "
-                            f"d and 2N-1-d); give stages_per_device=2 (and an even number of "
-                            f"stages), or schedule='interleaved-1f1b' or 'looped-bfs' for v={v}.")
+        if name in V_SHAPED and v != 2:
+            raise PlanError(f"{given}: {name} places exactly two stages on each device (a V: "
+                            f"stages d and 2N-1-d); give stages_per_device=2 (and an even number "
+                            f"of stages), or schedule='interleaved-1f1b' or 'looped-bfs' for "
+                            f"v={v}.")
         if v > 1 and name not in VIRTUAL:
             raise PlanError(f"{given}: {name!r} runs one stage per device; with several stages "
                             f"per device pick a schedule that interleaves them: "
-                            f"'interleaved-1f1b', 'looped-bfs' or 'zbv' (v=2), or give "
-                            f"stages_per_device=1.")
+                            f"'interleaved-1f1b', 'looped-bfs', 'zbv' or 'dualpipev' (v=2), or "
+                            f"give stages_per_device=1.")
         n, p = s // v, self.micro_batches
         if name == "interleaved-1f1b" and v > 1 and isinstance(p, int) and p % n:
             near = " or ".join(str(c) for c in sorted({p - p % n, p - p % n + n}) if c)
             raise PlanError(f"{given} runs micro-batches through each device's stages in groups "
                             f"of one per device, so micro_batches={p} must be a multiple of the "
                             f"{n} devices; give micro_batches={near}.")
+        if name == "dualpipev" and isinstance(p, int) and p < s:
+            raise PlanError(f"{given} fills both arms of the V before its steady state, so it "
+                            f"needs at least one micro-batch per stage: give micro_batches >= "
+                            f"{s} (got {p}), or fewer stages.")
         if name in VIRTUAL and p == "auto":
             raise PlanError(f"{given} fixes its micro-batch count by its devices, so it cannot be "
                             "chosen (micro_batches='auto', or partitioner='csimd'); give "
@@ -271,7 +279,7 @@ class Plan:
         """The device (index into `devices`) of each stage, as the schedule places them."""
         if isinstance(self.schedule, Schedule):
             return tuple(self.schedule.device(s) for s in range(self.stages))
-        if self.schedule == "zbv":
+        if self.schedule in V_SHAPED:
             return v_shape(self.stages)
         return round_robin(self.stages, self.device_count)
 

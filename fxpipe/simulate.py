@@ -151,7 +151,9 @@ def simulate(
     forward[s][mb], backward[s][mb], weight[s][mb]: compute durations, given as a scalar, one
     per stage (N,), or per stage and micro-batch, (N, p) (repeated for every mini-batch) or
     (N, p * minibatches). step, allreduce: a scalar or one per stage. `weight` is W's time, B
-    then being the input gradient's alone; with weight=None, `backward` is the whole backward,
+    then being the input gradient's alone where a stage's list splits that micro-batch's
+    backward, and B + W where it does not (a whole backward, as some of DualPipeV's); with
+    weight=None, `backward` is the whole backward,
     and where a stage's list splits a micro-batch's backward into B and W each takes half
     of it (`WEIGHT_SHARE`: a linear layer's input and weight gradients are matrix products
     of one size, dX = dY W^T and dW = dY^T X).
@@ -184,6 +186,11 @@ def simulate(
             compute[ActionKind.B][s, split] *= 1.0 - WEIGHT_SHARE
     else:
         compute[ActionKind.W] = _per_micro_batch("weight", weight, n, p, k)
+        whole = np.ones_like(compute[ActionKind.B], dtype=bool)  # B runs W's work too
+        for s, actions in enumerate(lowered.actions):
+            whole[s, sorted({a.mb for a in actions if a.kind is ActionKind.W})] = False
+        compute[ActionKind.B] = np.where(whole, compute[ActionKind.B] + compute[ActionKind.W],
+                                         compute[ActionKind.B])
     other = {ActionKind.STEP: _per_stage("step", step, n),
              ActionKind.ALLREDUCE: _per_stage("allreduce", allreduce, n)}
     link = {ActionKind.SEND_F: _link("send_f", send_f, n, forward=True),  # by SEND kind

@@ -83,6 +83,30 @@ def test_a_split_backward_is_calibrated_apart_for_b_and_w(b, took_b, took_w):
             assert e.duration == pytest.approx(expected, abs=1e-12)
 
 
+@given(b=st.lists(st.floats(1e-4, 1e-2), min_size=4, max_size=4),
+       over_b=st.lists(st.floats(0, 1e-3), min_size=4, max_size=4),
+       over_w=st.lists(st.floats(0, 1e-3), min_size=4, max_size=4))
+def test_whole_and_split_backwards_of_one_stage_get_one_overhead(b, over_b, over_w):
+    """dualpipev: a stage runs whole backwards (B alone) and split ones (B, then W). Steps where
+    every B of stage s took over_b[s] beyond its predicted share (the whole backward, or half
+    of it) and every W over_w[s]: the calibration finds both, so the calibrated simulation
+    gives every B and W what it took."""
+    partition = Partition.evaluate(CostTable.from_arrays([1e-3] * 4, b), (1, 2, 3, 4), 4)
+    schedule = lower("dualpipev", 4, 4, [(0, 1), (1, 2), (2, 3)], devices=2)
+    overhead = {**{(s, K.B): over_b[s] for s in range(4)},
+                **{(s, K.W): over_w[s] for s in range(4)}}
+    steps = [simulate(schedule, 1e-3, b, overhead=overhead).events for _ in range(3)]
+    walls = [max(e.end for e in events) for events in steps]
+    calibration = calibration_from(steps, walls, partition, [2] * 4)
+    np.testing.assert_allclose(calibration.backward, over_b, atol=1e-12)
+    np.testing.assert_allclose(calibration.weight, over_w, atol=1e-12)
+    calibrated = simulate(schedule, [s.f for s in partition.stages],
+                          [s.b for s in partition.stages], overhead=calibration.overheads())
+    took = {e.action: e.duration for e in steps[0]}
+    for e in calibrated.events:
+        assert e.duration == pytest.approx(took[e.action], abs=1e-12)
+
+
 def test_the_medians_of_the_actions_count():
     partition = _partition([1.0, 1.0], [1.0, 1.0], p=1)
     runs = [[Event(0, Action(0, K.F, 0), 0.0, seconds)] for seconds in (2.0, 9.0, 3.0)]

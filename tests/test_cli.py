@@ -236,11 +236,13 @@ def test_plan_and_demo_run_several_stages_per_device(capsys):
 
     assert main(["plan", "mlp", "--stages", "4", "--stages-per-device", "2", "--batch", "8",
                  "--schedule", "zbv", "--micro-batches", "4", "--partitioner", "even",
-                 "--compare", "--schedules", "interleaved-1f1b,looped-bfs"]) == 0
+                 "--compare", "--schedules", "interleaved-1f1b,looped-bfs,dualpipev"]) == 0
     out = capsys.readouterr().out
     assert "zbv runs 4 stages on 2 devices, one worker each: device 0 stages 0, 3" in out
-    rows = out[out.index("schedules compared"):].splitlines()[2:4]
-    for name, row in zip(["interleaved-1f1b", "looped-bfs"], rows):
+    rows = out[out.index("schedules compared"):].splitlines()[2:5]
+    names = ["interleaved-1f1b", "looped-bfs", "dualpipev"]
+    assert [row.split()[0] for row in rows] == names
+    for name, row in zip(names, rows):
         peaks = peak_activations(build(name, 4, 4, devices=2))
         assert row.split()[0] == name and row.split()[5] == "/".join(map(str, peaks))
     assert main(["demo", "--model", "mlp", "--stages", "4", "--stages-per-device", "2",

@@ -248,7 +248,7 @@ def test_unreadable_schedules_are_refused(tmp_path) -> None:
         Plan(stages=2, schedule=str(tmp_path / "nowhere.csv"))
     with pytest.raises(PlanError, match=r"'zigzag'\) is not known; choose one of 'gpipe', "
                        r"'1f1b', 'async-1f1b', 'zb-h1', 'interleaved-1f1b', 'looped-bfs', "
-                       r"'zbv', or give your own: a "
+                       r"'zbv', 'dualpipev', or give your own: a "
                        r"fxpipe.schedules.Schedule or a .csv file"):
         Plan(stages=2, schedule="zigzag")
     with pytest.raises(PlanError, match=r"not int"):

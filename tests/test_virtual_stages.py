@@ -42,9 +42,11 @@ def virtual_schedules(draw: st.DrawFn, names: tuple[str, ...] = tuple(VIRTUAL_SC
                       ) -> Schedule:
     """A generated schedule of N devices x v stages each, with a micro-batch count it takes."""
     name = draw(st.sampled_from(names))
-    n, v = draw(DEVICES), 2 if name == "zbv" else draw(VIRTUAL)
+    n, v = draw(DEVICES), 2 if name in ("zbv", "dualpipev") else draw(VIRTUAL)
     if name == "interleaved-1f1b" and v > 1:  # Megatron's groups of N micro-batches
         p = n * draw(st.integers(1, 3))
+    elif name == "dualpipev":  # at least one micro-batch per stage
+        p = draw(st.integers(2 * n, 4 * n))
     else:
         p = draw(st.integers(1, 3 * n))
     return build(name, n * v, p, devices=n)
@@ -66,8 +68,12 @@ def test_every_stage_runs_each_forward_and_backward_once_in_its_program(schedule
         assert sorted(a.mb for a in stage if a.kind is F) == every
         assert sorted(a.mb for a in stage if a.kind is B) == every
         assert all(stage.index(Action(s, F, m)) < stage.index(Action(s, B, m)) for m in every)
-        weights = [a.mb for a in stage if a.kind is W]  # ZB-V splits every backward, the rest none
-        assert sorted(weights) == (every if schedule.name == "zbv" else [])
+        weights = [a.mb for a in stage if a.kind is W]  # ZB-V splits every backward, DualPipeV
+        if schedule.name == "zbv":  # those of its warm-up and cool-down, the rest none
+            assert sorted(weights) == every
+        elif schedule.name != "dualpipev":
+            assert weights == []
+        assert len(set(weights)) == len(weights)
         assert all(stage.index(Action(s, B, m)) < stage.index(Action(s, W, m)) for m in weights)
     ran = sorted(map(str, (a for program in schedule.device_programs for a in program)))
     assert ran == sorted(map(str, (a for stage in schedule.actions for a in stage)))
@@ -203,7 +209,7 @@ def test_a_device_runs_one_action_at_a_time_in_program_order(schedule: Schedule,
     rng = np.random.default_rng(seed)
     shape = (schedule.stages, schedule.micro_batches)
     fwd, bwd, wgt = (rng.uniform(0.1, 5.0, shape) for _ in range(3))
-    if schedule.name != "zbv":
+    if schedule.name not in ("zbv", "dualpipev"):
         wgt[:] = 0.0
     link = rng.uniform(0.0, 2.0, schedule.stages) if links else 0.0
     timeline = simulate(schedule, fwd, bwd, link, link, weight=wgt)
@@ -217,8 +223,11 @@ def test_a_device_runs_one_action_at_a_time_in_program_order(schedule: Schedule,
             if s > 0:
                 assert timeline.event(Action(s - 1, F, m)).end <= f.start + 1e-9
                 assert b.end <= timeline.event(Action(s - 1, B, m)).start + 1e-9
-            if schedule.name == "zbv":
+            if Action(s, W, m) in schedule.actions[s]:
                 assert b.end <= timeline.event(Action(s, W, m)).start + 1e-9
+                assert b.duration == pytest.approx(bwd[s, m])
+            else:  # a whole backward: the input and the weight gradients
+                assert b.duration == pytest.approx(bwd[s, m] + wgt[s, m])
     assert sum(timeline.device_busy) == pytest.approx(fwd.sum() + bwd.sum() + wgt.sum())
     assert max(timeline.device_busy) <= timeline.makespan + 1e-9
 

@@ -1,6 +1,6 @@
 """Several stages per device, end to end: Plan(stages_per_device=v) with interleaved-1f1b,
-looped-bfs and zbv trains like the plain model, one worker thread per device (several stages
-per rank under torchrun: tests/runtime/test_distributed.py)."""
+looped-bfs, zbv and dualpipev trains like the plain model, one worker thread per device (several
+stages per rank under torchrun: tests/runtime/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from fxpipe.schedules import (
 
 # (schedule, stages per device): every schedule that places stages itself, as Plan takes it
 CASES = [("interleaved-1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 1), ("looped-bfs", 2),
-         ("zbv", 2)]
+         ("zbv", 2), ("dualpipev", 2)]
 
 
 def _plan(schedule, v, n, p, loss_fn, **extra):
@@ -48,9 +48,10 @@ def _assert_grads_like(pipe, reference, what):
 def cases(draw: st.DrawFn):
     schedule, v = draw(st.sampled_from(CASES))
     n = 2
-    # interleaved-1f1b with v >= 2 runs micro-batches in groups of one per device
+    # interleaved-1f1b with v >= 2 runs micro-batches in groups of one per device, dualpipev
+    # at least one per stage
     p = draw(st.sampled_from([2, 4]) if schedule == "interleaved-1f1b" and v > 1
-             else st.integers(1, 5))
+             else st.integers(n * v, 6) if schedule == "dualpipev" else st.integers(1, 5))
     return schedule, v, n, p
 
 
@@ -66,7 +67,7 @@ def test_virtual_stages_train_like_the_plain_model(case, name, seed):
     lowered = pipe.executor.schedule
     assert lowered.devices == n and lowered.name == schedule
     assert list(pipe.devices) == ["cpu"] * (n * v)
-    placement = v_shape(n * v) if schedule == "zbv" else round_robin(n * v, n)
+    placement = v_shape(n * v) if schedule in ("zbv", "dualpipev") else round_robin(n * v, n)
     assert lowered.placement == placement
 
     loss = pipe.step(x, y)
@@ -181,7 +182,7 @@ def test_interleaved_picks_a_default_micro_batch_count_of_whole_device_groups():
     ({"stages": 4, "schedule": "zbv"}, r"zbv places exactly two stages on each device"),
     ({"stages": 4, "stages_per_device": 2, "schedule": "1f1b"},
      r"'1f1b' runs one stage per device; with several stages per device pick a schedule that "
-     r"interleaves them: 'interleaved-1f1b', 'looped-bfs' or 'zbv'"),
+     r"interleaves them: 'interleaved-1f1b', 'looped-bfs', 'zbv' or 'dualpipev'"),
     ({"stages": 4, "stages_per_device": 2}, r"'gpipe' runs one stage per device"),
     ({"stages": 4, "stages_per_device": 2, "schedule": "zb-h1"}, r"'zb-h1' runs one stage"),
     ({"stages": 4, "stages_per_device": 2, "schedule": "async-1f1b"}, r"'async-1f1b' runs one"),

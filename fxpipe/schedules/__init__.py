@@ -23,6 +23,7 @@ from fxpipe.schedules.generators import (
 )
 from fxpipe.schedules.interleaved import (
     VIRTUAL_SCHEDULES,
+    dualpipev,
     interleaved_one_f_one_b,
     looped_bfs,
     round_robin,
@@ -35,7 +36,8 @@ from fxpipe.schedules.zero_bubble import zb_h1
 __all__ = [
     "SCHEDULES", "VIRTUAL_SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
     "Schedule", "ScheduleError", "W", "add_communication", "add_step", "async_one_f_one_b",
-    "build", "chain", "check_communication", "device_peak_activations", "forwards_first", "gpipe",
+    "build", "chain", "check_communication", "device_peak_activations", "dualpipev",
+    "forwards_first", "gpipe",
     "interleaved_one_f_one_b", "load_csv", "looped_bfs", "lower", "one_f_one_b", "peak_activations",
     "round_robin", "save_csv", "v_shape", "zb_h1", "zbv",
 ]

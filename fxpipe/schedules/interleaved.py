@@ -1,4 +1,4 @@
-"""Schedules with several stages per device: interleaved 1F1B, looped BFS and ZB-V."""
+"""Schedules with several stages per device: interleaved 1F1B, looped BFS, ZB-V, DualPipeV."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from fxpipe.schedules.actions import Action, ActionKind, B, F, Schedule, W, _positive
 
-__all__ = ["VIRTUAL_SCHEDULES", "interleaved_one_f_one_b", "looped_bfs", "round_robin", "v_shape",
-           "zbv"]
+__all__ = ["VIRTUAL_SCHEDULES", "dualpipev", "interleaved_one_f_one_b", "looped_bfs", "round_robin",
+           "v_shape", "zbv"]
 
 
 def round_robin(stages: int, devices: int) -> tuple[int, ...]:
@@ -78,13 +78,7 @@ def zbv(stages: int, micro_batches: int, *, devices: int | None = None) -> Sched
     first. The phases are laid out for max(p, 2N-1) micro-batches and the ones past p dropped,
     as PyTorch's ScheduleZBVZeroBubble does. With equal F, B and W times t, free links and
     p >= 2N-1, a device idles only until micro-batch 0 reaches it: the step takes (6p + N-1)t."""
-    s, p = _positive("stages", stages), _positive("micro_batches", micro_batches)
-    if s % 2:
-        raise ValueError(f"zbv places two stages on each device, so stages={s} must be even")
-    n = s // 2
-    if devices is not None and devices != n:
-        raise ValueError(f"zbv places two stages on each device: {s} stages need devices={n}, "
-                         f"not {devices}; use {2 * devices} stages for {devices} devices")
+    s, p, n = _v_shape("zbv", stages, micro_batches, devices)
     programs = [_zbv_program(r, n, p) for r in range(n)]
     return _from_programs("zbv", s, p, v_shape(s), programs)
 
@@ -121,6 +115,81 @@ def _zbv_program(r: int, n: int, p: int) -> list[Action]:
     return order
 
 
+def dualpipev(stages: int, micro_batches: int, *, devices: int | None = None) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe "cut in half", DeepSeek-V3 report and its DualPipe
+    repository; PyTorch's ScheduleDualPipeV): 2N stages in a V (`v_shape`) on N devices,
+    device r holding the descending stage r and the ascending stage 2N-1-r. Device r warms up
+    with 2(N-r-1) forwards down, r+1 pairs (F down, F up) and N-r-1 triples (B, W, F up);
+    in the steady state it runs a forward of one stage with a whole backward of the other,
+    (F down, B up) then (F up, B down); it cools down with N-r-1 triples (B up, F up, B down),
+    r+1 pairs (B up, B down) and N-r-1 pairs (W, B down), then its remaining Ws. From the
+    middle of the (B up, B down) pairs on (from the down stage's B for even r), backwards are
+    split into B and W, every W taken oldest first; the steady state's are whole.
+
+    DualPipe overlaps each (F, B) pair of different stages; one worker per device runs the
+    pair as F then B, as PyTorch's runtime unrolls its OVERLAP_F_B. Needs micro_batches >=
+    stages (2N), like PyTorch. Stage s holds at most 2N - s micro-batches from F to B or W,
+    1F1B's on 2N stages, so a device holds 2N + 1: DualPipeV's PP + 1 for PP = 2N stages."""
+    s, p, n = _v_shape("dualpipev", stages, micro_batches, devices)
+    if p < s:
+        raise ValueError(f"dualpipev fills both arms of the V before its steady state, so it "
+                         f"needs micro_batches >= stages: give micro_batches >= {s}, not {p}")
+    return _from_programs("dualpipev", s, p, v_shape(s),
+                          [_dualpipev_program(r, n, p) for r in range(n)])
+
+
+def _dualpipev_program(r: int, n: int, p: int) -> list[Action]:
+    """Device r's DualPipeV program, phase by phase."""
+    down, up = r, 2 * n - 1 - r
+    count: dict[tuple[int, ActionKind], int] = defaultdict(int)  # next micro-batch per stage, kind
+    pending: list[Action] = []  # Ws of split backwards, oldest first
+    order: list[Action] = []
+
+    def run(stage: int, kind: ActionKind, split: bool = False) -> None:
+        m = count[stage, kind]
+        count[stage, kind] += 1
+        order.append(Action(stage, kind, m))
+        if split:
+            pending.append(Action(stage, W, m))
+
+    def weight() -> None:
+        if pending:
+            order.append(pending.pop(0))
+
+    for _ in range(2 * (n - r - 1)):
+        run(down, F)
+    for _ in range(r + 1):
+        run(down, F), run(up, F)
+    for _ in range(n - r - 1):
+        run(up, B, split=True), weight(), run(up, F)
+    for _ in range(p - 2 * n + r + 1):
+        run(down, F), run(up, B), run(up, F), run(down, B)
+    for _ in range(n - r - 1):
+        run(up, B), run(up, F), run(down, B)
+    half = (r + 1) // 2  # the pair where splitting starts: at its up B for odd r, down B for even
+    for i in range(r + 1):
+        run(up, B, split=i > half or (i == half and r % 2 == 1))
+        run(down, B, split=i >= half)
+    for _ in range(n - r - 1):
+        weight(), run(down, B, split=True)
+    while pending:
+        weight()
+    return order
+
+
+def _v_shape(name: str, stages: int, micro_batches: int,
+             devices: int | None) -> tuple[int, int, int]:
+    """(stages, p micro-batches, N devices) of a V schedule, checked: two stages per device."""
+    s, p = _positive("stages", stages), _positive("micro_batches", micro_batches)
+    if s % 2:
+        raise ValueError(f"{name} places two stages on each device, so stages={s} must be even")
+    n = s // 2
+    if devices is not None and devices != n:
+        raise ValueError(f"{name} places two stages on each device: {s} stages need devices={n}, "
+                         f"not {devices}; use {2 * devices} stages for {devices} devices")
+    return s, p, n
+
+
 def _shape(stages: int, micro_batches: int, devices: int) -> tuple[int, int, int]:
     """(N devices, v stages per device, p micro-batches), checked."""
     s, p = _positive("stages", stages), _positive("micro_batches", micro_batches)
@@ -145,4 +214,5 @@ VIRTUAL_SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "interleaved-1f1b": interleaved_one_f_one_b,
     "looped-bfs": looped_bfs,
     "zbv": zbv,
+    "dualpipev": dualpipev,
 }

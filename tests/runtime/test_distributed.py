@@ -75,7 +75,8 @@ def _check_binding(ranks_threads) -> None:
          "skipnet:2:async-stash:2", "skipnet:2:async-2bw:2", "skipnet:2:async-predict:2",
          "gpt-meta:2:1f1b:2", "gpt:2:zb-h1:3",
          # several stages per rank: GPT's tied weight on two ranks, then on rank 0 alone
-         "gpt:4:interleaved-1f1b*2:2", "gpt:4:zbv*2:3", "skipnet:4:looped-bfs*2:3",
+         "gpt:4:interleaved-1f1b*2:2", "gpt:4:zbv*2:3", "gpt:4:dualpipev*2:4",
+         "skipnet:4:looped-bfs*2:3",
          "gpt:2:1f1b@rc:2", "skipnet:2:async-stash@rc:2", "gpt:4:interleaved-1f1b*2@rc:2",
          "gpt:2:zb-h1@rc:3"]),
     (4, ["skipnet:4:1f1b:3", "gpt:4:gpipe:4", "skipnet:4:async-stash:1", "skipnet-meta:4:gpipe:3",

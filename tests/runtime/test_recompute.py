@@ -42,6 +42,7 @@ SCHEDULES = {  # name: (stages, stages_per_device, micro-batch counts it runs)
     "looped-bfs": (4, 2, (1, 2, 4)),
     "zb-h1": (None, 1, (1, 2, 3, 4)),  # split backward: B, then W later
     "zbv": (4, 2, (1, 2, 4)),
+    "dualpipev": (4, 2, (4,)),  # one micro-batch per stage at least, of 2 samples (BatchNorm)
 }
 
 
