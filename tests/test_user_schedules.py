@@ -26,12 +26,15 @@ from fxpipe.schedules import (
     add_step,
     async_one_f_one_b,
     check_communication,
+    dualpipev,
     gpipe,
     interleaved_one_f_one_b,
     load_csv,
+    looped_bfs,
     one_f_one_b,
     save_csv,
     zb_h1,
+    zbv,
 )
 
 K = ActionKind
@@ -337,6 +340,46 @@ def test_pytorch_reads_what_save_csv_writes(schedule: Schedule) -> None:
             assert multi.stage_index_to_group_rank == {s: s for s in range(schedule.stages)}
 
 
+def _placed_schedule(name: str, devices: int, p: int) -> Schedule:
+    """A built-in schedule holding two stages per device."""
+    if name in ("zbv", "dualpipev"):
+        return {"zbv": zbv, "dualpipev": dualpipev}[name](2 * devices, p)
+    make = {"interleaved": interleaved_one_f_one_b, "looped-bfs": looped_bfs}[name]
+    return make(2 * devices, p, devices=devices)
+
+
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(["interleaved", "looped-bfs", "zbv", "dualpipev"]),
+       devices=st.integers(1, 3), extra=st.integers(0, 3))
+def test_csv_keeps_each_devices_stages_and_order(name: str, devices: int, extra: int) -> None:
+    # one row per rank, as PyTorch writes them: the placement and each device's order survive,
+    # and PyTorch's loader maps each stage to the rank fxpipe placed it on
+    p = 2 * devices + extra if name == "dualpipev" else devices * (1 + extra)
+    schedule = _placed_schedule(name, devices, p)
+    pts = _pytorch_pipelining()
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "s.csv"
+        save_csv(schedule, path)
+        assert len(path.read_text().splitlines()) == devices
+        assert load_csv(path, name=schedule.name) == schedule
+        multi = types.SimpleNamespace(pipeline_order={}, pp_group_size=devices,
+                                      _num_stages=schedule.stages, _n_microbatches=p,
+                                      _stages=[])
+        multi._validate_and_set_stage_mapping = types.MethodType(
+            pts.PipelineScheduleMulti._validate_and_set_stage_mapping, multi)
+        pts.PipelineScheduleMulti._load_csv(multi, str(path))
+        assert multi.stage_index_to_group_rank == dict(enumerate(schedule.placement))
+
+
+def test_a_v_schedule_saved_as_csv_trains_on_its_devices(tmp_path) -> None:
+    path = tmp_path / "zbv.csv"
+    save_csv(zbv(4, 4), path)
+    plan = Plan(stages=4, stages_per_device=2, schedule=path, costs="none", loss_fn=F.mse_loss)
+    assert plan.schedule.placement == (0, 1, 1, 0)
+    model, (x, y) = SkipNet().double(), _data(8)
+    _assert_trains_like_the_model(model, plan, x, y)
+
+
 def _pytorch_1f1b(pts: types.ModuleType, stages: int, p: int) -> dict[int, list]:
     """PyTorch's 1F1B order for one stage per rank (its interleaved 1F1B with one local
     stage), computed without building stages or a process group."""
@@ -381,8 +424,8 @@ def test_a_hand_written_pytorch_csv_with_bubbles_and_reduce_grad_trains(tmp_path
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("0F0,2F1\n", r"row 0: '2F1' is on row 0 but names stage 2: PyTorch's looped and "
-                  r"interleaved schedules put several stages on a rank"),
+    ("0F0,2F1\n", r"no row runs stage\(s\) \[1\]; number the stages 0..2"),
+    ("0F0,1F0\n1B0\n", r"stage 1 has actions on rows 0 and 1; a stage runs on one rank"),
     ("0UNSHARD,0F0,0B0\n", r"FSDP parameter unshard"),
     ("0F0,0I0\n", r"0I0 computes micro-batch 0's input gradient alone, but no 0W0"),
     ("0F0,0B0,0W0\n", r"0B0 is a full backward.* write 0I0"),

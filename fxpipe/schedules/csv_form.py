@@ -1,4 +1,4 @@
-"""Schedules as PyTorch pipelining's CSV: one row per rank (here, per stage) of action strings."""
+"""Schedules as PyTorch pipelining's CSV: one row per rank (device) of action strings."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def to_pytorch(action: Action, split: bool = False) -> str:
                         "schedule without STEP actions")
 
 
-def from_pytorch(text: str, stage: int | None = None) -> Action | None:
+def from_pytorch(text: str) -> Action | None:
     """The fxpipe action a PyTorch action string names (None for an empty cell, a bubble).
     A PyTorch I (input gradient alone) becomes fxpipe's B, which it is when a W follows."""
     text = text.strip()
@@ -62,11 +62,6 @@ def from_pytorch(text: str, stage: int | None = None) -> Action | None:
                             "<stage><F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD>[<mb>], "
                             "e.g. 1F0, 0SEND_F3")
     s, name, mb = int(match[1]), match[2], int(match[3]) if match[3] else None
-    if stage is not None and s != stage:
-        raise ScheduleError(
-            f"{text!r} is on row {stage} but names stage {s}: PyTorch's looped and interleaved "
-            "schedules put several stages on a rank, fxpipe runs one stage per rank (row i "
-            "holds stage i's actions)")
     if name in _FSDP:
         raise ScheduleError(f"{text!r} is an FSDP parameter {name.lower()}, which fxpipe does "
                             "not shard; remove the UNSHARD/RESHARD actions")
@@ -83,24 +78,26 @@ def from_pytorch(text: str, stage: int | None = None) -> Action | None:
 
 
 def save_csv(schedule: Schedule, path: str | os.PathLike) -> None:
-    """Write `schedule` as PyTorch's pipelining reads it (`_load_csv`): row s lists stage s's
-    actions as PyTorch's `_Action` strings, comma-separated."""
+    """Write `schedule` as PyTorch's pipelining reads it (`_load_csv`): row r lists, as
+    PyTorch's `_Action` strings, the actions rank (device) r runs in order, so a schedule with
+    several stages per device keeps its placement and each device's order."""
     if schedule.minibatches != 1:
         raise ScheduleError(f"schedule {schedule.name!r} streams {schedule.minibatches} "
                             "mini-batches; PyTorch's CSV holds one flushed mini-batch")
-    rows = []
-    for stage in schedule.actions:
-        weighed = {a.mb for a in stage if a.kind is W}
-        rows.append([to_pytorch(a, a.kind is B and a.mb in weighed) for a in stage])
+    weighed = {(a.stage, a.mb) for stage in schedule.actions for a in stage if a.kind is W}
+    rows = [[to_pytorch(a, a.kind is B and (a.stage, a.mb) in weighed) for a in program]
+            for program in schedule.device_programs]
     with open(path, "w", newline="") as file:
         csv.writer(file).writerows(rows)
 
 
 def load_csv(path: str | os.PathLike, name: str | None = None,
              micro_batches: int | None = None) -> Schedule:
-    """The schedule in a PyTorch pipelining CSV (save_csv's, or PyTorch's `_dump_csv`): row s
-    is stage s's actions; empty cells (PyTorch's bubbles) are skipped. `name` defaults to the
-    file's stem, `micro_batches` to one more than the largest micro-batch index."""
+    """The schedule in a PyTorch pipelining CSV (save_csv's, or PyTorch's `_dump_csv`): row r
+    is what rank r runs, in order; a rank whose row names several stages holds them all (the
+    schedule's placement and programs). Empty cells (PyTorch's bubbles) are skipped. `name`
+    defaults to the file's stem, `micro_batches` to one more than the largest micro-batch
+    index."""
     path = pathlib.Path(path)
     try:
         with open(path, newline="") as file:
@@ -108,34 +105,63 @@ def load_csv(path: str | os.PathLike, name: str | None = None,
     except (OSError, UnicodeDecodeError, csv.Error) as error:
         raise ScheduleError(f"cannot read a schedule from {str(path)!r}: {error}") from error
     if not rows:
-        raise ScheduleError(f"{str(path)!r} holds no rows; write one row of actions per stage")
-    lists = []
-    for s, row in enumerate(rows):
+        raise ScheduleError(f"{str(path)!r} holds no rows; write one row of actions per rank")
+    programs = []
+    for r, row in enumerate(rows):
         try:
-            lists.append([a for a in (from_pytorch(cell, s) for cell in row) if a is not None])
+            programs.append([a for a in map(from_pytorch, row) if a is not None])
         except ScheduleError as error:
-            raise ScheduleError(f"{str(path)!r}, row {s}: {error}") from None
-    for s, row in enumerate(rows):
-        _check_split_backwards(path, s, row)
+            raise ScheduleError(f"{str(path)!r}, row {r}: {error}") from None
+    placement = _placement(path, programs)
+    lists = [[a for program in programs for a in program if a.stage == s]
+             for s in range(len(placement))]
+    for r, row in enumerate(rows):
+        _check_split_backwards(path, r, row)
+    shared = placement != tuple(range(len(programs)))
     try:
-        return Schedule.from_lists(lists, name or path.stem, micro_batches)
+        return Schedule.from_lists(lists, name or path.stem, micro_batches,
+                                   placement=placement if shared else None,
+                                   programs=programs if shared else None)
     except ValueError as error:
         raise ScheduleError(f"{str(path)!r}: {error}") from None
 
 
-def _check_split_backwards(path: pathlib.Path, s: int, row: Sequence[str]) -> None:
+def _placement(path: pathlib.Path, programs: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """Each stage's rank: the row whose actions name it (a stage runs on one rank only)."""
+    rank: dict[int, int] = {}
+    for r, program in enumerate(programs):
+        for a in program:
+            if rank.setdefault(a.stage, r) != r:
+                raise ScheduleError(f"{str(path)!r}: stage {a.stage} has actions on rows "
+                                    f"{rank[a.stage]} and {r}; a stage runs on one rank, so "
+                                    "all its actions go in that rank's row")
+    for r, program in enumerate(programs):
+        if not program:
+            raise ScheduleError(f"{str(path)!r}: row {r} holds no action; every rank runs a "
+                                "stage (remove the empty row)")
+    missing = sorted(set(range(max(rank) + 1)) - set(rank))
+    if missing:
+        raise ScheduleError(f"{str(path)!r}: no row runs stage(s) {missing}; number the "
+                            f"stages 0..{max(rank)} and give each its actions")
+    return tuple(rank[s] for s in range(len(rank)))
+
+
+def _check_split_backwards(path: pathlib.Path, r: int, row: Sequence[str]) -> None:
     """A PyTorch I must have its W on the stage, and a full B must not (its weight gradient
     would be computed twice)."""
-    codes: dict[str, set[int]] = {"I": set(), "B": set(), "W": set()}
+    codes: dict[tuple[int, str], set[int]] = {}
     for cell in row:
         match = _PATTERN.fullmatch(cell.strip())
-        if match and match[2] in codes and match[3]:
-            codes[match[2]].add(int(match[3]))
-    for mb in sorted(codes["I"] - codes["W"]):
-        raise ScheduleError(f"{str(path)!r}, row {s}: {s}I{mb} computes micro-batch {mb}'s "
-                            f"input gradient alone, but no {s}W{mb} computes its weight "
-                            f"gradient; add {s}W{mb}, or write {s}B{mb} (the full backward)")
-    for mb in sorted(codes["B"] & codes["W"]):
-        raise ScheduleError(f"{str(path)!r}, row {s}: {s}B{mb} is a full backward, which "
-                            f"computes the weight gradient {s}W{mb} computes again; write "
-                            f"{s}I{mb} (the input gradient alone) instead of {s}B{mb}")
+        if match and match[2] in "IBW" and match[3]:
+            codes.setdefault((int(match[1]), match[2]), set()).add(int(match[3]))
+    for s in sorted({stage for stage, _ in codes}):
+        inputs, whole, weights = (codes.get((s, c), set()) for c in "IBW")
+        for mb in sorted(inputs - weights):
+            raise ScheduleError(f"{str(path)!r}, row {r}: {s}I{mb} computes micro-batch {mb}'s "
+                                f"input gradient alone, but no {s}W{mb} computes its weight "
+                                f"gradient; add {s}W{mb}, or write {s}B{mb} (the full "
+                                "backward)")
+        for mb in sorted(whole & weights):
+            raise ScheduleError(f"{str(path)!r}, row {r}: {s}B{mb} is a full backward, which "
+                                f"computes the weight gradient {s}W{mb} computes again; write "
+                                f"{s}I{mb} (the input gradient alone) instead of {s}B{mb}")
