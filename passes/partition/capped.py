@@ -395,7 +395,7 @@ def _explain(cost: CostTable, p: int, budget: MemoryBudget, scale: float,
            "micro-batches in flight, "
            "its messages and backward workspace")
     hint = ""
-    if not budget.recompute:
+    if not budget.may_recompute and budget.cannot_recompute is None:  # else it cannot help
         hint = ", recompute='auto' (recomputes the forward of the stages that need it)"
     return (f"no partition into {len(bounds)} stages fits the memory cap ({_bytes(limits[s])} "
             f"on stage {s}) at {p} micro-batch(es): the partition needing the "

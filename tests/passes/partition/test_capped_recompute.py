@@ -1,13 +1,18 @@
-"""recompute="auto" under a memory cap: which stages recompute, and balanced's step objective."""
+"""recompute="auto" under a memory cap: which stages recompute, balanced's step objective, and
+an error that suggests recomputation only where it can help."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from partition_tables import capped, close, fits
 
+from fxpipe import Plan
+from fxpipe.compiler.partitioning import memory_budget
 from fxpipe.cost import CostTable
 from fxpipe.errors import PlanError
 from fxpipe.memory import MemoryBudget
@@ -68,3 +73,34 @@ def test_balanced_takes_a_larger_stage_that_spares_a_recomputation():
     # at p = 1 stage 0 holds one micro-batch: nothing recomputes, so the min-max split
     alone = balanced(cost, 2, 1, memory=budget)
     assert alone.bounds == (2, 4) and alone.recompute == ()
+
+
+def _no_fit(budget: MemoryBudget) -> str:
+    rng = np.random.default_rng(0)
+    cost = CostTable.from_arrays(rng.uniform(1, 2, 6), rng.uniform(1, 2, 6),
+                                 params=rng.integers(10, 20, 6),
+                                 activation_bytes=rng.uniform(100, 200, 6))
+    with pytest.raises(PlanError, match="no partition into 2 stages fits") as error:
+        balanced(cost, 2, 4, memory=budget)
+    return str(error.value)
+
+
+def test_the_error_suggests_recompute_auto_only_where_it_can_help():
+    hint = "recompute='auto'"
+    assert hint in _no_fit(MemoryBudget(100.0, "1f1b"))
+    assert hint in _no_fit(MemoryBudget(100.0, "1f1b", recompute=(False, False)))
+    assert hint not in _no_fit(MemoryBudget(100.0, "1f1b", recompute="auto"))  # it already does
+    reason = "with schedule='async-1f1b' needs consistency='stash' or '2bw'"
+    assert hint not in _no_fit(MemoryBudget(100.0, "1f1b", cannot_recompute=reason))
+
+
+@pytest.mark.parametrize("consistency, possible", [("none", False), ("predict", False),
+                                                   ("stash", True)])
+def test_a_plan_whose_schedule_cannot_recompute_says_so_to_the_planners(consistency, possible):
+    for recompute in (False, "auto"):
+        plan = Plan(stages=2, micro_batches=2, schedule="async-1f1b", consistency=consistency,
+                    memory_limit=1000, recompute=recompute)
+        budget = memory_budget(plan, 2)
+        assert (budget.cannot_recompute is None) == possible
+        assert budget.may_recompute == (possible and recompute == "auto")
+        assert ("recompute='auto'" in _no_fit(budget)) == (possible and not recompute)
