@@ -229,11 +229,12 @@ def capped_step(cap: Capacity, f: np.ndarray, b: np.ndarray
     closed form without links, forward and backward taken together), None when none fits.
 
     Without recomputation Σ t_s is the same for every partition, so this is the min-max
-    split (what `capped_minmax` returns, and returned by it). With it, Σ t_s grows by the
-    forward time recomputed, A(V) the least of it over the partitions whose every t_s <= V,
-    which falls as V grows: the least step is at V*, the min-max, or at a V where A(V)
-    drops, V < V* + A(V*)/(p − 1). Those drops are found by bisection on the distinct stage
-    sums, one `_least_added` DP per probe. Ties: the smaller largest stage time."""
+    split (`capped_minmax`'s). With it, Σ t_s grows by the forward time recomputed, A(V) the
+    least of it over the partitions whose every t_s <= V, which falls as V grows: the least
+    step is at V*, the min-max, or at a V where A(V) drops, V < V* + A(V*)/(p − 1) and no
+    larger than the largest t_s of the partition recomputing the least of all. Those drops
+    are found by bisection on the distinct stage times between, one `_least_added` DP per
+    probe. Ties: the smaller largest stage time."""
     p = cap.micro_batches
     plain = np.concatenate([[0.0], np.cumsum(f + b)])
     twice = np.concatenate([[0.0], np.cumsum(2 * f + b)])
@@ -247,9 +248,17 @@ def capped_step(cap: Capacity, f: np.ndarray, b: np.ndarray
         return bounds, settings
     tol = 1e-12 * max(float(twice[-1]), 1e-300)
     slack = 1e-12 * max(float(np.sum(f)), 1e-300)  # of A
-    values = np.unique(np.concatenate([c[np.isfinite(c) & (c > value + tol)]
-                                       for per in costs for c in per.values()]))
     added, *best = _least_added(cap, costs, f, value + tol)
+    if added <= slack:
+        return tuple(best[0]), tuple(best[1])
+    largest = max(float(c[np.isfinite(c)].max(initial=0.0)) for per in costs
+                  for c in per.values())
+    _, ends, again = _least_added(cap, costs, f, largest + tol)
+    top = max(sums[r][a, e] for a, e, r in zip((0, *ends[:-1]), ends, again))
+    if p > 1:
+        top = min(top, value + added / (p - 1))
+    values = np.unique(np.concatenate([c[(c > value + tol) & (c <= top + tol)]
+                                       for per in costs for c in per.values()]))
     score, lo = added + (p - 1) * value, 0
     while added > slack:
         # a larger V can win only while (p − 1)·V < score (A >= 0)
