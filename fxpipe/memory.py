@@ -274,6 +274,10 @@ class MemoryBudget:
     # each stage's device where several share one (each then capped at an equal share of its
     # device's cap); () : a device per stage
     placement: tuple[int, ...] = ()
+    # why no stage can recompute under the plan's schedule or weight policy
+    # (`fxpipe.recompute_spec.cannot_recompute`), None where they can: an error then does
+    # not suggest recomputation
+    cannot_recompute: str | None = None
 
     def limits(self, stages: int) -> np.ndarray:
         """(stages,) the cap of each stage, in bytes."""

@@ -118,11 +118,12 @@ def memory_budget(plan: Plan, p: int | None) -> MemoryBudget | None:
         return None
     schedule = (plan.schedule if isinstance(plan.schedule, Schedule) or p is None
                 else _scored(plan, p))
-    recompute = False if plan.recompute == "auto" and cannot_recompute(plan) else plan.recompute
+    reason = cannot_recompute(plan)
+    recompute = False if plan.recompute == "auto" and reason else plan.recompute
     shared = plan.stages_per_device > 1
     return MemoryBudget(limits, schedule, optimizer_slots(plan.optimizer), recompute,
                         plan.device_count if plan.schedule in VIRTUAL else None,
-                        tuple(plan.placement) if shared else ())
+                        tuple(plan.placement) if shared else (), reason)
 
 
 def evaluate_for_plan(cost: CostTable, bounds: Sequence[int], p: int, name: str, plan: Plan,

@@ -9,7 +9,7 @@ import numpy as np
 
 from fxpipe.cost import CostTable, Partition
 from fxpipe.memory import MemoryBudget
-from fxpipe.passes.partition.capped import Capacity, capped_minmax, check_fits
+from fxpipe.passes.partition.capped import Capacity, capped_step, check_fits
 from fxpipe.passes.partition.even import even_bounds
 from fxpipe.passes.partition.validate import check_planner_args
 
@@ -19,6 +19,9 @@ OBJECTIVES: dict[str, Callable[[Partition], float]] = {
     "time": lambda part: part.predicted_time,  # T(λ, p) of ALGORITHMS §1
     "rho": lambda part: part.rho_f + part.rho_b,  # IMD's objective (ALGORITHMS §3)
     "compute": lambda part: max(s.f + s.b for s in part.stages),  # balanced's objective
+    # balanced's under a cap: GPipe's closed form without links, f + b taken together
+    "compute_step": lambda part: (sum(s.f + s.b for s in part.stages)
+                                  + (part.micro_batches - 1) * max(s.f + s.b for s in part.stages)),
     "params": lambda part: max(s.params for s in part.stages),  # params' objective
 }
 
@@ -128,9 +131,12 @@ def balanced(cost: CostTable, stages: int, p: int = 1, memory: MemoryBudget | No
     """Minimise the largest per-stage compute time f + b at `p` micro-batches (exactly N stages).
 
     Ignores communication and the forward/backward split; `imd` and `exact` account for both.
-    Under a `memory` cap: the least largest f + b among the partitions whose every stage fits
-    (a recomputing stage's being 2f + b), of those the one recomputing the least forward
-    time; PlanError when none fits.
+    Uncapped, that is also the least compute-only step Σ_s t_s + (p − 1)·max_s t_s (t_s =
+    f + b; the sum is the same for every partition). Under a `memory` cap, that step is the
+    objective, among the partitions whose every stage fits (`capped.capped_step`): a
+    recomputing stage's t_s is 2f + b, so recomputing adds to the sum, and a partition with a
+    larger max that recomputes less can be the faster (the least largest t_s where nothing
+    need recompute, as uncapped; of equal steps, the smaller max); PlanError when none fits.
     """
     check_planner_args(cost, stages, p)
     cap = check_fits(cost, stages, p, memory)
@@ -138,5 +144,6 @@ def balanced(cost: CostTable, stages: int, p: int = 1, memory: MemoryBudget | No
     if cap is None:
         part = Partition.evaluate(cost, minmax_bounds(f + b, stages), p, "balanced")
         return settle(cost, part, "compute", stages)
-    bounds, again = capped_minmax(cap, f + b, 2 * f + b, forward=f)
-    return settle(cost, cap.evaluate(cost, bounds, "balanced", again), "compute", stages, cap)
+    bounds, again = capped_step(cap, f, b)
+    return settle(cost, cap.evaluate(cost, bounds, "balanced", again), "compute_step", stages,
+                  cap)

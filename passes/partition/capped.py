@@ -13,8 +13,8 @@ from fxpipe.memory import MemoryBudget
 from fxpipe.passes.partition.least_cap import frontier, least_scale, row_terms, walk_fields
 from fxpipe.passes.partition.odpa import divisors
 
-__all__ = ["Capacity", "Timing", "capacities", "capped_minmax", "check_fits", "fit_or_explain",
-           "smallest_scale", "split_lanes", "trace_lane"]
+__all__ = ["Capacity", "Timing", "capacities", "capped_minmax", "capped_step", "check_fits",
+           "fit_or_explain", "smallest_scale", "split_lanes", "stage_dp", "trace_lane"]
 
 _SLACK = 1e-9  # relative: a stage exactly at its cap (up to float rounding) fits
 
@@ -219,27 +219,87 @@ def capped_minmax(cap: Capacity, weights: np.ndarray, again: np.ndarray | None =
     if forward is None or not any(settings):
         return bounds, settings
     tol = 1e-12 * max(float(twice[-1]), float(plain[-1]), 1e-300)
+    return _least_added(cap, costs, forward, value + tol)[1:]
+
+
+def capped_step(cap: Capacity, f: np.ndarray, b: np.ndarray
+                ) -> tuple[tuple[int, ...], tuple[bool, ...]] | None:
+    """The partition into exactly N stages that fit whose compute-only step Σ_s t_s +
+    (p − 1)·max_s t_s is the least (t_s: the stage's f + b, 2f + b recomputing; GPipe's
+    closed form without links, forward and backward taken together), None when none fits.
+
+    Without recomputation Σ t_s is the same for every partition, so this is the min-max
+    split (`capped_minmax`'s). With it, Σ t_s grows by the forward time recomputed, A(V) the
+    least of it over the partitions whose every t_s <= V, which falls as V grows: the least
+    step is at V*, the min-max, or at a V where A(V) drops, V < V* + A(V*)/(p − 1) and no
+    larger than the largest t_s of the partition recomputing the least of all. Those drops
+    are found by bisection on the distinct stage times between, one `_least_added` DP per
+    probe. Ties: the smaller largest stage time."""
+    p = cap.micro_batches
+    plain = np.concatenate([[0.0], np.cumsum(f + b)])
+    twice = np.concatenate([[0.0], np.cumsum(2 * f + b)])
+    sums = {False: plain[None, :] - plain[:, None], True: twice[None, :] - twice[:, None]}
+    costs = [{r: np.where(cap.fits(s, r), sums[r], np.inf) for r in cap.modes[s]}
+             for s in range(cap.stages)]
+    value, bounds, settings = _bottleneck(cap, costs)
+    if not np.isfinite(value):
+        return None
+    if not any(settings):  # nothing recomputed: Σ t_s is the least there is, max t_s too
+        return bounds, settings
+    tol = 1e-12 * max(float(twice[-1]), 1e-300)
+    slack = 1e-12 * max(float(np.sum(f)), 1e-300)  # of A
+    added, *best = _least_added(cap, costs, f, value + tol)
+    if added <= slack:
+        return tuple(best[0]), tuple(best[1])
+    largest = max(float(c[np.isfinite(c)].max(initial=0.0)) for per in costs
+                  for c in per.values())
+    _, ends, again = _least_added(cap, costs, f, largest + tol)
+    top = max(sums[r][a, e] for a, e, r in zip((0, *ends[:-1]), ends, again))
+    if p > 1:
+        top = min(top, value + added / (p - 1))
+    values = np.unique(np.concatenate([c[(c > value + tol) & (c <= top + tol)]
+                                       for per in costs for c in per.values()]))
+    score, lo = added + (p - 1) * value, 0
+    while added > slack:
+        # a larger V can win only while (p − 1)·V < score (A >= 0)
+        hi = len(values) if p == 1 else int(np.searchsorted(values, score / (p - 1), "left"))
+        if lo >= hi or _least_added(cap, costs, f, values[hi - 1] + tol)[0] >= added - slack:
+            break  # no V in reach recomputes less
+        while lo < hi - 1:  # the least V in values[lo:hi] recomputing less than `added`
+            mid = (lo + hi - 1) // 2
+            if _least_added(cap, costs, f, values[mid] + tol)[0] < added - slack:
+                hi = mid + 1
+            else:
+                lo = mid + 1
+        added, *found = _least_added(cap, costs, f, values[lo] + tol)
+        if added + (p - 1) * values[lo] < score - slack:
+            score, best = added + (p - 1) * values[lo], found
+        lo += 1
+    return tuple(best[0]), tuple(best[1])
+
+
+def _least_added(cap: Capacity, costs: list[dict[bool, np.ndarray]], forward: np.ndarray,
+                 most: float) -> tuple[float, tuple[int, ...], tuple[bool, ...]]:
+    """Of the partitions whose every stage costs <= `most` (costs as `_bottleneck`'s), the
+    one recomputing the least forward time: that time, its bounds and settings."""
     fwd = np.concatenate([[0.0], np.cumsum(forward)])
     added = np.maximum(fwd[None, :] - fwd[:, None], 0.0)
-    return _least_sum(cap, [{r: np.where(c <= value + tol, added if r else 0.0, np.inf)
-                             for r, c in per.items()} for per in costs])
+    return stage_dp(cap, [{r: np.where(c <= most, added if r else 0.0, np.inf)
+                      for r, c in per.items()} for per in costs], np.add)
 
 
 def _bottleneck(cap: Capacity, costs: list[dict[bool, np.ndarray]]
                 ) -> tuple[float, tuple[int, ...], tuple[bool, ...]]:
     """The least over partitions into N stages of the largest stage cost (costs[s][r][a, e],
     inf: not allowed), its bounds and settings: best_s(e) = min_a max(best_{s-1}(a), c)."""
-    return _dp(cap, costs, np.maximum)
+    return stage_dp(cap, costs, np.maximum)
 
 
-def _least_sum(cap: Capacity, costs: list[dict[bool, np.ndarray]]
-               ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """The partition into N stages with the least sum of stage costs (inf: not allowed)."""
-    return _dp(cap, costs, np.add)[1:]
-
-
-def _dp(cap: Capacity, costs: list[dict[bool, np.ndarray]], combine
-        ) -> tuple[float, tuple[int, ...], tuple[bool, ...]]:
+def stage_dp(cap: Capacity, costs: list[dict[bool, np.ndarray]], combine
+             ) -> tuple[float, tuple[int, ...], tuple[bool, ...]]:
+    """The partition into N stages least in its stage costs (costs[s][r][a, e], inf: not
+    allowed) combined by `combine` (np.maximum: the largest; np.add: the sum), with its
+    bounds and settings; (inf, (), ()) when none is allowed."""
     units = cap.units
     best = np.full(units + 1, np.inf)
     best[0] = 0.0 if combine is np.add else -np.inf
@@ -344,7 +404,7 @@ def _explain(cost: CostTable, p: int, budget: MemoryBudget, scale: float,
            "micro-batches in flight, "
            "its messages and backward workspace")
     hint = ""
-    if not budget.recompute:
+    if not budget.may_recompute and budget.cannot_recompute is None:  # else it cannot help
         hint = ", recompute='auto' (recomputes the forward of the stages that need it)"
     return (f"no partition into {len(bounds)} stages fits the memory cap ({_bytes(limits[s])} "
             f"on stage {s}) at {p} micro-batch(es): the partition needing the "

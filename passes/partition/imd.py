@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition
 from fxpipe.memory import MemoryBudget
-from fxpipe.passes.partition.balanced import settle
+from fxpipe.passes.partition.balanced import TIE, settle
 from fxpipe.passes.partition.capped import (
     Capacity,
     Timing,
     capped_minmax,
     check_fits,
     split_lanes,
+    stage_dp,
     trace_lane,
 )
 from fxpipe.passes.partition.validate import check_planner_args
@@ -164,7 +166,11 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
     Under a `memory` cap: exactly N stages (a stage's memory depends on its place among
     them), and D is feasible when some weight's caps admit a partition whose stages also fit
     their memory (`capped._reach`, recomputing where the budget allows and needs: Σb + Σf);
-    PlanError when no partition fits at all.
+    PlanError when no partition fits at all. Every partition within a lane's caps at the last
+    feasible D meets the bisection's bound, so of each such lane's greedy partition and its
+    partition adding the least to T beyond ρF + ρB (link costs, forward time recomputed),
+    the one with the least ρF + ρB, ties (within TIE) broken by that addition; a stage
+    recomputes only where it does not fit without.
     """
     check_planner_args(cost, stages, p)
     cap = check_fits(cost, stages, p, memory)
@@ -209,7 +215,8 @@ def _capped(cost: CostTable, cap: Capacity, pack: Packing, weights: np.ndarray, 
             eps: float, d_max: float) -> Partition:
     """IMD's bisection on D under a memory cap: exactly N stages, each within the caps
     (v1, v2) = (wD, (1 − w)D) and its memory cap, links within the caps; of the lanes that fit
-    at the last feasible D, the partition with the least ρF + ρB (then link sum)."""
+    at the last feasible D, the partition with the least ρF + ρB (then link sum plus forward
+    time recomputed)."""
     f, b = np.diff(pack.sum_f), np.diff(pack.sum_b)
     again = pack.sum_b + pack.sum_f  # a recomputing stage's backward runs its forward again
 
@@ -241,13 +248,49 @@ def _capped(cost: CostTable, cap: Capacity, pack: Packing, weights: np.ndarray, 
         else:
             d_lo = d_mid
     found = []
+    cut = pack.link_f + pack.link_b
     for v1, v2 in zip(*fitting(d_hi)):
         one, two = np.array([v1]), np.array([v2])
-        bounds, setting = trace_lane(cap, _timings(pack, again, one, two),
-                                     _links_ok(pack, one, two))
-        part = cap.evaluate(cost, bounds, "imd", setting)
-        found.append((part.rho_f + part.rho_b, sum(s.cf + s.cb for s in part.stages), part))
-    return min(found, key=lambda x: x[:2])[2]
+        timings, ok = _timings(pack, again, one, two), _links_ok(pack, one, two)
+        # the lane's greedy partition, and within the same caps the one adding the least to
+        # a step beyond ρF + ρB: links, and forward time recomputed
+        for bounds, _ in filter(None, (trace_lane(cap, timings, ok),
+                                       _cheapest_in_lane(cap, timings, ok, cut, f))):
+            # at these bounds, a stage that fits without recomputing need not (T only grows
+            # with a stage's backward)
+            part = cap.evaluate(cost, bounds, "imd")
+            added = sum(s.cf + s.cb + (s.f if r else 0.0)
+                        for s, r in zip(part.stages, part.recompute or (False,) * stages))
+            found.append((part.rho_f + part.rho_b, added, part))
+    least = min(x[0] for x in found)
+    return min((x for x in found if x[0] <= least * (1 + TIE)), key=lambda x: x[1])[2]
+
+
+def _cheapest_in_lane(cap: Capacity, timings: Sequence[Timing], ok: np.ndarray | None,
+                      cut: np.ndarray, forward: np.ndarray
+                      ) -> tuple[tuple[int, ...], tuple[bool, ...]] | None:
+    """For one lane (`trace_lane`'s inputs), of the partitions into N stages that fit within
+    its time caps (non-last stages ending where `ok`), the one with the least Σ cut[e] over
+    the non-last stage ends e plus forward time recomputed; None when none fits."""
+    units = np.arange(cap.units + 1)
+    fwd = np.concatenate([[0.0], np.cumsum(forward)])
+    added = np.maximum(fwd[None, :] - fwd[:, None], 0.0)
+    costs = []
+    for s in range(cap.stages):
+        per = {}
+        for r in cap.modes[s]:
+            allowed = cap.fits(s, r) & (units[None, :] > units[:, None])
+            for t in timings:
+                prefix = t.again if r else t.plain
+                allowed &= prefix[None, :] - prefix[:, None] <= t.caps[0] + t.tol
+            last = s == cap.stages - 1
+            if ok is not None and not last:
+                allowed &= ok[0][None, :]
+            per[r] = np.where(allowed, (0.0 if last else cut[None, :]) + (added if r else 0.0),
+                              np.inf)
+        costs.append(per)
+    value, bounds, settings = stage_dp(cap, costs, np.add)
+    return (bounds, settings) if np.isfinite(value) else None
 
 
 def _timings(pack: Packing, again: np.ndarray, v1: np.ndarray, v2: np.ndarray) -> list[Timing]:

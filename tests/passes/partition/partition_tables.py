@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from fxpipe.cost import CostTable, Partition
+from fxpipe.memory import MemoryBudget
 
 # Small integers make ties (the hard case for "first optimum" logic); floats make the rest.
 costs = st.one_of(st.integers(0, 20).map(float), st.floats(0.0, 100.0, allow_subnormal=False))
@@ -74,3 +75,40 @@ def assert_valid(part: Partition, units: int, stages: int, at_most: bool = False
 
 def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+
+
+SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
+
+
+@st.composite
+def capped(draw, max_units: int = 7, max_stages: int = 4, sizes: bool = False,
+           recompute: bool = True):
+    """(table with weights, saved and boundary bytes; stages; p; budget). The cap is a share
+    of what one stage holding everything needs, so some draws fit and some do not."""
+    units = draw(st.integers(2, max_units))
+    stages = draw(st.integers(1, min(units, max_stages)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rows = SIZES[:, None] if sizes else np.ones((1, 1))
+    f, b = (1 + rng.uniform(0, 10, units) * rows for _ in range(2))
+    cf, cb = (rng.uniform(0, 5, units) * rows * (rng.uniform() < 0.7) for _ in range(2))
+    weights = rng.integers(1, 100, units) * (rng.uniform(size=units) < 0.8)
+    weights[0] += 1  # params balances parameter counts: give it some
+    saved = rng.uniform(0, 100, units) * rows
+    crossing = rng.uniform(0, 60, units) * rows
+    cost = CostTable.from_arrays(f, b, cf, cb, sizes=SIZES if sizes else None,
+                                 batch=BATCH if sizes else None, params=weights,
+                                 activation_bytes=saved, boundary_bytes=crossing)
+    p = draw(st.integers(1, 4))
+    schedule = draw(st.sampled_from(SCHEDULES))
+    whole = 16 * weights.sum() + max(p, 2) * saved.max(0).sum()
+    share = draw(st.floats(0.1, 1.0))
+    per_stage = draw(st.booleans())
+    limit = (tuple(whole * share * rng.uniform(0.5, 1.5, stages)) if per_stage
+             else float(whole * share))
+    mode = draw(st.sampled_from([False, "auto", True])) if recompute else False
+    return cost, stages, p, MemoryBudget(limit, schedule, 2.0, mode)
+
+
+def fits(part: Partition, budget: MemoryBudget) -> bool:
+    limits = budget.limits(len(part.stages))
+    return all(s.memory <= limit * (1 + 1e-9) for s, limit in zip(part.stages, limits))
