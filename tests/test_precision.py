@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,7 +208,6 @@ def test_values_crossing_ranks_are_counted_as_they_travel():
     their gradients count as fp32, as in a full-precision plan, and the sender's bf16 value
     and the receiver's cast of it count besides; the backward inside a stage holds bf16."""
     full, half = (_costs(precision).cost for precision in (None, "bf16"))
-    np = pytest.importorskip("numpy")
     # the MLP's cut after unit 2 (a Linear's output: bf16 under autocast)
     np.testing.assert_array_equal(half.boundary_grad_bytes, full.boundary_grad_bytes)
     np.testing.assert_array_equal(half.boundary_bytes, 1.5 * full.boundary_bytes)
