@@ -13,6 +13,7 @@ from fxpipe.memory import (
     StageBytes,
     peak_of,
     stage_actions,
+    stage_copies,
     stage_memory,
     stage_terms,
     workspace_bytes,
@@ -80,11 +81,19 @@ class CostTable:
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
     source: str = ""  # where the times come from (measured, read from a cache file, ...)
     # (M, K) per micro-batch: bytes of the values crossing the cut after unit i, of their
-    # gradients, and of the part of them autograd saves (the memory model's boundary buffers)
+    # gradients, and of the part of them autograd saves (the memory model's boundary buffers:
+    # as torchrun's transport sends them, in the trace's dtype, and a value autocast made in
+    # another dtype in that one too, which both ends hold besides)
     boundary_bytes: np.ndarray | None = None
     boundary_grad_bytes: np.ndarray | None = None
     boundary_saved_bytes: np.ndarray | None = None
+    # (M, K) the gradients of the values crossing the cut after unit i as a backward inside a
+    # stage holds them: in their own dtype under autocast (None: boundary_grad_bytes)
+    inner_grad_bytes: np.ndarray | None = None
     output_bytes: np.ndarray | None = None  # (M,) per micro-batch: the model's outputs
+    # (K,) autocast's bf16/fp16 copies of each unit's weights, which its stage holds for the
+    # whole step (Plan(precision); 0 in full precision)
+    weight_cast_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -113,8 +122,13 @@ class CostTable:
             value = getattr(self, field)
             object.__setattr__(self, field, np.zeros(shape) if value is None else
                                np.atleast_2d(np.asarray(value, float)))
+        if self.inner_grad_bytes is not None:
+            object.__setattr__(self, "inner_grad_bytes",
+                               np.atleast_2d(np.asarray(self.inner_grad_bytes, float)))
         outputs = np.zeros(shape[0]) if self.output_bytes is None else self.output_bytes
         object.__setattr__(self, "output_bytes", np.asarray(outputs, float).reshape(shape[0]))
+        casts = np.zeros(shape[1]) if self.weight_cast_bytes is None else self.weight_cast_bytes
+        object.__setattr__(self, "weight_cast_bytes", np.asarray(casts, float).reshape(shape[1]))
 
     @classmethod
     def from_arrays(
@@ -173,10 +187,17 @@ class CostTable:
         what crosses the cut before it (0 at i = 0, whose inputs are the caller's; and at K)."""
         return np.concatenate([[0.0], self.crossing_bytes(p)[0][:-1], [0.0]])
 
+    def inner_grads(self, p: int) -> np.ndarray:
+        """(K,) per micro-batch at count p: the gradients of the values crossing the cut after
+        unit i, as a backward inside a stage holds them (`inner_grad_bytes`)."""
+        table = self.boundary_grad_bytes if self.inner_grad_bytes is None else \
+            self.inner_grad_bytes
+        return np.maximum(self._bytes_weights(p) @ table, 0.0)
+
     def unit_workspace(self, p: int) -> np.ndarray:
         """(K,) per unit, what its backward holds beyond the activations at count p
         (`fxpipe.memory.workspace_bytes` of a stage is the largest over its units)."""
-        grads = self.crossing_bytes(p)[1]
+        grads = self.inner_grads(p)
         inner = np.concatenate([[0.0], grads[:-1]])
         return inner + grads + (self.param_bytes if p > 1 else 0.0)
 
@@ -251,6 +272,7 @@ class Partition:
         optimizer_slots: float = 2.0,
         recompute: Sequence[bool] = (),
         memory: MemoryBudget | None = None,
+        consistency: str = "none",
     ) -> Partition:
         """Score `bounds` with the closed-form model of ALGORITHMS §1 for GPipe, which is
         GPipe's simulated step on a chain of stages; for any other `schedule`, its step as
@@ -261,8 +283,10 @@ class Partition:
         the stage's actions hold at once (`fxpipe.memory.stage_terms`, the walk of
         `stage_peak`): the activations of its micro-batches in flight (p for gpipe, at most
         N − s on stage s for 1f1b), its message buffers and its backward's workspace
-        (docs/memory.md). `memory`, where given, counts it by its schedule and optimizer
-        (the planners' `Capacity` counts exactly this).
+        (docs/memory.md); autocast's copies of the weights (`CostTable.weight_cast_bytes`),
+        and the copies of the weights the `consistency` policy keeps
+        (`fxpipe.memory.weight_copies`). `memory`, where given, counts it by its schedule,
+        optimizer and consistency (the planners' `Capacity` counts exactly this).
 
         `recompute` (one bool per stage, () for none): such a stage's backward runs its
         forward again (b + f); it saves nothing per micro-batch beyond the inputs and outputs
@@ -273,7 +297,7 @@ class Partition:
         if recompute and len(recompute) != len(bounds):
             raise ValueError(f"recompute lists {len(recompute)} stages for {len(bounds)}")
         if memory is not None:
-            optimizer_slots = memory.optimizer_slots
+            optimizer_slots, consistency = memory.optimizer_slots, memory.consistency
         f, b, cf, cb = cost.at(p)
         saved = cost.saved_bytes(p)
         starts = (0, *bounds[:-1])
@@ -284,9 +308,12 @@ class Partition:
             last = s == len(bounds) - 1
             again = bool(recompute) and recompute[s]
             peak = peak_of(stage_terms(own[s], again, last), stage_bytes(cost, p, bounds, s))
-            memory_s = stage_memory(cost.param_bytes[start:end], saved[start:end], 0,
-                                    optimizer_slots=optimizer_slots, boundary=peak.boundary,
-                                    workspace=peak.workspace, activations=peak.activations)
+            memory_s = stage_memory(
+                cost.param_bytes[start:end], saved[start:end], 0,
+                optimizer_slots=optimizer_slots, boundary=peak.boundary,
+                workspace=peak.workspace, activations=peak.activations,
+                casts=float(cost.weight_cast_bytes[start:end].sum()),
+                copies=stage_copies(consistency, counted, len(bounds), p, s))
             forward = float(f[start:end].sum())
             stages.append(StageCost(
                 (start, end),
@@ -318,8 +345,9 @@ def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int) -> Stage
     into, back = (crossing[start - 1], grads[start - 1]) if s else (0.0, 0.0)
     out, grads_in, out_saved = ((outputs, 0.0, 0.0) if last else (
         crossing[end - 1], grads[end - 1], crossing_saved[end - 1]))
-    inner = np.concatenate([[0.0], grads])[start:end]  # the cut before each unit
-    workspace = workspace_bytes(cost.param_bytes[start:end], inner, grads[start:end], p)
+    held = cost.inner_grads(p)  # a backward's own gradients, in their dtypes
+    inner = np.concatenate([[0.0], held])[start:end]  # the cut before each unit
+    workspace = workspace_bytes(cost.param_bytes[start:end], inner, held[start:end], p)
     return StageBytes(float(cost.saved_bytes(p)[start:end].sum()), float(into), float(out),
                       float(out_saved), float(grads_in), float(back), workspace, last)
 
@@ -389,7 +417,8 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         cf=links @ cost.cf, cb=links @ cost.cb, sizes=sizes,
         activation_bytes=np.maximum(links @ cost.activation_bytes, 0.0),
         **{field: np.maximum(links @ getattr(cost, field), 0.0) for field in (
-            "boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes")},
+            "boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes", "inner_grad_bytes")
+           if getattr(cost, field) is not None},
         output_bytes=np.maximum(links @ cost.output_bytes, 0.0),
         source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )

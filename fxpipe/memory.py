@@ -9,9 +9,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fxpipe.schedules import Action, ActionKind, Schedule, build, forwards_first, peak_activations
+from fxpipe.schedules import (
+    Action,
+    ActionKind,
+    Schedule,
+    async_one_f_one_b,
+    build,
+    forwards_first,
+    peak_activations,
+)
 
 __all__ = [
+    "CAST_COPIES",
     "FIELDS",
     "MemoryBudget",
     "Peak",
@@ -21,11 +30,22 @@ __all__ = [
     "in_flight",
     "peak_of",
     "stage_actions",
+    "stage_copies",
     "stage_memory",
     "stage_peak",
     "stage_terms",
+    "weight_copies",
     "workspace_bytes",
 ]
+
+
+# what autocast's bf16/fp16 copies of a stage's weights cost, in their bytes: the copies, which
+# the stage keeps for the whole step (fxpipe.precision.weight_casts_kept), and their
+# gradients in the same dtype, which a backward holds until its end: the copies' cast node is
+# the oldest in the graph (made at the step's first forward), and autograd runs the oldest
+# last, so every weight's gradient waits for the backward's other work. Counted for the
+# whole step, as the peak is at a backward.
+CAST_COPIES = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +58,13 @@ class StageMemory:
     activations: float  # what autograd saves, × the micro-batches in flight at the peak
     boundary: float = 0.0  # received inputs and sent outputs held between stages
     workspace: float = 0.0  # transient: a weight's new gradient before it is accumulated
+    casts: float = 0.0  # autocast's copies of the weights and their gradients (CAST_COPIES)
+    copies: float = 0.0  # the weight versions a consistency policy keeps (stash, 2bw, predict)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations
-                + self.boundary + self.workspace)
+                + self.boundary + self.workspace + self.casts + self.copies)
 
 
 def in_flight(schedule: str | Schedule, stages: int, p: int,
@@ -67,17 +89,82 @@ def _named_in_flight(name: str, stages: int, p: int, devices: int | None) -> tup
 def stage_memory(param_bytes: np.ndarray | Sequence[float], saved_bytes: np.ndarray |
                  Sequence[float], held: int, *, optimizer_slots: float = 2.0,
                  boundary: float = 0.0, workspace: float = 0.0,
-                 activations: float | None = None) -> StageMemory:
+                 activations: float | None = None, casts: float = 0.0,
+                 copies: float = 0.0) -> StageMemory:
     """The peak of a stage made of units with these `param_bytes` and per-micro-batch
     `saved_bytes` (what autograd saves), holding `held` micro-batches' activations at once,
     trained by an optimizer with `optimizer_slots` copies of the weights (Adam: 2), plus
     `boundary` bytes of messages and `workspace` (`workspace_bytes`); `activations`: the
-    bytes of activations held at the peak where known (`stage_peak`), for held × saved."""
+    bytes of activations held at the peak where known (`stage_peak`), for held × saved;
+    `casts`: the bytes of autocast's copies of the weights (Plan(precision)), counted
+    CAST_COPIES times; `copies`: how many more copies of the weights a consistency policy
+    keeps (`weight_copies`)."""
     weights = float(np.sum(param_bytes))
     if activations is None:
         activations = held * float(np.sum(saved_bytes))
     return StageMemory(weights, weights, optimizer_slots * weights, activations, boundary,
-                       workspace)
+                       workspace, CAST_COPIES * casts, copies * weights)
+
+
+def weight_copies(policy: str, actions: Sequence[Action]) -> int:
+    """The most copies of its weights a stage running `actions` (its own, STEPs included) keeps
+    at once beside its parameters under consistency `policy` (runtime/consistency.py):
+    none: 0; stash: one per weight version an in-flight micro-batch's forward used (a copy is
+    made even of the current version); 2bw: those of the version before the latest step, and
+    the shadow copy each step makes; predict: the predicted weights while a forward runs, for
+    a micro-batch with a STEP between its forward and backward (an upper bound at the peak:
+    they go when the forward ends)."""
+    version, peak, made = 0, 0, 0
+    copies: dict[int, tuple[int, set[int]]] = {}  # version -> (the copy's number, its users)
+    shadow: int | None = None  # 2bw: the number of the copy each step makes of the old version
+    forward_at: dict[int, int] = {}  # predict: micro-batch -> the version its forward ran at
+    for a in actions:
+        if a.kind is ActionKind.STEP:
+            if policy == "2bw":
+                made, shadow = made + 1, made + 1
+            version += 1
+        elif a.kind is ActionKind.F and policy == "predict":
+            forward_at[a.mb] = version
+        elif a.kind is ActionKind.F and policy in ("stash", "2bw"):
+            used = max(version - 1, 0) if policy == "2bw" else version
+            if used not in copies:  # 2bw takes the shadow where a step made one
+                reuse = policy == "2bw" and shadow is not None and version > 0
+                made += not reuse
+                copies[used] = (shadow if reuse else made, set())
+            copies[used][1].add(a.mb)
+        elif a.kind is ActionKind.B and policy in ("stash", "2bw"):
+            for used, (_, users) in list(copies.items()):
+                users.discard(a.mb)
+                if not users:  # its last micro-batch's backward: the copy goes
+                    del copies[used]
+        elif a.kind is ActionKind.B and policy == "predict" and version > forward_at.pop(
+                a.mb, version):
+            peak = 1  # a step landed between its forward and backward: Ŵ was made
+        live = {number for number, _ in copies.values()} | ({shadow} - {None})
+        peak = max(peak, len(live))
+    return peak
+
+
+def stage_copies(policy: str, schedule: str | Schedule, stages: int, p: int, s: int) -> int:
+    """Weight-sized tensors stage s keeps beside its parameters, gradients and optimizer state
+    under `schedule` (a name, built for the stages and p, or a user's Schedule) and consistency
+    `policy`: its `weight_copies`, and, where the stage steps inside the run (a STEP among its
+    actions: async-1f1b), the copy of its last gradients every policy keeps from a step on
+    (runtime/consistency.py's last_grads, which predict reads)."""
+    if isinstance(schedule, Schedule):
+        mine = [a for actions in schedule.actions for a in actions if a.stage == s]
+        return weight_copies(policy, mine) + any(a.kind is ActionKind.STEP for a in mine)
+    return _named_copies(policy, schedule, stages, p, s)
+
+
+@functools.lru_cache(maxsize=256)  # the planners ask for every stage at every count
+def _named_copies(policy: str, name: str, stages: int, p: int, s: int) -> int:
+    try:  # async-1f1b as step_many streams it, long enough to reach its steady state
+        built = (async_one_f_one_b(stages, p, 2 * stages + 2) if name == "async-1f1b"
+                 else build(name, stages, p))
+    except ValueError:  # a count it cannot run: a copy per micro-batch at most
+        return p
+    return stage_copies(policy, built, stages, p, s)
 
 
 def workspace_bytes(param_bytes: np.ndarray, grads_in: np.ndarray, grads_out: np.ndarray,
@@ -278,6 +365,17 @@ class MemoryBudget:
     # (`fxpipe.recompute_spec.cannot_recompute`), None where they can: an error then does
     # not suggest recomputation
     cannot_recompute: str | None = None
+    consistency: str = "none"  # Plan(consistency): the weight copies it keeps count too
+
+    def kept(self, param_bytes: np.ndarray, cast_bytes: np.ndarray, stages: int, p: int,
+             s: int) -> np.ndarray:
+        """(K+1,) prefix sums over the units of what stage s holds for the whole step: its
+        weights, their gradients, the optimizer's slots and the policy's copies of them, and
+        autocast's casts of them (`cast_bytes`, CAST_COPIES times)."""
+        copies = stage_copies(self.consistency, self.schedule, stages, p, s)
+        per_unit = ((2.0 + self.optimizer_slots + copies) * np.asarray(param_bytes)
+                    + CAST_COPIES * np.asarray(cast_bytes))
+        return np.concatenate([[0.0], np.cumsum(per_unit)])
 
     def limits(self, stages: int) -> np.ndarray:
         """(stages,) the cap of each stage, in bytes."""

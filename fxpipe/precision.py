@@ -7,11 +7,12 @@ import warnings
 from collections.abc import Collection, Iterator, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.errors import PlanError
 
 __all__ = ["DTYPES", "PRECISIONS", "autocast", "autocast_args", "check_autocast_runs",
-           "check_precision", "is_weight_cast", "weight_casts_kept"]
+           "check_precision", "is_weight_cast", "weight_casts", "weight_casts_kept"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = tuple(DTYPES)
@@ -78,6 +79,33 @@ def weight_casts_kept() -> Iterator[None]:
     finally:
         if torch.autocast_decrement_nesting() == 0:
             torch.clear_autocast_cache()
+
+
+class _CastRecorder(TorchDispatchMode):
+    """Records the bytes of each cast of one of `weights` to a lower precision."""
+
+    def __init__(self, weights: Collection[torch.Tensor]) -> None:
+        super().__init__()
+        self.weights = {id(w) for w in weights}
+        self.found: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and args and id(args[0]) in self.weights
+                and isinstance(out, torch.Tensor) and out.dtype in DTYPES.values()):
+            self.found[id(args[0])] = out.nbytes
+        return out
+
+
+@contextlib.contextmanager
+def weight_casts(weights: Collection[torch.Tensor]) -> Iterator[dict[int, int]]:
+    """Meanwhile, the bytes of autocast's bf16/fp16 copy of each of `weights` it casts, by
+    the weight's id: what its cast cache holds while a stage's step runs (`weight_casts_kept`),
+    whether or not autograd saves the copy (a layer whose input needs no gradient saves it
+    not)."""
+    recorder = _CastRecorder(weights)
+    with recorder:
+        yield recorder.found
 
 
 def is_weight_cast(tensor: torch.Tensor, weights: Collection[torch.Tensor]) -> bool:

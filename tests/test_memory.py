@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.memory import StageBytes, device_peaks, in_flight, stage_peak, workspace_bytes
+from fxpipe.cost import CostTable, Partition
+from fxpipe.memory import (
+    StageBytes,
+    device_peaks,
+    in_flight,
+    stage_copies,
+    stage_peak,
+    weight_copies,
+    workspace_bytes,
+)
 from fxpipe.schedules import build
 
 
@@ -43,3 +53,41 @@ def test_gpipe_posts_every_receive_at_the_start():
 def test_workspace_is_the_largest_units_gradients_and_new_weight_gradient():
     assert workspace_bytes([8.0, 2.0], [1.0, 3.0], [3.0, 4.0], micro_batches=1) == 7.0
     assert workspace_bytes([8.0, 2.0], [1.0, 3.0], [3.0, 4.0], micro_batches=4) == 12.0
+
+
+# --- the weight copies of a consistency policy (async-1f1b) ---------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(stages=st.integers(1, 4), p=st.integers(1, 4))
+def test_stash_adds_a_copy_of_the_weights_per_version_in_flight(stages, p):
+    """PipeDream's count: with one micro-batch per update, stage s holds N - s versions; with
+    p >= N - s micro-batches per update, two at most (one where no step lands in between)."""
+    copies = [stage_copies("stash", "async-1f1b", stages, p, s) - 1  # the last gradients
+              for s in range(stages)]
+    if p == 1:
+        assert copies == [stages - s for s in range(stages)]
+    assert copies[-1] == 1 and all(1 <= c <= 2 for c, s in zip(copies, range(stages))
+                                   if p >= stages - s)
+    cost = CostTable.from_arrays(np.ones(stages), np.ones(stages),
+                                 param_bytes=np.arange(1, stages + 1) * 100.0)
+    bounds = tuple(range(1, stages + 1))
+    plain, stashed = (Partition.evaluate(cost, bounds, p, schedule="async-1f1b",
+                                         consistency=c) for c in ("none", "stash"))
+    synchronous = Partition.evaluate(cost, bounds, p, schedule="1f1b")
+    for s, (a, b) in enumerate(zip(synchronous.stages, plain.stages)):  # the last gradients
+        assert b.memory - a.memory >= cost.param_bytes[s] - 1e-9
+    for s, (a, b) in enumerate(zip(plain.stages, stashed.stages)):
+        assert b.memory - a.memory == pytest.approx(copies[s] * cost.param_bytes[s])
+
+
+def test_the_copies_counted_follow_each_policys_rules():
+    steps = build("async-1f1b", 2, 1, minibatches=6)
+    own = [[a for a in actions if a.stage == s] for s, actions in enumerate(steps.actions)]
+    assert [weight_copies("none", mine) for mine in own] == [0, 0]
+    assert [weight_copies("stash", mine) for mine in own] == [2, 1]
+    assert [weight_copies("2bw", mine) for mine in own] == [2, 1]  # the shadow: one more
+    assert [weight_copies("predict", mine) for mine in own] == [1, 0]  # stage 1: no step between
+    synchronous = [a for a in build("1f1b", 2, 4).actions[0]]
+    assert weight_copies("stash", synchronous) == 1  # one version: its one copy
+    assert weight_copies("2bw", synchronous) == 1

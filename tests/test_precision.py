@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,16 +163,58 @@ def test_bf16_training_follows_the_fp32_loss_curve():
 # --- the cost and memory model -------------------------------------------------------------
 
 
+def _costs(precision, model=None):
+    pipe = fxpipe.compile(model or MLP(), _plan(precision=precision, partitioner=[3, 6]),
+                          (torch.randn(64, 32),), cache=False)
+    return pipe
+
+
 def test_bf16_plan_predicts_fewer_activation_bytes():
-    x = torch.randn(64, 32)
-    saved, memory = {}, {}
-    for precision in (None, "bf16"):
-        pipe = fxpipe.compile(MLP(), _plan(precision=precision, partitioner=[3, 6]), (x,),
-                              cache=False)
-        saved[precision] = pipe.cost.saved_bytes(2)
-        memory[precision] = [stage.memory for stage in pipe.partition.stages]
-    assert saved["bf16"].sum() < 0.6 * saved[None].sum()  # half, and a little fp32 (the mask)
-    assert all(half < full for half, full in zip(memory["bf16"], memory[None]))
+    full, half = (_costs(precision).cost for precision in (None, "bf16"))
+    assert half.saved_bytes(2).sum() < 0.6 * full.saved_bytes(2).sum()  # and a little fp32
+
+
+def test_the_weights_casts_are_counted_as_autocast_keeps_them():
+    """The profile's bytes of autocast's weight copies are what a stage's forwards leave
+    allocated while the casts are kept (measured with the profiler's memory events): one copy
+    per weight, shared by its micro-batches, biases included; the stage's memory counts them
+    and their gradients (CAST_COPIES)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fxpipe.memory import CAST_COPIES
+    from fxpipe.precision import weight_casts_kept
+    pipe, full = _costs("bf16"), _costs(None)
+    assert not full.cost.weight_cast_bytes.any()  # full precision: no copies
+    for s, stage in enumerate(pipe.stages):
+        # not a leaf needing a gradient, whose cast autocast would keep as well
+        x = torch.randn(8, 32 if s == 0 else 64)
+        with weight_casts_kept():
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as session:
+                for _ in range(2):  # two micro-batches: one copy
+                    with autocast("cpu", "bf16"):
+                        out = stage.module(x)
+                    del out  # its graph and activations go; the cached copies stay
+            events = session.profiler.kineto_results.events()  # the copies still kept
+            resident = sum(e.nbytes() for e in events if e.name() == "[memory]")
+        start, end = pipe.partition.stages[s].units
+        counted = pipe.cost.weight_cast_bytes[start:end].sum()
+        assert counted == resident == sum(w.nbytes for w in stage.module.parameters()) / 2
+        extra = pipe.partition.stages[s].memory - full.partition.stages[s].memory
+        assert extra > CAST_COPIES * counted - full.cost.saved_bytes(2).sum()
+
+
+def test_values_crossing_ranks_are_counted_as_they_travel():
+    """Under torchrun a bf16 value crosses in the trace's dtype (fp32): its messages and
+    their gradients count as fp32, as in a full-precision plan, and the sender's bf16 value
+    and the receiver's cast of it count besides; the backward inside a stage holds bf16."""
+    full, half = (_costs(precision).cost for precision in (None, "bf16"))
+    # the MLP's cut after unit 2 (a Linear's output: bf16 under autocast)
+    np.testing.assert_array_equal(half.boundary_grad_bytes, full.boundary_grad_bytes)
+    np.testing.assert_array_equal(half.boundary_bytes, 1.5 * full.boundary_bytes)
+    np.testing.assert_array_equal(half.inner_grad_bytes, 0.5 * full.boundary_grad_bytes)
+    # what autograd saves of them (a ReLU's output) is the bf16 value, half the fp32 one
+    assert half.boundary_saved_bytes.any()
+    np.testing.assert_array_equal(half.boundary_saved_bytes, 0.5 * full.boundary_saved_bytes)
 
 
 def test_a_stage_that_steps_inside_the_run_casts_its_new_weights():

@@ -123,7 +123,8 @@ def memory_budget(plan: Plan, p: int | None) -> MemoryBudget | None:
     shared = plan.stages_per_device > 1
     return MemoryBudget(limits, schedule, optimizer_slots(plan.optimizer), recompute,
                         plan.device_count if plan.schedule in VIRTUAL else None,
-                        tuple(plan.placement) if shared else (), reason)
+                        tuple(plan.placement) if shared else (), cannot_recompute=reason,
+                        consistency=plan.consistency)
 
 
 def evaluate_for_plan(cost: CostTable, bounds: Sequence[int], p: int, name: str, plan: Plan,
@@ -137,7 +138,7 @@ def evaluate_for_plan(cost: CostTable, bounds: Sequence[int], p: int, name: str,
         recompute = fixed if isinstance(fixed, tuple) else (fixed is True,) * len(bounds)
     return Partition.evaluate(cost, bounds, p, name, schedule=_scored(plan, p),
                               optimizer_slots=optimizer_slots(plan.optimizer),
-                              recompute=recompute)
+                              recompute=recompute, consistency=plan.consistency)
 
 
 def _run(name: str, cost: CostTable, plan: Plan, p: int) -> Partition:

@@ -35,9 +35,14 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         names=tuple(names),
         param_bytes=params[1],
         activation_bytes=profile.activation_bytes,
-        boundary_bytes=profile.boundary_bytes,
+        # held in memory: what travels, and a value cast for the wire in its own dtype too
+        boundary_bytes=(profile.boundary_bytes if profile.boundary_cast_bytes is None
+                        else profile.boundary_bytes + profile.boundary_cast_bytes),
         boundary_grad_bytes=profile.boundary_grad_bytes,
         boundary_saved_bytes=profile.boundary_saved_bytes,
+        inner_grad_bytes=profile.inner_grad_bytes,
         output_bytes=profile.output_bytes,
+        weight_cast_bytes=(None if profile.weight_cast_bytes is None
+                           else profile.weight_cast_bytes.max(axis=0)),
         source=source + (", with the loss timed on the last unit" if loss is not None else ""),
     )

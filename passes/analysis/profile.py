@@ -26,7 +26,7 @@ from fxpipe.passes.analysis.profile_cache import (
     cache_key,
     describe_key,
 )
-from fxpipe.precision import autocast, is_weight_cast
+from fxpipe.precision import autocast, is_weight_cast, weight_casts
 from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.units import Unit
 
@@ -130,10 +130,11 @@ def profile_units(
         stale = (f"; the cache's entry had times {ratio:.2g}x a re-time's, more than {STALE:g}x "
                  "off, so they were measured again")
     rows = [measure(size, warmup, repeats, min_time, runs) for size in sizes]
-    forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs = (
-        np.array(r, dtype=float) for r in zip(*rows))
+    (forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs, casts,
+     crossing_cast, inner_grad) = (np.array(r, dtype=float) for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
-                          crossing_saved, outputs, device)
+                          crossing_saved, outputs, device, weight_cast_bytes=casts,
+                          boundary_cast_bytes=crossing_cast, inner_grad_bytes=inner_grad)
     where = cache.put(key, profile) if cache is not None else "not cached"
     under = f" under {precision} autocast" if precision else ""
     return dataclasses.replace(profile, origin=f"measured now on {device}{under}, {where}{stale}")
@@ -212,15 +213,17 @@ def _time_loss(loss, values, size, timer, autocast) -> tuple[float, float]:
 def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, meta,
              precision=None) -> tuple[list[float], ...]:
     """One micro-batch size: per-unit forward and backward times, the bytes crossing each cut,
-    and the bytes each unit's forward saves for backward (counted in the first repetition,
-    which is untimed: the counting slows the forward); forwards under `precision`'s autocast
-    (the backwards not: autograd runs them in the forward's dtypes)."""
+    the bytes each unit's forward saves for backward (counted in the first repetition,
+    which is untimed: the counting slows the forward), and under `precision`'s autocast (the
+    forwards', not the backwards': autograd runs them in the forward's dtypes) the bytes of
+    its weights' bf16/fp16 copies autocast casts."""
     needs_grad = table.carries_grad()
     timer = _timer(torch.device(device))
     units = len(modules)
     f_times: list[list[float]] = [[] for _ in range(units)]
     b_times: list[list[float]] = [[] for _ in range(units)]
     saved = [0.0] * units
+    casts = [0.0] * units  # autocast's copies of the unit's weights
     saved_values: set[str] = set()  # values autograd saves (in any unit)
     maker = {v: i for i, io in enumerate(table.stages) for v in io.outputs}  # value -> unit
     env = dict(zip(table.graph_inputs, inputs))
@@ -242,8 +245,10 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     args = [_as_input(values[v], needs_grad.get(v, False)) for v in io.inputs]
                     if rep == 0:
                         with (_saved_storages(module, precision is not None) as found,
+                              weight_casts(list(module.parameters())) as cast,
                               autocast(device, precision)):
                             outputs, seconds = timer(module, *args)
+                        casts[i] = float(sum(cast.values()))
                         # a value from an earlier run: its storage is this run's copy, so
                         # it is known by name (counted once, in the unit that made it)
                         earlier = {a.untyped_storage().data_ptr(): v
@@ -287,12 +292,14 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     if rep >= warmup:
                         b_times[i].append(seconds)
             env = values  # the next run starts from the last repetition's values
-    crossing, crossing_grad, crossing_saved = _crossing_bytes(table, env, units, saved_values)
+    crossing, crossing_grad, crossing_saved, crossing_cast, inner_grad = _crossing_bytes(
+        table, env, units, saved_values)
     forward = [statistics.median(t) if t else 0.0 for t in f_times]
     backward = [statistics.median(t) if t else 0.0 for t in b_times]
     outputs = sum(env[v].nbytes for v in table.graph_outputs
                   if isinstance(env.get(v), torch.Tensor))
-    return forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs
+    return (forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs, casts,
+            crossing_cast, inner_grad)
 
 
 def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
@@ -349,25 +356,39 @@ def _as_input(value: Any, needs_grad: bool) -> Any:
 
 
 def _crossing_bytes(table, env, units: int, saved: set[str]
-                    ) -> tuple[list[float], list[float], list[float]]:
+                    ) -> tuple[list[float], ...]:
     """Bytes of the values crossing each cut (after unit i), of their gradients, and of those
-    of them autograd saves (the values named in `saved`)."""
+    of them autograd saves (the values named in `saved`), as they travel between processes:
+    in the dtype the trace recorded (torchrun's transport sends a value under autocast, say a
+    bf16 one, as that fp32: a copy, which autograd saves not; the gradient comes back so);
+    and the bytes, in their own dtype, of the values that travel so cast: the sender keeps
+    them (its outputs, until their backward), and the receiver casts the fp32 back where
+    autocast runs it in bf16 (a copy its backward keeps); and the gradients' bytes in the
+    values' own dtypes, as a backward within a stage holds them."""
     last_use: dict[str, tuple[int, int]] = {}
+    traced: dict[str, torch.dtype] = {}
     for edge in table.edges:
         src, dst = last_use.get(edge.value, (edge.src, edge.dst))
         last_use[edge.value] = (src, max(dst, edge.dst))
-    crossing, crossing_grad, crossing_saved = [0.0] * units, [0.0] * units, [0.0] * units
+        if edge.info.is_tensor:
+            traced[edge.value] = edge.info.tensors[0].dtype
+    crossing, crossing_grad, crossing_saved, cast, inner = ([0.0] * units for _ in range(5))
     for value, (src, dst) in last_use.items():
         tensor = env.get(value)
         if not isinstance(tensor, torch.Tensor):
             continue
+        dtype = traced.get(value, tensor.dtype)
+        wire = tensor.numel() * dtype.itemsize
         for cut in range(src, dst):
-            crossing[cut] += tensor.nbytes
+            crossing[cut] += wire
             if tensor.is_floating_point():
-                crossing_grad[cut] += tensor.nbytes
-            if value in saved:
+                crossing_grad[cut] += wire
+                inner[cut] += tensor.nbytes
+            if dtype != tensor.dtype:
+                cast[cut] += tensor.nbytes
+            if value in saved:  # the sent tensor (or the one it is a cast of) is the saved one
                 crossing_saved[cut] += tensor.nbytes
-    return crossing, crossing_grad, crossing_saved
+    return crossing, crossing_grad, crossing_saved, cast, inner
 
 
 @contextlib.contextmanager

@@ -51,14 +51,13 @@ class Capacity:
     def of(cls, cost: CostTable, stages: int, p: int, budget: MemoryBudget) -> Capacity:
         modes = budget.modes(stages)
         fields = _fields(cost, p)
-        kept = np.concatenate([[0.0], np.cumsum((2.0 + budget.optimizer_slots)
-                                                * cost.param_bytes)])
         units = np.arange(cost.units + 1)
         empty = units[None, :] <= units[:, None]  # e <= a: no stage
         step = np.empty(empty.shape)
         table = []
         for s in range(stages):
             per = {}
+            kept = budget.kept(cost.param_bytes, cost.weight_cast_bytes, stages, p, s)
             for r in modes[s]:
                 memory = np.full(empty.shape, -np.inf)
                 for row in frontier(budget.terms(stages, p, s, r).sum(axis=1)):

@@ -53,7 +53,8 @@ def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget
     them, so only stages within that bound's widths are searched (O(N·K·width))."""
     modes, limits = budget.modes(stages), budget.limits(stages)
     fields = walk_fields(cost, p)
-    kept = np.concatenate([[0.0], np.cumsum((2.0 + budget.optimizer_slots) * cost.param_bytes)])
+    kept = [budget.kept(cost.param_bytes, cost.weight_cast_bytes, stages, p, s)
+            for s in range(stages)]
     work = cost.unit_workspace(p)
     units = cost.units
     even = tuple((i + 1) * units // stages for i in range(stages))  # any partition bounds it
@@ -67,7 +68,7 @@ def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget
             for s in range(stages) for r in modes[s]}
     width = 1
     for (s, _), terms in rows.items():
-        lower = kept + terms[:, 0].max() * fields["saved"]  # nondecreasing in the end
+        lower = kept[s] + terms[:, 0].max() * fields["saved"]  # nondecreasing in the end
         far = np.searchsorted(lower, lower + bound * limits[s], side="right") - 1
         width = max(width, int((far - np.arange(units + 1)).max()))
     width = min(width, units)
@@ -86,8 +87,8 @@ def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget
             cost_s = np.full((width + 1, units + 1), -np.inf)  # [j, a]: stage [a, a + j)
             for row in rows[(s, r)]:
                 start, end = row_terms(row, fields, s, s == stages - 1)
-                start = np.broadcast_to(start - kept, (units + 1,))
-                end = np.broadcast_to(end + kept, (units + 1,))
+                start = np.broadcast_to(start - kept[s], (units + 1,))
+                end = np.broadcast_to(end + kept[s], (units + 1,))
                 for j in range(1, width + 1):
                     value = start[: units + 1 - j] + end[j:] + row[-1] * np.maximum(
                         spans[j, : units + 1 - j], 0.0)

@@ -398,3 +398,20 @@ def test_async_needs_an_optimizer_and_step_many():
         pipe.step_many(_data(2))
     with pytest.raises(fxpipe.FxpipeError, match=r"overlaps mini-batches and steps each stage"):
         pipe.step(*_data(1)[0])
+
+
+@pytest.mark.parametrize("policy", ["stash", "predict"])
+def test_the_memory_model_counts_the_copies_the_policy_keeps(policy):
+    """fxpipe.memory's count of each stage's weight copies is what the runtime keeps at most,
+    over enough mini-batches to reach the steady state (2bw's shadow copy, which its count
+    holds, is not in the runtime's peak_copies)."""
+    from fxpipe.memory import stage_copies, weight_copies
+    pipe, _ = _async_pipe(policy)
+    pipe.step_many(_data(8))
+    streamed = build("async-1f1b", 3, 2, minibatches=8).actions
+    assert pipe.weight_copies() == [weight_copies(policy, streamed[s]) for s in range(3)]
+    # and the stage's count adds the last gradients every policy keeps after a step
+    assert [len(r.policy.last_grads) == len(list(r.stage.module.parameters()))
+            for r in pipe.executor.runners.values()] == [True] * 3
+    assert [stage_copies(policy, "async-1f1b", 3, 2, s) for s in range(3)] == [
+        weight_copies(policy, streamed[s]) + 1 for s in range(3)]

@@ -29,7 +29,9 @@ def _table(rng: np.random.Generator, units: int) -> CostTable:
                                  boundary_bytes=rng.uniform(0, 60, units))
     saved = cost.boundary_bytes * rng.uniform(0, 1, units)  # autograd saves part of them
     return dataclasses.replace(cost, boundary_grad_bytes=rng.uniform(0, 60, (1, units)),
-                               boundary_saved_bytes=saved, output_bytes=rng.uniform(0, 30, 1))
+                               boundary_saved_bytes=saved, output_bytes=rng.uniform(0, 30, 1),
+                               weight_cast_bytes=rng.uniform(0, 50, units),
+                               inner_grad_bytes=rng.uniform(0, 60, (1, units)))
 
 
 @st.composite
@@ -45,10 +47,11 @@ def instances(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(instances())
-def test_capacity_is_exactly_evaluates_stage_memory(instance):
+@given(instances(), st.sampled_from(["none", "stash", "2bw", "predict"]), st.booleans())
+def test_capacity_is_exactly_evaluates_stage_memory(instance, consistency, streamed):
     cost, bounds, p, schedule, recompute, slots = instance
-    budget = MemoryBudget(1.0, schedule, slots, "auto")
+    schedule = "async-1f1b" if streamed else schedule  # where the policies' copies differ
+    budget = MemoryBudget(1.0, schedule, slots, "auto", consistency=consistency)
     cap = Capacity.of(cost, len(bounds), p, budget)
     part = Partition.evaluate(cost, bounds, p, recompute=recompute, memory=budget)
     planned = [cap.memory(s, a, e, r) for s, (a, e, r) in
@@ -56,7 +59,7 @@ def test_capacity_is_exactly_evaluates_stage_memory(instance):
     assert planned == pytest.approx([s.memory for s in part.stages], rel=1e-12, abs=1e-9)
     # and evaluate without a budget counts the same for the same schedule and optimizer
     again = Partition.evaluate(cost, bounds, p, schedule=schedule, optimizer_slots=slots,
-                               recompute=recompute)
+                               recompute=recompute, consistency=consistency)
     assert [s.memory for s in again.stages] == [s.memory for s in part.stages]
 
 
@@ -79,7 +82,7 @@ def test_exact_is_the_brute_force_over_evaluates_memory(instance, share):
     if cost.units > 7:
         return
     stages = len(bounds)
-    unit = MemoryBudget(1.0, schedule, slots, "auto")
+    unit = MemoryBudget(1.0, schedule, slots, "auto", consistency="stash")  # a copy per stage
     least = smallest_scale(Capacity.of(cost, stages, p, unit))[0]
     assert least_scale(cost, stages, p, unit)[0] == pytest.approx(least, rel=1e-12)
     budget = dataclasses.replace(unit, limit=least * (1 + share))
