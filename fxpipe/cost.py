@@ -18,6 +18,7 @@ from fxpipe.memory import (
     workspace_bytes,
 )
 from fxpipe.schedules import Schedule, build
+from fxpipe.segments import Segmentation, kept_by_cuts, kept_by_lifetimes, recompute_segments
 from fxpipe.simulate import Timeline, simulate
 
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
@@ -85,6 +86,9 @@ class CostTable:
     boundary_grad_bytes: np.ndarray | None = None
     boundary_saved_bytes: np.ndarray | None = None
     output_bytes: np.ndarray | None = None  # (M,) per micro-batch: the model's outputs
+    # (M, K, K) per micro-batch: bytes of the values unit m makes and unit r reads last (r > m);
+    # None: not measured (a recomputing stage's segments then count each cut's whole crossing)
+    lifetime_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -115,6 +119,9 @@ class CostTable:
                                np.atleast_2d(np.asarray(value, float)))
         outputs = np.zeros(shape[0]) if self.output_bytes is None else self.output_bytes
         object.__setattr__(self, "output_bytes", np.asarray(outputs, float).reshape(shape[0]))
+        if self.lifetime_bytes is not None:
+            object.__setattr__(self, "lifetime_bytes", np.asarray(
+                self.lifetime_bytes, float).reshape(shape[0], shape[1], shape[1]))
 
     @classmethod
     def from_arrays(
@@ -167,6 +174,14 @@ class CostTable:
         return (*(np.maximum(weights @ table, 0.0) for table in (
             self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes)),
             max(float(weights @ self.output_bytes), 0.0))
+
+    def segment_keeps(self, p: int) -> np.ndarray:
+        """(K+1, K+1) per micro-batch at count p: what a recomputing stage's segment of the
+        units [i, j) keeps at a cut before unit j (`fxpipe.segments`)."""
+        if self.lifetime_bytes is None:
+            return kept_by_cuts(self.crossing_bytes(p)[0][:-1])
+        weights = self._bytes_weights(p)
+        return kept_by_lifetimes(np.maximum(np.tensordot(weights, self.lifetime_bytes, 1), 0.0))
 
     def input_bytes(self, p: int) -> np.ndarray:
         """(K+1,) bytes entering a stage that starts at unit i, per micro-batch at count p:
@@ -265,8 +280,9 @@ class Partition:
         (the planners' `Capacity` counts exactly this).
 
         `recompute` (one bool per stage, () for none): such a stage's backward runs its
-        forward again (b + f); it saves nothing per micro-batch beyond the inputs and outputs
-        it holds anyway, and its backward holds one micro-batch's activations again.
+        forward again (b + f), in checkpointed segments (`fxpipe.segments`): per micro-batch
+        it keeps the values at their cuts, and its backward holds the largest segment's
+        activations again.
         """
         bounds = check_bounds(bounds, cost.units)
         recompute = tuple(bool(r) for r in recompute)
@@ -283,7 +299,8 @@ class Partition:
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
             again = bool(recompute) and recompute[s]
-            peak = peak_of(stage_terms(own[s], again, last), stage_bytes(cost, p, bounds, s))
+            peak = peak_of(stage_terms(own[s], again, last),
+                           stage_bytes(cost, p, bounds, s, again))
             memory_s = stage_memory(cost.param_bytes[start:end], saved[start:end], 0,
                                     optimizer_slots=optimizer_slots, boundary=peak.boundary,
                                     workspace=peak.workspace, activations=peak.activations)
@@ -308,10 +325,13 @@ class Partition:
                    recompute if any(recompute) else ())
 
 
-def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int) -> StageBytes:
+def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int,
+                recompute: bool = False) -> StageBytes:
     """What stage s of `bounds` holds per micro-batch at count p: its saved activations, in
     from the cut before it (its gradient back), out over the cut after it (its gradient in;
-    the last stage's "out": the model's outputs, which the step keeps to its end)."""
+    the last stage's "out": the model's outputs, which the step keeps to its end); and where
+    it `recompute`s, what its segments keep at their cuts and the largest one saves
+    (`recompute_segments`)."""
     start, end = (0, *bounds)[s], bounds[s]
     last = s == len(bounds) - 1
     crossing, grads, crossing_saved, outputs = cost.crossing_bytes(p)
@@ -320,8 +340,11 @@ def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int) -> Stage
         crossing[end - 1], grads[end - 1], crossing_saved[end - 1]))
     inner = np.concatenate([[0.0], grads])[start:end]  # the cut before each unit
     workspace = workspace_bytes(cost.param_bytes[start:end], inner, grads[start:end], p)
+    chain = recompute_segments(cost, p, start, end) if recompute else Segmentation((), 0.0, 0.0)
     return StageBytes(float(cost.saved_bytes(p)[start:end].sum()), float(into), float(out),
-                      float(out_saved), float(grads_in), float(back), workspace, last)
+                      float(out_saved), float(grads_in), float(back), workspace, chain.kept,
+                      chain.largest, last)
+
 
 
 def simulate_stages(stages: Sequence[StageCost], p: int, schedule: str | Schedule,
@@ -391,6 +414,8 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
         **{field: np.maximum(links @ getattr(cost, field), 0.0) for field in (
             "boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes")},
         output_bytes=np.maximum(links @ cost.output_bytes, 0.0),
+        lifetime_bytes=None if cost.lifetime_bytes is None else np.maximum(
+            np.tensordot(links, cost.lifetime_bytes, 1), 0.0),
         source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )
 

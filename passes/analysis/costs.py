@@ -39,5 +39,6 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         boundary_grad_bytes=profile.boundary_grad_bytes,
         boundary_saved_bytes=profile.boundary_saved_bytes,
         output_bytes=profile.output_bytes,
+        lifetime_bytes=profile.lifetime_bytes,
         source=source + (", with the loss timed on the last unit" if loss is not None else ""),
     )

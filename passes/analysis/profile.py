@@ -130,10 +130,10 @@ def profile_units(
         stale = (f"; the cache's entry had times {ratio:.2g}x a re-time's, more than {STALE:g}x "
                  "off, so they were measured again")
     rows = [measure(size, warmup, repeats, min_time, runs) for size in sizes]
-    forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs = (
+    forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs, lifetimes = (
         np.array(r, dtype=float) for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
-                          crossing_saved, outputs, device)
+                          crossing_saved, outputs, device, lifetime_bytes=lifetimes)
     where = cache.put(key, profile) if cache is not None else "not cached"
     under = f" under {precision} autocast" if precision else ""
     return dataclasses.replace(profile, origin=f"measured now on {device}{under}, {where}{stale}")
@@ -287,12 +287,13 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     if rep >= warmup:
                         b_times[i].append(seconds)
             env = values  # the next run starts from the last repetition's values
-    crossing, crossing_grad, crossing_saved = _crossing_bytes(table, env, units, saved_values)
+    crossing, crossing_grad, crossing_saved, lifetimes = _crossing_bytes(table, env, units,
+                                                                         saved_values)
     forward = [statistics.median(t) if t else 0.0 for t in f_times]
     backward = [statistics.median(t) if t else 0.0 for t in b_times]
     outputs = sum(env[v].nbytes for v in table.graph_outputs
                   if isinstance(env.get(v), torch.Tensor))
-    return forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs
+    return forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs, lifetimes
 
 
 def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
@@ -349,25 +350,29 @@ def _as_input(value: Any, needs_grad: bool) -> Any:
 
 
 def _crossing_bytes(table, env, units: int, saved: set[str]
-                    ) -> tuple[list[float], list[float], list[float]]:
+                    ) -> tuple[list[float], list[float], list[float], list[list[float]]]:
     """Bytes of the values crossing each cut (after unit i), of their gradients, and of those
-    of them autograd saves (the values named in `saved`)."""
+    of them autograd saves (the values named in `saved`); and by lifetime, [m][r]: the values
+    unit m makes and unit r reads last."""
     last_use: dict[str, tuple[int, int]] = {}
     for edge in table.edges:
         src, dst = last_use.get(edge.value, (edge.src, edge.dst))
         last_use[edge.value] = (src, max(dst, edge.dst))
     crossing, crossing_grad, crossing_saved = [0.0] * units, [0.0] * units, [0.0] * units
+    lifetimes = [[0.0] * units for _ in range(units)]
     for value, (src, dst) in last_use.items():
         tensor = env.get(value)
         if not isinstance(tensor, torch.Tensor):
             continue
+        if 0 <= src < dst < units:
+            lifetimes[src][dst] += tensor.nbytes
         for cut in range(src, dst):
             crossing[cut] += tensor.nbytes
             if tensor.is_floating_point():
                 crossing_grad[cut] += tensor.nbytes
             if value in saved:
                 crossing_saved[cut] += tensor.nbytes
-    return crossing, crossing_grad, crossing_saved
+    return crossing, crossing_grad, crossing_saved, lifetimes
 
 
 @contextlib.contextmanager

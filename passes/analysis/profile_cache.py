@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 __all__ = ["STALE", "ProfileCache", "UnitProfile", "cache_key", "default_cache_dir",
            "describe_key"]
 
-_FORMAT = 14  # bump when the cached record changes (or how it is measured)
+_FORMAT = 15  # bump when the cached record changes (or how it is measured)
 # a cached profile is measured afresh when a short re-time of its units is off its times by
 # more than this factor either way: a second CPU-bound job on a 2-core machine doubles a
 # timing, which must not discard a good entry; a profile taken under other conditions the key
@@ -43,6 +43,8 @@ class UnitProfile:
     device: str
     cached: pathlib.Path | None = None  # the cache file it was read from, if it was
     origin: str = ""  # where the times come from, in words: measured now, or which cache entry
+    # (M, K, K): bytes of the values unit m makes and unit r reads last (r > m)
+    lifetime_bytes: np.ndarray | None = None
 
     def to_json(self) -> dict[str, Any]:
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -53,7 +55,8 @@ class UnitProfile:
     def from_json(cls, data: dict[str, Any], path: pathlib.Path) -> UnitProfile:
         fields = {f.name for f in dataclasses.fields(cls)} - {"cached", "origin", "sizes",
                                                                "device"}
-        arrays = {k: np.asarray(data[k], dtype=np.float64) for k in fields}
+        arrays = {k: None if data[k] is None else np.asarray(data[k], dtype=np.float64)
+                  for k in fields}
         return cls(tuple(data["sizes"]), device=data["device"], cached=path, **arrays)
 
 

@@ -1,0 +1,168 @@
+"""A recomputing stage's segments: the cuts minimise what they cost, the planners' table holds
+every range's, the memory model counts them, and the compiled stages run them."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxpipe
+from fxpipe.cost import stage_bytes
+from fxpipe.memory import StageBytes, in_flight, peak_of, stage_terms
+from fxpipe.schedules import build
+from fxpipe.segments import (
+    bound_grid,
+    kept_by_cuts,
+    kept_by_lifetimes,
+    objective,
+    recompute_segments,
+    segment_table,
+    segmentation,
+)
+from fxpipe.unit_chain import UnitChain
+
+_bytes = st.one_of(st.just(0.0), st.floats(1.0, 1e4), st.integers(1, 64).map(float))
+
+
+@st.composite
+def chains(draw, most: int = 7):
+    """Units' saved bytes, what segments keep at cuts (from random lifetimes, or per cut),
+    and a range."""
+    units = draw(st.integers(1, most))
+    saved = np.array(draw(st.lists(_bytes, min_size=units, max_size=units)))
+    if draw(st.booleans()):
+        lifetimes = np.triu(np.array(draw(st.lists(
+            _bytes, min_size=units * units, max_size=units * units))).reshape(units, units), 1)
+        out = kept_by_lifetimes(lifetimes)
+    else:
+        out = kept_by_cuts(np.array(draw(st.lists(_bytes, min_size=units - 1,
+                                                  max_size=units - 1))))
+    start = draw(st.integers(0, units - 1))
+    return out, saved, start, draw(st.integers(start + 1, units))
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains())
+def test_the_cuts_cost_the_least_of_every_set_of_cuts(chain):
+    out, saved, start, end = chain
+    found = segmentation(out, saved, start, end)
+    inner = range(start + 1, end)
+    least = min(objective(out, saved, start, end, cuts) for n in range(len(inner) + 1)
+                for cuts in itertools.combinations(inner, n))
+    assert objective(out, saved, start, end, found.cuts) == pytest.approx(least, rel=1e-12)
+    assert all(start < c < end for c in found.cuts) and list(found.cuts) == sorted(found.cuts)
+    # what it reports is what its segments keep and the largest of them saves
+    edges = [start, *found.cuts, end]
+    assert found.kept == pytest.approx(sum(out[a, b] for a, b in zip(edges, found.cuts)),
+                                       rel=1e-12)
+    assert found.largest == pytest.approx(max(saved[a:b].sum() for a, b in zip(edges, edges[1:])),
+                                          rel=1e-12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(chains(most=8))
+def test_the_table_holds_every_ranges_segmentation(chain):
+    out, saved, _, _ = chain
+    table_kept, table_largest = segment_table(out, saved)
+    for a in range(len(saved)):
+        for e in range(a + 1, len(saved) + 1):
+            found = segmentation(out, saved, a, e)
+            assert (table_kept[a, e], table_largest[a, e]) == (found.kept, found.largest)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda k: st.lists(st.tuples(
+    st.integers(0, k - 1), st.integers(0, k - 1), st.integers(1, 100)), max_size=8).map(
+    lambda values: (k, values))), st.data())
+def test_a_value_is_kept_once_by_the_segment_that_makes_it(case, data):
+    """kept_by_lifetimes: the cuts' kept bytes are the values crossing any of them, each
+    once (a checkpoint holds a tensor once however many segments read it)."""
+    units, values = case
+    values = [(m, r, n) for m, r, n in values if m < r]
+    lifetimes = np.zeros((units, units))
+    for m, r, n in values:
+        lifetimes[m, r] += n
+    out = kept_by_lifetimes(lifetimes)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(units - 1, 1)))) - {units})
+    edges = [0, *cuts]
+    kept = sum(out[a, b] for a, b in zip(edges, cuts))
+    assert kept == sum(n for m, r, n in values if any(m < c <= r for c in cuts))
+
+
+def test_the_bounds_are_powers_of_one_ratio_shared_by_every_range():
+    saved = np.array([3.0, 0.0, 100.0, 7.0])
+    grid = bound_grid(saved)
+    assert grid[0] == 0.0 and grid[1] <= 3.0 and grid[-1] >= saved.sum()
+    assert np.allclose(grid[2:] / grid[1:-1], grid[2] / grid[1])
+    assert set(bound_grid(saved[2:])) <= set(grid)  # a range's bounds are the chain's
+
+
+def test_a_segment_keeps_what_crosses_its_cuts_instead_of_saving_its_activations():
+    """Narrow cuts between wide units: cutting everywhere keeps little and recomputes one
+    unit at a time; a wide value between two units is not cut at."""
+    found = segmentation(kept_by_cuts(np.array([1.0, 1.0, 1.0])), np.full(4, 100.0))
+    assert found.cuts == (1, 2, 3) and found.largest == 100.0
+    found = segmentation(kept_by_cuts(np.array([1.0, 500.0, 1.0])), np.full(4, 100.0))
+    assert found.cuts == (1, 3) and (found.kept, found.largest) == (2.0, 200.0)
+
+
+def test_bad_ranges_and_shapes_are_refused():
+    with pytest.raises(ValueError, match="one row and column per cut"):
+        segmentation(np.zeros((3, 3)), np.zeros(3))
+    with pytest.raises(ValueError, match="not a range"):
+        segmentation(np.zeros((4, 4)), np.zeros(3), 2, 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_recomputing_stage_keeps_its_cuts_per_micro_batch_and_one_segment_in_backward(
+        schedule):
+    q = StageBytes(saved=100.0, workspace=5.0, kept=7.0, segment=30.0)
+    actions = build(schedule, 1, 3).actions[0]
+    peak = peak_of(stage_terms(actions, recompute=True), q)
+    held = in_flight(schedule, 1, 3)[0]  # gpipe: 3, 1f1b: 1
+    assert (peak.activations, peak.workspace) == (held * 7.0, 5.0 + 30.0)
+    assert peak_of(stage_terms(actions), q).activations == held * 100.0
+
+
+class Blocks(nn.Module):
+    """Blocks wide inside (8 -> 48 -> 8), so the cuts fall between blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(m for _ in range(3) for m in (
+            nn.Linear(8, 48), nn.Tanh(), nn.Linear(48, 8))), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def test_the_compiled_stages_run_the_segments_the_memory_model_counts():
+    model = Blocks().double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
+    plan = fxpipe.Plan(stages=2, partitioner=[7, 3], micro_batches=2, recompute=True,
+                       loss_fn=F.cross_entropy)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
+    p = pipe.partition.micro_batches
+    for s, (a, e) in enumerate(zip((0, *pipe.partition.bounds[:-1]), pipe.partition.bounds)):
+        chain = recompute_segments(pipe.cost, p, a, e)
+        segments = UnitChain(pipe.graph.get_submodule(f"stage{s}").module).segments
+        assert [seg.units[0] for seg in segments] == [a, *chain.cuts]
+        q = stage_bytes(pipe.cost, p, pipe.partition.bounds, s, recompute=True)
+        assert (q.kept, q.segment) == (chain.kept, chain.largest)
+    assert len(UnitChain(pipe.graph.get_submodule("stage0").module).segments) > 1
+    plain = Blocks().double()
+    plain.load_state_dict(model.state_dict())
+    loss = pipe.step(x, y)
+    expected = F.cross_entropy(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    grads = dict(pipe.named_parameters())
+    for name, w in plain.named_parameters():
+        torch.testing.assert_close(grads[name].grad, w.grad, rtol=1e-10, atol=1e-12)
