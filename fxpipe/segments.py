@@ -7,12 +7,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["RATIO", "Segmentation", "bound_grid", "kept_by_cuts", "kept_by_lifetimes", "objective",
-           "recompute_segments", "recompute_table", "segment_table", "segmentation"]
+__all__ = ["CHECKPOINT_BYTES", "RATIO", "Segmentation", "bound_grid", "checkpointed",
+           "kept_by_cuts", "kept_by_lifetimes", "objective", "recompute_segments",
+           "recompute_table", "segment_table", "segmentation"]
 
 # a segment's bytes count as the next power of RATIO up (below): the bounds tried are then
 # the same for every range of units, so the planners' table for all (start, end) shares them
 RATIO = 2.0 ** 0.125
+# what the runtime keeps per micro-batch for each checkpoint beyond its inputs: the CPU
+# generator's state (torch.get_rng_state(), preserve_rng_state); and one more in the stage's
+# replay record
+CHECKPOINT_BYTES = 5056.0
 
 
 class Segmentation(NamedTuple):
@@ -175,13 +180,24 @@ def segmentation(out: np.ndarray, saved: np.ndarray, start: int = 0,
                         float(chosen.end_largest[0, end]))
 
 
+def checkpointed(out: np.ndarray) -> np.ndarray:
+    """`out` with each cut's CHECKPOINT_BYTES (it begins one more checkpoint) added."""
+    out = np.array(out, dtype=np.float64)
+    out[:, :-1] += np.triu(np.full((len(out), len(out) - 1), CHECKPOINT_BYTES), 1)
+    return out
+
+
 def recompute_segments(cost: Any, p: int, start: int, end: int) -> Segmentation:
-    """How a stage over the units [start, end) that recomputes is cut into checkpointed
-    segments at count p (`segmentation`): from each unit's saved bytes and
-    what each segment keeps at its cut (`CostTable.segment_keeps`)."""
-    return segmentation(cost.segment_keeps(p), cost.saved_bytes(p), start, end)
+    """How a stage of a cost table (`cost`) over the units [start, end) that recomputes is
+    cut into checkpointed segments at count p (`segmentation`): from each unit's saved bytes
+    and what each segment keeps at its cut (`CostTable.segment_keeps`), with CHECKPOINT_BYTES
+    per checkpoint and the stage's replay record."""
+    found = segmentation(checkpointed(cost.segment_keeps(p)), cost.saved_bytes(p), start, end)
+    return found._replace(kept=found.kept + 2 * CHECKPOINT_BYTES)
 
 
 def recompute_table(cost: Any, p: int) -> tuple[np.ndarray, np.ndarray]:
     """(K+1, K+1) per range [a, e): `recompute_segments`' kept and largest bytes."""
-    return segment_table(cost.segment_keeps(p), cost.saved_bytes(p))
+    kept, largest = segment_table(checkpointed(cost.segment_keeps(p)), cost.saved_bytes(p))
+    units = np.arange(len(kept))
+    return np.where(units[None, :] > units[:, None], kept + 2 * CHECKPOINT_BYTES, 0.0), largest

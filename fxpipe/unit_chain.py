@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from fxpipe.meta import SEGMENT, SHAPE, UNIT
-from fxpipe.segments import kept_by_lifetimes, segmentation
+from fxpipe.segments import checkpointed, kept_by_lifetimes, segmentation
 from fxpipe.units import in_place
 
 __all__ = ["Segment", "UnitChain", "mark_segments"]
@@ -143,7 +143,7 @@ def _cheapest_cuts(groups: Sequence[Sequence[fx.Node]], output: fx.Node) -> list
         users = [group_of.get(u) for u in node.users]
         if output not in node.users and all(u is not None for u in users) and users:
             lifetimes[i, max(users)] += _bytes(node)  # held from group i until its last reader
-    return list(segmentation(kept_by_lifetimes(lifetimes), made).cuts)
+    return list(segmentation(checkpointed(kept_by_lifetimes(lifetimes)), made).cuts)
 
 
 def _join(groups: list[list[fx.Node]], cuts: Sequence[int]) -> list[list[fx.Node]]:

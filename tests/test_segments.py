@@ -18,7 +18,9 @@ from fxpipe.cost import stage_bytes
 from fxpipe.memory import StageBytes, in_flight, peak_of, stage_terms
 from fxpipe.schedules import build
 from fxpipe.segments import (
+    CHECKPOINT_BYTES,
     bound_grid,
+    checkpointed,
     kept_by_cuts,
     kept_by_lifetimes,
     objective,
@@ -113,6 +115,15 @@ def test_a_segment_keeps_what_crosses_its_cuts_instead_of_saving_its_activations
     assert found.cuts == (1, 3) and (found.kept, found.largest) == (2.0, 200.0)
 
 
+def test_a_checkpoint_keeps_the_cpu_generators_state_besides_its_inputs():
+    """What CHECKPOINT_BYTES counts per checkpoint (preserve_rng_state) is that state's size,
+    and each cut begins one more checkpoint."""
+    assert torch.get_rng_state().nbytes == CHECKPOINT_BYTES
+    out = checkpointed(kept_by_cuts(np.array([1.0, 2.0])))
+    assert out[0, 1] == 1.0 + CHECKPOINT_BYTES and out[1, 2] == 2.0 + CHECKPOINT_BYTES
+    assert out[0, 3] == 0.0 and out[1, 1] == 0.0  # the chain's end and empty ranges: no cut
+
+
 def test_bad_ranges_and_shapes_are_refused():
     with pytest.raises(ValueError, match="one row and column per cut"):
         segmentation(np.zeros((3, 3)), np.zeros(3))
@@ -145,7 +156,7 @@ class Blocks(nn.Module):
 
 def test_the_compiled_stages_run_the_segments_the_memory_model_counts():
     model = Blocks().double()
-    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 3, (16,))
+    x, y = torch.randn(128, 8, dtype=torch.float64), torch.randint(0, 3, (128,))
     plan = fxpipe.Plan(stages=2, partitioner=[7, 3], micro_batches=2, recompute=True,
                        loss_fn=F.cross_entropy)
     pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
