@@ -18,7 +18,7 @@ from fxpipe.memory import (
     workspace_bytes,
 )
 from fxpipe.schedules import Schedule, build
-from fxpipe.segments import Segmentation, kept_by_cuts, kept_by_lifetimes, recompute_segments
+from fxpipe.segments import Segmentation, recompute_segments
 from fxpipe.simulate import Timeline, simulate
 
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
@@ -89,6 +89,9 @@ class CostTable:
     # (M, K, K) per micro-batch: bytes of the values unit m makes and unit r reads last (r > m);
     # None: not measured (a recomputing stage's segments then count each cut's whole crossing)
     lifetime_bytes: np.ndarray | None = None
+    # per micro-batch, what a recomputing stage keeps for each checkpoint beyond its values:
+    # the CPU generator's state (preserve_rng_state)
+    checkpoint_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -175,13 +178,11 @@ class CostTable:
             self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes)),
             max(float(weights @ self.output_bytes), 0.0))
 
-    def segment_keeps(self, p: int) -> np.ndarray:
-        """(K+1, K+1) per micro-batch at count p: what a recomputing stage's segment of the
-        units [i, j) keeps at a cut before unit j (`fxpipe.segments`)."""
+    def lifetimes(self, p: int) -> np.ndarray | None:
+        """(K, K) per micro-batch at count p: `lifetime_bytes` (None where not measured)."""
         if self.lifetime_bytes is None:
-            return kept_by_cuts(self.crossing_bytes(p)[0][:-1])
-        weights = self._bytes_weights(p)
-        return kept_by_lifetimes(np.maximum(np.tensordot(weights, self.lifetime_bytes, 1), 0.0))
+            return None
+        return np.maximum(np.tensordot(self._bytes_weights(p), self.lifetime_bytes, 1), 0.0)
 
     def input_bytes(self, p: int) -> np.ndarray:
         """(K+1,) bytes entering a stage that starts at unit i, per micro-batch at count p:

@@ -143,7 +143,9 @@ def _cheapest_cuts(groups: Sequence[Sequence[fx.Node]], output: fx.Node) -> list
         users = [group_of.get(u) for u in node.users]
         if output not in node.users and all(u is not None for u in users) and users:
             lifetimes[i, max(users)] += _bytes(node)  # held from group i until its last reader
-    return list(segmentation(checkpointed(kept_by_lifetimes(lifetimes)), made).cuts)
+    # each checkpoint also keeps the CPU generator's state (preserve_rng_state)
+    out = checkpointed(kept_by_lifetimes(lifetimes), torch.get_rng_state().nbytes)
+    return list(segmentation(out, made).cuts)
 
 
 def _join(groups: list[list[fx.Node]], cuts: Sequence[int]) -> list[list[fx.Node]]:

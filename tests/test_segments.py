@@ -18,15 +18,16 @@ from fxpipe.cost import stage_bytes
 from fxpipe.memory import StageBytes, in_flight, peak_of, stage_terms
 from fxpipe.schedules import build
 from fxpipe.segments import (
-    CHECKPOINT_BYTES,
     bound_grid,
     checkpointed,
     kept_by_cuts,
     kept_by_lifetimes,
+    kept_bytes,
     objective,
     recompute_segments,
     segment_table,
     segmentation,
+    sent_by_lifetimes,
 )
 from fxpipe.unit_chain import UnitChain
 
@@ -35,35 +36,37 @@ _bytes = st.one_of(st.just(0.0), st.floats(1.0, 1e4), st.integers(1, 64).map(flo
 
 @st.composite
 def chains(draw, most: int = 7):
-    """Units' saved bytes, what segments keep at cuts (from random lifetimes, or per cut),
-    and a range."""
+    """Units' saved bytes, what segments keep at cuts and what of it the stage sends (from
+    random lifetimes, or per cut), and a range."""
     units = draw(st.integers(1, most))
     saved = np.array(draw(st.lists(_bytes, min_size=units, max_size=units)))
+    sent = None
     if draw(st.booleans()):
         lifetimes = np.triu(np.array(draw(st.lists(
             _bytes, min_size=units * units, max_size=units * units))).reshape(units, units), 1)
-        out = kept_by_lifetimes(lifetimes)
+        out, sent = kept_by_lifetimes(lifetimes), sent_by_lifetimes(lifetimes)
     else:
         out = kept_by_cuts(np.array(draw(st.lists(_bytes, min_size=units - 1,
                                                   max_size=units - 1))))
     start = draw(st.integers(0, units - 1))
-    return out, saved, start, draw(st.integers(start + 1, units))
+    return out, sent, saved, start, draw(st.integers(start + 1, units))
 
 
 @settings(max_examples=60, deadline=None)
 @given(chains())
 def test_the_cuts_cost_the_least_of_every_set_of_cuts(chain):
-    out, saved, start, end = chain
-    found = segmentation(out, saved, start, end)
+    out, sent, saved, start, end = chain
+    found = segmentation(out, saved, start, end, sent)
     inner = range(start + 1, end)
-    least = min(objective(out, saved, start, end, cuts) for n in range(len(inner) + 1)
+    least = min(objective(out, saved, start, end, cuts, sent) for n in range(len(inner) + 1)
                 for cuts in itertools.combinations(inner, n))
-    assert objective(out, saved, start, end, found.cuts) == pytest.approx(least, rel=1e-12)
+    assert objective(out, saved, start, end, found.cuts, sent) == pytest.approx(
+        least, rel=1e-12, abs=1e-9)
     assert all(start < c < end for c in found.cuts) and list(found.cuts) == sorted(found.cuts)
-    # what it reports is what its segments keep and the largest of them saves
+    # what it reports is what its cuts keep and the largest of their segments saves
     edges = [start, *found.cuts, end]
-    assert found.kept == pytest.approx(sum(out[a, b] for a, b in zip(edges, found.cuts)),
-                                       rel=1e-12)
+    assert found.kept == pytest.approx(kept_bytes(out, sent, start, end, found.cuts),
+                                       rel=1e-12, abs=1e-9)
     assert found.largest == pytest.approx(max(saved[a:b].sum() for a, b in zip(edges, edges[1:])),
                                           rel=1e-12)
 
@@ -71,11 +74,11 @@ def test_the_cuts_cost_the_least_of_every_set_of_cuts(chain):
 @settings(max_examples=15, deadline=None)
 @given(chains(most=8))
 def test_the_table_holds_every_ranges_segmentation(chain):
-    out, saved, _, _ = chain
-    table_kept, table_largest = segment_table(out, saved)
+    out, sent, saved, _, _ = chain
+    table_kept, table_largest = segment_table(out, saved, sent)
     for a in range(len(saved)):
         for e in range(a + 1, len(saved) + 1):
-            found = segmentation(out, saved, a, e)
+            found = segmentation(out, saved, a, e, sent)
             assert (table_kept[a, e], table_largest[a, e]) == (found.kept, found.largest)
 
 
@@ -83,19 +86,23 @@ def test_the_table_holds_every_ranges_segmentation(chain):
 @given(st.integers(1, 6).flatmap(lambda k: st.lists(st.tuples(
     st.integers(0, k - 1), st.integers(0, k - 1), st.integers(1, 100)), max_size=8).map(
     lambda values: (k, values))), st.data())
-def test_a_value_is_kept_once_by_the_segment_that_makes_it(case, data):
-    """kept_by_lifetimes: the cuts' kept bytes are the values crossing any of them, each
-    once (a checkpoint holds a tensor once however many segments read it)."""
+def test_a_value_is_kept_once_unless_the_stage_sends_it(case, data):
+    """kept_by_lifetimes and sent_by_lifetimes: the cuts of a stage [a, e) keep the values
+    made in it that cross any of them, each once (a checkpoint holds a tensor once however
+    many segments read it), except those read after the stage (its outputs, held anyway)."""
     units, values = case
     values = [(m, r, n) for m, r, n in values if m < r]
     lifetimes = np.zeros((units, units))
     for m, r, n in values:
         lifetimes[m, r] += n
-    out = kept_by_lifetimes(lifetimes)
-    cuts = sorted(data.draw(st.sets(st.integers(1, max(units - 1, 1)))) - {units})
-    edges = [0, *cuts]
-    kept = sum(out[a, b] for a, b in zip(edges, cuts))
-    assert kept == sum(n for m, r, n in values if any(m < c <= r for c in cuts))
+    out, sent = kept_by_lifetimes(lifetimes), sent_by_lifetimes(lifetimes)
+    start = data.draw(st.integers(0, units - 1))
+    end = data.draw(st.integers(start + 1, units))
+    cuts = tuple(sorted(data.draw(st.sets(st.integers(start + 1, max(end - 1, start + 1))))
+                        - {start, end}))
+    kept = kept_bytes(out, sent, start, end, cuts)
+    assert kept == sum(n for m, r, n in values if start <= m and r < end
+                       and any(m < c <= r for c in cuts))
 
 
 def test_the_bounds_are_powers_of_one_ratio_shared_by_every_range():
@@ -115,12 +122,9 @@ def test_a_segment_keeps_what_crosses_its_cuts_instead_of_saving_its_activations
     assert found.cuts == (1, 3) and (found.kept, found.largest) == (2.0, 200.0)
 
 
-def test_a_checkpoint_keeps_the_cpu_generators_state_besides_its_inputs():
-    """What CHECKPOINT_BYTES counts per checkpoint (preserve_rng_state) is that state's size,
-    and each cut begins one more checkpoint."""
-    assert torch.get_rng_state().nbytes == CHECKPOINT_BYTES
-    out = checkpointed(kept_by_cuts(np.array([1.0, 2.0])))
-    assert out[0, 1] == 1.0 + CHECKPOINT_BYTES and out[1, 2] == 2.0 + CHECKPOINT_BYTES
+def test_each_cut_begins_a_checkpoint_which_keeps_its_own_bytes():
+    out = checkpointed(kept_by_cuts(np.array([1.0, 2.0])), 10.0)
+    assert out[0, 1] == 11.0 and out[1, 2] == 12.0 and out[0, 2] == 12.0
     assert out[0, 3] == 0.0 and out[1, 1] == 0.0  # the chain's end and empty ranges: no cut
 
 
@@ -161,6 +165,8 @@ def test_the_compiled_stages_run_the_segments_the_memory_model_counts():
                        loss_fn=F.cross_entropy)
     pipe = fxpipe.compile(model, plan, example_inputs=(x,), cache=False)
     p = pipe.partition.micro_batches
+    # a checkpoint keeps the CPU generator's state (preserve_rng_state) besides its inputs
+    assert pipe.cost.checkpoint_bytes == torch.get_rng_state().nbytes
     for s, (a, e) in enumerate(zip((0, *pipe.partition.bounds[:-1]), pipe.partition.bounds)):
         chain = recompute_segments(pipe.cost, p, a, e)
         segments = UnitChain(pipe.graph.get_submodule(f"stage{s}").module).segments

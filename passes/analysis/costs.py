@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from fxpipe.cost import CostTable, Link
 from fxpipe.passes.analysis.profile_cache import UnitProfile
@@ -40,5 +41,6 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         boundary_saved_bytes=profile.boundary_saved_bytes,
         output_bytes=profile.output_bytes,
         lifetime_bytes=profile.lifetime_bytes,
+        checkpoint_bytes=float(torch.get_rng_state().nbytes),
         source=source + (", with the loss timed on the last unit" if loss is not None else ""),
     )
