@@ -19,6 +19,7 @@ from fxpipe.memory import (
     workspace_bytes,
 )
 from fxpipe.schedules import Schedule, build
+from fxpipe.segments import Segmentation, recompute_segments
 from fxpipe.simulate import Timeline, simulate
 
 __all__ = ["CostTable", "Link", "Partition", "StageCost", "check_bounds", "fit_to_flops",
@@ -94,6 +95,12 @@ class CostTable:
     # (K,) autocast's bf16/fp16 copies of each unit's weights, which its stage holds for the
     # whole step (Plan(precision); 0 in full precision)
     weight_cast_bytes: np.ndarray | None = None
+    # (M, K, K) per micro-batch: bytes of the values unit m makes and unit r reads last (r > m);
+    # None: not measured (a recomputing stage's segments then count each cut's whole crossing)
+    lifetime_bytes: np.ndarray | None = None
+    # per micro-batch, what a recomputing stage keeps for each checkpoint beyond its values:
+    # the CPU generator's state (preserve_rng_state)
+    checkpoint_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -129,6 +136,9 @@ class CostTable:
         object.__setattr__(self, "output_bytes", np.asarray(outputs, float).reshape(shape[0]))
         casts = np.zeros(shape[1]) if self.weight_cast_bytes is None else self.weight_cast_bytes
         object.__setattr__(self, "weight_cast_bytes", np.asarray(casts, float).reshape(shape[1]))
+        if self.lifetime_bytes is not None:
+            object.__setattr__(self, "lifetime_bytes", np.asarray(
+                self.lifetime_bytes, float).reshape(shape[0], shape[1], shape[1]))
 
     @classmethod
     def from_arrays(
@@ -181,6 +191,12 @@ class CostTable:
         return (*(np.maximum(weights @ table, 0.0) for table in (
             self.boundary_bytes, self.boundary_grad_bytes, self.boundary_saved_bytes)),
             max(float(weights @ self.output_bytes), 0.0))
+
+    def lifetimes(self, p: int) -> np.ndarray | None:
+        """(K, K) per micro-batch at count p: `lifetime_bytes` (None where not measured)."""
+        if self.lifetime_bytes is None:
+            return None
+        return np.maximum(np.tensordot(self._bytes_weights(p), self.lifetime_bytes, 1), 0.0)
 
     def input_bytes(self, p: int) -> np.ndarray:
         """(K+1,) bytes entering a stage that starts at unit i, per micro-batch at count p:
@@ -289,8 +305,9 @@ class Partition:
         optimizer and consistency (the planners' `Capacity` counts exactly this).
 
         `recompute` (one bool per stage, () for none): such a stage's backward runs its
-        forward again (b + f); it saves nothing per micro-batch beyond the inputs and outputs
-        it holds anyway, and its backward holds one micro-batch's activations again.
+        forward again (b + f), in checkpointed segments (`fxpipe.segments`): per micro-batch
+        it keeps the values at their cuts, and its backward holds the largest segment's
+        activations again.
         """
         bounds = check_bounds(bounds, cost.units)
         recompute = tuple(bool(r) for r in recompute)
@@ -307,7 +324,8 @@ class Partition:
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
             again = bool(recompute) and recompute[s]
-            peak = peak_of(stage_terms(own[s], again, last), stage_bytes(cost, p, bounds, s))
+            peak = peak_of(stage_terms(own[s], again, last),
+                           stage_bytes(cost, p, bounds, s, again))
             memory_s = stage_memory(
                 cost.param_bytes[start:end], saved[start:end], 0,
                 optimizer_slots=optimizer_slots, boundary=peak.boundary,
@@ -335,10 +353,13 @@ class Partition:
                    recompute if any(recompute) else ())
 
 
-def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int) -> StageBytes:
+def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int,
+                recompute: bool = False) -> StageBytes:
     """What stage s of `bounds` holds per micro-batch at count p: its saved activations, in
     from the cut before it (its gradient back), out over the cut after it (its gradient in;
-    the last stage's "out": the model's outputs, which the step keeps to its end)."""
+    the last stage's "out": the model's outputs, which the step keeps to its end); and where
+    it `recompute`s, what its segments keep at their cuts and the largest one saves
+    (`recompute_segments`)."""
     start, end = (0, *bounds)[s], bounds[s]
     last = s == len(bounds) - 1
     crossing, grads, crossing_saved, outputs = cost.crossing_bytes(p)
@@ -348,8 +369,11 @@ def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int) -> Stage
     held = cost.inner_grads(p)  # a backward's own gradients, in their dtypes
     inner = np.concatenate([[0.0], held])[start:end]  # the cut before each unit
     workspace = workspace_bytes(cost.param_bytes[start:end], inner, held[start:end], p)
+    chain = recompute_segments(cost, p, start, end) if recompute else Segmentation((), 0.0, 0.0)
     return StageBytes(float(cost.saved_bytes(p)[start:end].sum()), float(into), float(out),
-                      float(out_saved), float(grads_in), float(back), workspace, last)
+                      float(out_saved), float(grads_in), float(back), workspace, chain.kept,
+                      chain.largest, last)
+
 
 
 def simulate_stages(stages: Sequence[StageCost], p: int, schedule: str | Schedule,
@@ -420,6 +444,8 @@ def fit_to_flops(cost: CostTable, flops: Callable[[float], np.ndarray],
             "boundary_bytes", "boundary_grad_bytes", "boundary_saved_bytes", "inner_grad_bytes")
            if getattr(cost, field) is not None},
         output_bytes=np.maximum(links @ cost.output_bytes, 0.0),
+        lifetime_bytes=None if cost.lifetime_bytes is None else np.maximum(
+            np.tensordot(links, cost.lifetime_bytes, 1), 0.0),
         source=f"{cost.source}, fitted as α·FLOPs + β (Plan(costs='fit'))",
     )
 

@@ -188,6 +188,10 @@ class StageBytes:
     received_grads: float = 0.0  # its outputs' gradients, received
     sent_grads: float = 0.0  # its inputs' gradients, sent back: held until the step ends
     workspace: float = 0.0  # the most a backward holds beyond these (`workspace_bytes`)
+    # recomputing (`fxpipe.segments`): the bytes kept at the cuts between its checkpointed
+    # segments, and what the largest segment saves (its recompute holds it again)
+    kept: float = 0.0
+    segment: float = 0.0
     # the last stage: the step's model outputs keep their autograd graph, which holds the
     # stage's received inputs, until the step ends
     inputs_kept: bool = False
@@ -272,20 +276,25 @@ def _named_lists(name: str, stages: int, p: int) -> tuple[tuple[Action, ...], ..
 
 
 # StageBytes' byte fields, in the order of `stage_terms`' coefficients
-FIELDS = ("saved", "received", "sent", "sent_saved", "received_grads", "sent_grads", "workspace")
+FIELDS = ("saved", "received", "sent", "sent_saved", "received_grads", "sent_grads", "workspace",
+          "kept", "segment")
 _E = {name: np.eye(len(FIELDS))[i] for i, name in enumerate(FIELDS)}
 
 
 def stage_terms(actions: Sequence[Action], recompute: bool = False, inputs_kept: bool = False
                 ) -> np.ndarray:
-    """`stage_peak`'s walk of ONE stage's `actions`, run symbolically: (T, 3, 7), per step t
-    of the walk the coefficients of StageBytes' FIELDS in what it holds then as activations,
-    message buffers and workspace, so that the stage's peak is max_t Σ coefficients · fields
-    (`peak_of`), for any bytes: the planners evaluate it for every (first, last unit) at once.
+    """`stage_peak`'s walk of ONE stage's `actions`, run symbolically: (T, 3, len(FIELDS)),
+    per step t of the walk the coefficients of StageBytes' FIELDS in what it holds then as
+    activations, message buffers and workspace, so that the stage's peak is max_t
+    Σ coefficients · fields (`peak_of`), for any bytes: the planners evaluate it for every
+    (first, last unit) at once.
 
-    A stage that `recompute`s saves nothing of its own per micro-batch (its received inputs
-    and sent outputs are held anyway); its backward holds one micro-batch's saved activations
-    again as workspace, or, where the backward is split (B then W), from B until W."""
+    A stage that `recompute`s runs as checkpointed segments (`fxpipe.segments`): per
+    micro-batch it keeps the values at the cuts between them (its received inputs and sent
+    outputs are held anyway) until its backward, which holds the largest segment's saved
+    activations again as workspace. Where the backward is split (B then W) the stage is
+    checkpointed whole, keeping only its inputs, and B runs its whole forward again, held
+    until W."""
     zero = np.zeros(len(FIELDS))
     first = forwards_first(actions)
     split = {a.mb for a in actions if a.kind is ActionKind.W}
@@ -302,19 +311,21 @@ def stage_terms(actions: Sequence[Action], recompute: bool = False, inputs_kept:
             buf = buf + (zero if first else _E["received"]) + _E["sent"]
             if not recompute:  # of the sent outputs, what autograd saves is counted as saved
                 act, buf = act + _E["saved"], buf - _E["sent_saved"]
+            elif a.mb not in split:
+                act = act + _E["kept"]
         if recompute and a.kind is ActionKind.B and a.mb in split:
             act = act + _E["saved"]  # recomputed before B, held until W
         ahead = (_E["received_grads"] * (left_b if first else min(left_b, 1))
                  + (zero if first or not left_f else _E["received"]))
         workspace = zero if a.kind is ActionKind.F else _E["workspace"] + (
-            _E["saved"] if recompute and a.kind is ActionKind.B and a.mb not in split else zero)
+            _E["segment"] if recompute and a.kind is ActionKind.B and a.mb not in split else zero)
         rows.append((act, buf + ahead, workspace))
         if a.kind is ActionKind.B:
             left_b -= 1
             buf = buf + _E["sent_grads"]
         if releases:
             if recompute:
-                act = act - (_E["saved"] if a.kind is ActionKind.W else zero)
+                act = act - (_E["saved"] if a.kind is ActionKind.W else _E["kept"])
             else:
                 act, buf = act - _E["saved"], buf + _E["sent_saved"]
             buf = buf - (zero if inputs_kept else _E["received"])

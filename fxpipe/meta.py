@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["GATHER", "PROFILE", "SHAPE", "SHARD", "STAGE", "SYMBOLIC", "UNIT", "TensorInfo",
-           "ValueInfo"]
+__all__ = ["GATHER", "PROFILE", "SEGMENT", "SHAPE", "SHARD", "STAGE", "SYMBOLIC", "UNIT",
+           "TensorInfo", "ValueInfo"]
 
 SHAPE = "fxpipe.shape"  # ValueInfo: what the node produces (shape pass)
 UNIT = "fxpipe.unit"  # int: index of the partitionable unit the node belongs to
@@ -19,6 +19,8 @@ SYMBOLIC = "fxpipe.symbolic"  # SymbolicCost: FLOPs, bytes and shapes in b, s (s
 SHARD = "fxpipe.shard"  # ShardTag: merged chain, shard and device a node runs on (split_merge pass)
 GATHER = "fxpipe.gather"  # int: merged chain whose pieces a `cat` node gathers (split_merge pass)
 PROFILE = "fxpipe.profile"  # UnitTiming: measured times of the node's unit (profile pass)
+# int: a recomputing stage's node: the first unit of its checkpointed segment (rewrite pass)
+SEGMENT = "fxpipe.segment"
 
 _DTYPE_ABBREVIATIONS = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",

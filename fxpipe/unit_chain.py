@@ -9,10 +9,11 @@ import numpy as np
 import torch
 from torch import fx
 
-from fxpipe.meta import SHAPE, UNIT
+from fxpipe.meta import SEGMENT, SHAPE, UNIT
+from fxpipe.segments import checkpointed, kept_by_lifetimes, segmentation
 from fxpipe.units import in_place
 
-__all__ = ["Segment", "UnitChain"]
+__all__ = ["Segment", "UnitChain", "mark_segments"]
 
 
 class Segment(NamedTuple):
@@ -32,8 +33,11 @@ class UnitChain:
     Where the chain is cut: a segment per unit (`per_unit`) keeps every unit's input, which
     is much of what autograd would save anyway (a Linear saves its input); so by default
     the cuts minimise the bytes a micro-batch needs at the peak of its backward, the values
-    kept at the cuts plus the largest segment's activations, estimated from the shapes the
-    example batch gave (node.meta[SHAPE]: what each node makes, views counted as free).
+    kept at the cuts plus the largest segment's activations (`fxpipe.segments`). The
+    compiler marks where from the cost table, as the memory model counts them
+    (node.meta[SEGMENT]: the first unit of each node's segment); unmarked, the same choice
+    is made from the shapes the example batch gave (node.meta[SHAPE]: what each node makes,
+    views counted as free).
 
     A segment reads the stage module's submodules and weights at each call, not copies of
     them: parameters replaced later (`.to()`, `load_state_dict(assign=True)`) are the ones it
@@ -52,7 +56,8 @@ class UnitChain:
         self._output = output.args[0]
         groups = _groups(module, nodes)
         if not per_unit:
-            groups = _join(groups, _cheapest_cuts(groups, output))
+            marked = _marked_cuts(groups)
+            groups = _join(groups, _cheapest_cuts(groups, output) if marked is None else marked)
         read_later: set[str] = {n.name for n in output.all_input_nodes}
         built = []
         for group in reversed(groups):
@@ -111,39 +116,36 @@ def _groups(module: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[list[fx.No
     return groups
 
 
+def _marked_cuts(groups: Sequence[Sequence[fx.Node]]) -> list[int] | None:
+    """After which groups the compiler's marks (node.meta[SEGMENT]) begin a new segment, or
+    None where nothing is marked. A mark inside a group (joined by an in-place write) is not
+    a cut: a segment's inputs must stay as they were."""
+    marks = [next((n.meta[SEGMENT] for n in g if SEGMENT in n.meta), None) for g in groups]
+    if all(m is None for m in marks):
+        return None
+    cuts, current = [], None
+    for i, mark in enumerate(marks):
+        if mark is not None and current is not None and mark != current:
+            cuts.append(i)
+        current = mark if mark is not None else current
+    return cuts
+
+
 def _cheapest_cuts(groups: Sequence[Sequence[fx.Node]], output: fx.Node) -> list[int]:
-    """After which groups to cut: the fewest bytes kept at the cuts plus in the largest
-    segment. The bound on a segment's bytes is tried at a few dozen values; for each, the
-    cheapest cuts under it by dynamic programming."""
+    """After which groups to cut (`fxpipe.segments.segmentation`), from the bytes each group
+    makes and the lifetimes of the values read across groups."""
     if len(groups) < 2:
         return []
     made = np.array([sum(_bytes(n) for n in g if not _is_view(n)) for g in groups], float)
-    kept = np.zeros(len(groups))  # kept[i]: bytes live across the cut after group i
+    lifetimes = np.zeros((len(groups), len(groups)))  # [m, r]: made by group m, r reads last
     group_of = {n: i for i, g in enumerate(groups) for n in g}
     for node, i in group_of.items():
         users = [group_of.get(u) for u in node.users]
         if output not in node.users and all(u is not None for u in users) and users:
-            kept[i:max(users)] += _bytes(node)  # held from group i until its last reader
-    ends = np.concatenate(([0.0], np.cumsum(made)))
-    sums = np.unique([ends[j] - ends[i] for i in range(len(groups))
-                      for j in range(i + 1, len(groups) + 1)])
-    bounds = sums[sums >= made.max()]
-    bounds = bounds[np.unique(np.linspace(0, len(bounds) - 1, 48).round().astype(int))]
-    best_cost, best_cuts = np.inf, []
-    for bound in bounds:
-        cost, back = np.full(len(groups) + 1, np.inf), np.zeros(len(groups) + 1, int)
-        cost[0] = 0.0
-        for j in range(1, len(groups) + 1):  # cost[j]: groups[:j] cut, the last cut at j
-            first = int(np.searchsorted(ends, ends[j] - bound, side="left"))
-            options = cost[first:j] + np.concatenate(([0.0], kept[:j - 1]))[first:j]
-            back[j] = first + int(np.argmin(options))
-            cost[j] = options[back[j] - first]
-        if cost[-1] + bound < best_cost:
-            best_cost, best_cuts, j = cost[-1] + bound, [], len(groups)
-            while j > 0:
-                j = back[j]
-                best_cuts.append(j)
-    return sorted(c for c in best_cuts if c > 0)
+            lifetimes[i, max(users)] += _bytes(node)  # held from group i until its last reader
+    # each checkpoint also keeps the CPU generator's state (preserve_rng_state)
+    out = checkpointed(kept_by_lifetimes(lifetimes), torch.get_rng_state().nbytes)
+    return list(segmentation(out, made).cuts)
 
 
 def _join(groups: list[list[fx.Node]], cuts: Sequence[int]) -> list[list[fx.Node]]:
@@ -214,3 +216,13 @@ def _segment(module: fx.GraphModule, nodes: list[fx.Node], read_later: set[str])
 def _attribute(module: torch.nn.Module, target: str) -> Any:
     owner, _, name = target.rpartition(".")
     return getattr(module.get_submodule(owner), name)
+
+
+def mark_segments(module: fx.GraphModule, starts: Sequence[int]) -> None:
+    """Mark each node of a stage's graph with the first unit of its checkpointed segment,
+    the segments beginning at the units `starts` (ascending; nodes of units before the first
+    mark its segment), for UnitChain to cut there."""
+    for node in module.graph.nodes:
+        if UNIT in node.meta:
+            node.meta[SEGMENT] = max((u for u in starts if u <= node.meta[UNIT]),
+                                     default=starts[0])

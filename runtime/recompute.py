@@ -1,5 +1,5 @@
-"""Recomputation: a stage's forward under torch.utils.checkpoint unit by unit, run again in
-its backward."""
+"""Recomputation: a stage's forward under torch.utils.checkpoint segment by segment, run again
+in its backward."""
 
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ class _Replay(NamedTuple):
 
 
 class Recompute:
-    """How one stage's training forward runs: as it is, or (`enabled`) as a chain of its
-    units (UnitChain), each under its own checkpoint (non-reentrant, with the RNG state of
-    the forward: dropout draws the same masks). A micro-batch in flight then keeps only the
-    values entering each unit, and its backward recomputes one unit at a time, so at most
-    one unit's activations exist again at once.
+    """How one stage's training forward runs: as it is, or (`enabled`) as a chain of segments
+    of its units (UnitChain, cut where the compiler marked), each under its own checkpoint
+    (non-reentrant, with the RNG state of the forward: dropout draws the same masks). A
+    micro-batch in flight then keeps only the values entering each segment, and its backward
+    recomputes one segment at a time, so at most one segment's activations exist again.
 
     A recompute must not update the stage's buffers a second time: those its unit can
     update are put back after it (BatchNorm's running statistics end as the plain model's),
@@ -62,7 +62,7 @@ class Recompute:
     def forward(self, key: Any, inputs: Sequence[Any],
                 weights: Mapping[str, torch.Tensor] | None = None, split: bool = False) -> Any:
         """The stage on `inputs` with gradients enabled (with `weights` instead of its
-        parameters, if given), checkpointed unit by unit if enabled. `split`: its backward
+        parameters, if given), checkpointed segment by segment if enabled. `split`: its backward
         will be split, and `replay` run the whole forward again anyway, so it is
         checkpointed whole, keeping only the stage's inputs."""
         with self._held():

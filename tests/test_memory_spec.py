@@ -156,21 +156,22 @@ def test_with_several_stages_per_device_the_smallest_cap_named_is_a_devices_and_
 
 
 def test_auto_recomputes_only_the_stage_that_needs_it_to_fit():
-    # eight Linear(8, 8): each saves its 256-row input (8 KiB per micro-batch); under 1f1b
+    # eight Linear(8, 8): each saves its 1024-row input (32 KiB per micro-batch); under 1f1b
     # stage 0 holds two micro-batches in flight, stage 1 one, so only stage 0 is over the cap
-    # (each stage also holds its messages and backward workspace: 4+4 units need 117 KiB on
-    # stage 0, 95 KiB recomputing, and 85 KiB on stage 1 either way)
+    # (each stage also holds its messages and backward workspace, and recomputing, what its
+    # checkpoints keep: 3+5 units need 388 KiB on stage 0, 353 KiB recomputing, and 358 KiB
+    # on stage 1 either way)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])
-    x = torch.randn(512, 8)
-    plan = Plan(stages=2, schedule="1f1b", micro_batches=2, memory_limit=100_000)
+    x = torch.randn(2048, 8)
+    plan = Plan(stages=2, schedule="1f1b", micro_batches=2, memory_limit=392_000)
     with pytest.raises(PlanError, match=r"no partition .* recompute='auto'"):
         fxpipe.compile(model, plan, example_inputs=(x,))
     pipe = fxpipe.compile(model, dataclasses.replace(plan, recompute="auto"),
                           example_inputs=(x,))
     assert pipe.partition.recompute == (True, False)
     # what enters a stage, per micro-batch: the profile's bytes crossing the cut before it
-    assert list(pipe.cost.input_bytes(2)) == [0.0] + [256 * 8 * 4] * 7 + [0.0]
-    assert all(s.memory <= 100_000 for s in pipe.partition.stages)
+    assert list(pipe.cost.input_bytes(2)) == [0.0] + [1024 * 8 * 4] * 7 + [0.0]
+    assert all(s.memory <= 392_000 for s in pipe.partition.stages)
     assert "recomputing the forward in backward: stage 0" in str(pipe)
 
 

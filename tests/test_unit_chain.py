@@ -15,7 +15,7 @@ import fxpipe
 from fxpipe.meta import UNIT
 from fxpipe.passes.analysis.shape import annotate_shapes
 from fxpipe.trace import trace
-from fxpipe.unit_chain import UnitChain
+from fxpipe.unit_chain import UnitChain, mark_segments
 from fxpipe.units import cut_units
 
 
@@ -112,3 +112,20 @@ def test_a_segment_reports_the_buffers_it_can_update(per_unit):
     chain = UnitChain(gm, per_unit=per_unit)
     found = [b for segment in chain.segments for b in chain.buffers(segment)]
     assert sorted(map(id, found)) == sorted(map(id, gm.buffers()))
+
+
+@pytest.mark.parametrize("write", ["add_", "view"])
+def test_the_chain_cuts_where_the_compiler_marked_but_never_inside_a_joined_run(write):
+    """Marked (fxpipe.unit_chain.mark_segments) a segment per unit: the chain follows the
+    marks, but b's in-place write into a's value still joins a and b."""
+    model = InPlace(write).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    gm, units = _traced(model, x)
+    mark_segments(gm, [u.index for u in units])
+    chain = UnitChain(gm)
+    unit_of = {n.name: n.meta[UNIT] for n in gm.graph.nodes if UNIT in n.meta}
+    assert chain.segments[0].units == (unit_of["a"], unit_of["b"])
+    assert [s.units for s in chain.segments[1:]] == [(u.index,) for u in units[2:]]
+    mark_segments(gm, [0])  # one segment: the whole graph
+    assert [s.units for s in UnitChain(gm).segments] == [tuple(u.index for u in units)]
+    torch.testing.assert_close(UnitChain(gm).run([x]), gm(x), rtol=0, atol=0)

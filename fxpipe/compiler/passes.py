@@ -52,7 +52,9 @@ from fxpipe.precision import check_autocast_runs
 from fxpipe.recompute_spec import cannot_recompute, stage_recompute
 from fxpipe.schedules import ActionKind, Schedule, ScheduleError, add_step, lower
 from fxpipe.schedules.user import lower_user_schedule
+from fxpipe.segments import recompute_segments
 from fxpipe.trace import trace
+from fxpipe.unit_chain import mark_segments
 from fxpipe.units import cut_units, unit_parameters
 
 __all__ = ["PASSES"]
@@ -223,6 +225,12 @@ def rewrite(c: Compilation) -> None:
                                           c.devices, c.flat, c.link)
     c.cut_from = gm
     c.graph, c.comm = split_stages(gm, c.units, c.partition.bounds, c.devices)
+    if c.plan.costs != "none":  # where the memory model counts them; else from the shapes
+        spans = zip((0, *c.partition.bounds[:-1]), c.partition.bounds)
+        for s, ((a, e), again) in enumerate(zip(spans, stage_recompute(c.plan, c.partition))):
+            if again:
+                chain = recompute_segments(c.cost, c.partition.micro_batches, a, e)
+                mark_segments(c.graph.get_submodule(f"stage{s}").module, (a, *chain.cuts))
 
 
 def schedule(c: Compilation) -> None:

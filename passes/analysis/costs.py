@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from fxpipe.cost import CostTable, Link
 from fxpipe.passes.analysis.profile_cache import UnitProfile
@@ -44,5 +45,7 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         output_bytes=profile.output_bytes,
         weight_cast_bytes=(None if profile.weight_cast_bytes is None
                            else profile.weight_cast_bytes.max(axis=0)),
+        lifetime_bytes=profile.lifetime_bytes,
+        checkpoint_bytes=float(torch.get_rng_state().nbytes),
         source=source + (", with the loss timed on the last unit" if loss is not None else ""),
     )

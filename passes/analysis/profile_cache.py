@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 __all__ = ["STALE", "ProfileCache", "UnitProfile", "cache_key", "default_cache_dir",
            "describe_key"]
 
-_FORMAT = 15  # bump when the cached record changes (or how it is measured)
+_FORMAT = 16  # bump when the cached record changes (or how it is measured)
 # a cached profile is measured afresh when a short re-time of its units is off its times by
 # more than this factor either way: a second CPU-bound job on a 2-core machine doubles a
 # timing, which must not discard a good entry; a profile taken under other conditions the key
@@ -51,6 +51,8 @@ class UnitProfile:
     # (M, K): the gradients of the values crossing the cut after unit i in their own dtypes,
     # as a backward within a stage holds them (boundary_grad_bytes: as they travel)
     inner_grad_bytes: np.ndarray | None = None
+    # (M, K, K): bytes of the values unit m makes and unit r reads last (r > m)
+    lifetime_bytes: np.ndarray | None = None
 
     def to_json(self) -> dict[str, Any]:
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -61,8 +63,8 @@ class UnitProfile:
     def from_json(cls, data: dict[str, Any], path: pathlib.Path) -> UnitProfile:
         fields = {f.name for f in dataclasses.fields(cls)} - {"cached", "origin", "sizes",
                                                                "device"}
-        arrays = {k: np.asarray(data[k], dtype=np.float64) for k in fields
-                  if data.get(k) is not None}
+        arrays = {k: None if data.get(k) is None else np.asarray(data[k], dtype=np.float64)
+                  for k in fields}
         return cls(tuple(data["sizes"]), device=data["device"], cached=path, **arrays)
 
 

@@ -9,14 +9,16 @@ import numpy as np
 
 from fxpipe.cost import CostTable, Partition
 from fxpipe.errors import PlanError
-from fxpipe.memory import MemoryBudget
+from fxpipe.memory import FIELDS, MemoryBudget
 from fxpipe.passes.partition.least_cap import frontier, least_scale, row_terms, walk_fields
 from fxpipe.passes.partition.odpa import divisors
+from fxpipe.segments import recompute_table
 
 __all__ = ["Capacity", "Timing", "capacities", "capped_minmax", "capped_step", "check_fits",
            "fit_or_explain", "smallest_scale", "split_lanes", "stage_dp", "trace_lane"]
 
 _SLACK = 1e-9  # relative: a stage exactly at its cap (up to float rounding) fits
+RANGED = ("workspace", "kept", "segment")  # FIELDS that depend on the whole range [a, e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +39,9 @@ class Capacity:
     recomputation r (inf where e <= a). It is weights, gradients and optimizer slots (a
     prefix-sum difference) plus the most the stage's actions hold at once, max over the steps
     t of `stage_terms` · fields(a, e): saved activations (a prefix-sum difference), what
-    crosses the cuts a - 1 and e - 1 (received, sent, their gradients) and the backward's
-    workspace (the largest over the units)."""
+    crosses the cuts a - 1 and e - 1 (received, sent, their gradients), the backward's
+    workspace (the largest over the units) and, recomputing, what its segments keep at
+    their cuts and the largest one saves (`recompute_table`, O(M·K²·w) once per p)."""
 
     limits: np.ndarray  # (N,) bytes
     modes: tuple[tuple[bool, ...], ...]  # per stage: the recompute settings allowed
@@ -50,7 +53,7 @@ class Capacity:
     @classmethod
     def of(cls, cost: CostTable, stages: int, p: int, budget: MemoryBudget) -> Capacity:
         modes = budget.modes(stages)
-        fields = _fields(cost, p)
+        fields = _fields(cost, p, any(True in m for m in modes))
         units = np.arange(cost.units + 1)
         empty = units[None, :] <= units[:, None]  # e <= a: no stage
         step = np.empty(empty.shape)
@@ -63,8 +66,9 @@ class Capacity:
                 for row in frontier(budget.terms(stages, p, s, r).sum(axis=1)):
                     start, end = row_terms(row, fields, s, s == stages - 1)
                     np.add((start - kept)[:, None], (end + kept)[None, :], out=step)
-                    if row[-1]:  # the workspace's coefficient
-                        step += fields["workspace"] * row[-1]
+                    for name in RANGED:  # fields of the whole range [a, e)
+                        if row[FIELDS.index(name)]:
+                            step += fields[name] * row[FIELDS.index(name)]
                     np.maximum(memory, step, out=memory)
                 memory[empty] = np.inf
                 if s:  # a later stage never starts at unit 0
@@ -127,12 +131,15 @@ class Capacity:
         return ratios[s], s
 
 
-def _fields(cost: CostTable, p: int) -> dict[str, np.ndarray]:
-    """`walk_fields`, and (K+1, K+1) the workspace's range maxima over the units [a, e)."""
+def _fields(cost: CostTable, p: int, recompute: bool) -> dict[str, np.ndarray]:
+    """`walk_fields`, and (K+1, K+1) per range of units [a, e) the workspace's maxima over
+    them and, where some stage may `recompute`, its segments' (`recompute_table`)."""
     units = np.arange(cost.units + 1)
     unit = np.concatenate([[-np.inf], cost.unit_workspace(p)])  # [e]: unit e - 1's
     work = np.where(units[None, :] > units[:, None], unit[None, :], -np.inf)
-    return {**walk_fields(cost, p),
+    kept, segment = (recompute_table(cost, p) if recompute else
+                     (np.zeros((cost.units + 1,) * 2),) * 2)
+    return {**walk_fields(cost, p), "kept": kept, "segment": segment,
             "workspace": np.maximum(np.maximum.accumulate(work, axis=1), 0.0)}
 
 
@@ -398,7 +405,8 @@ def _explain(cost: CostTable, p: int, budget: MemoryBudget, scale: float,
     start, end = (0, *bounds)[s], bounds[s]
     needed = _per_device([int(np.ceil(x * scale)) if np.isfinite(x) else None
                           for x in limits], budget.placement)
-    how = ("recomputing: its messages, and one micro-batch's activations in its backward"
+    how = ("recomputing: its messages, the values kept at its segments' cuts, and its "
+           "largest segment's activations in its backward"
            if again[s] else f"its activations × up to {budget.held(len(bounds), p)[s]} "
            "micro-batches in flight, "
            "its messages and backward workspace")

@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from fxpipe.cost import CostTable, Partition
-from fxpipe.memory import MemoryBudget
+from fxpipe.memory import FIELDS, MemoryBudget
+from fxpipe.segments import recompute_table
 
 __all__ = ["frontier", "least_scale", "least_state_split", "row_terms", "state_split",
            "walk_fields"]
+
+_WORK, _KEPT, _SEGMENT = (FIELDS.index(name) for name in ("workspace", "kept", "segment"))
 
 
 def walk_fields(cost: CostTable, p: int) -> dict[str, np.ndarray]:
@@ -23,9 +26,10 @@ def walk_fields(cost: CostTable, p: int) -> dict[str, np.ndarray]:
 
 def row_terms(row: np.ndarray, fields: dict[str, np.ndarray], s: int, last: bool
               ) -> tuple[np.ndarray, np.ndarray]:
-    """One step's coefficients (FIELDS' order) · StageBytes(a, e) but the workspace, as
-    start(a) + end(e): the saved bytes' prefix sums and what crosses the two cuts."""
-    saved, received, sent, sent_saved, received_grads, sent_grads, _ = row
+    """One step's coefficients (FIELDS' order) · StageBytes(a, e) but the workspace and a
+    recomputing stage's segments (`RANGED`), as start(a) + end(e): the saved bytes' prefix
+    sums and what crosses the two cuts."""
+    saved, received, sent, sent_saved, received_grads, sent_grads = row[:6]
     start = -saved * fields["saved"]
     if s:  # the first stage receives nothing (its inputs are the caller's)
         start = start + received * fields["crossing"] + sent_grads * fields["grads"]
@@ -50,13 +54,16 @@ def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget
     settings of the largest stage memory / cap, the partition and settings), without the
     (K+1)² tables: the even split's ratio U bounds the optimum, and a stage's memory is at
     least its weights' share plus its saved bytes × the largest coefficient a step gives
-    them, so only stages within that bound's widths are searched (O(N·K·width))."""
+    them, so only stages within that bound's widths are searched (O(N·K·width); where a
+    stage may recompute, its segments' table `recompute_table` besides)."""
     modes, limits = budget.modes(stages), budget.limits(stages)
     fields = walk_fields(cost, p)
     kept = [budget.kept(cost.param_bytes, cost.weight_cast_bytes, stages, p, s)
             for s in range(stages)]
     work = cost.unit_workspace(p)
     units = cost.units
+    # a recomputing stage's segments, per range (O(M·K²·w), once)
+    chains = recompute_table(cost, p) if any(True in m for m in modes) else None
     even = tuple((i + 1) * units // stages for i in range(stages))  # any partition bounds it
     ratio = np.full(stages, np.inf)
     for r in (False, True):
@@ -90,8 +97,11 @@ def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget
                 start = np.broadcast_to(start - kept[s], (units + 1,))
                 end = np.broadcast_to(end + kept[s], (units + 1,))
                 for j in range(1, width + 1):
-                    value = start[: units + 1 - j] + end[j:] + row[-1] * np.maximum(
+                    value = start[: units + 1 - j] + end[j:] + row[_WORK] * np.maximum(
                         spans[j, : units + 1 - j], 0.0)
+                    if r:  # a recomputing stage's segments, of [a, a + j)
+                        value = value + (row[_KEPT] * np.diagonal(chains[0], j)
+                                         + row[_SEGMENT] * np.diagonal(chains[1], j))
                     np.maximum(cost_s[j, : units + 1 - j], value,
                                out=cost_s[j, : units + 1 - j])
             for j in range(1, width + 1):

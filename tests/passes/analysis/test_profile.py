@@ -160,6 +160,11 @@ def test_profile_shapes_and_bytes():
     assert profile.boundary_bytes[2, 0] == 8 * 16 * 32 * 32 * 4
     assert profile.boundary_bytes[0, 0] == 2 * 16 * 32 * 32 * 4
     assert profile.boundary_bytes[2, -1] == 0
+    # by lifetime: a value made by unit m and read last by unit r crosses the cuts m..r-1
+    crosses = [[profile.lifetime_bytes[:, m, r] for m in range(c + 1) for r in range(c + 1, k)]
+               for c in range(k)]
+    assert np.array_equal(profile.boundary_bytes, np.array(
+        [np.sum(c, axis=0) if c else np.zeros(3) for c in crosses]).T)
     # what autograd keeps grows with the micro-batch: the first conv keeps its input at least
     assert np.all(profile.activation_bytes[:, 0] >= np.array([2, 4, 8]) * 3 * 32 * 32 * 4)
     assert np.all(np.diff(profile.activation_bytes.sum(axis=1)) > 0)

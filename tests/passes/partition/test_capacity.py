@@ -28,10 +28,13 @@ def _table(rng: np.random.Generator, units: int) -> CostTable:
                                  activation_bytes=rng.uniform(0, 100, units),
                                  boundary_bytes=rng.uniform(0, 60, units))
     saved = cost.boundary_bytes * rng.uniform(0, 1, units)  # autograd saves part of them
+    # values' lifetimes (a recomputing stage's segments) measured or not, and a checkpoint's
+    lifetimes = np.triu(rng.uniform(0, 60, (1, units, units)), 1) if rng.random() < 0.5 else None
     return dataclasses.replace(cost, boundary_grad_bytes=rng.uniform(0, 60, (1, units)),
                                boundary_saved_bytes=saved, output_bytes=rng.uniform(0, 30, 1),
                                weight_cast_bytes=rng.uniform(0, 50, units),
-                               inner_grad_bytes=rng.uniform(0, 60, (1, units)))
+                               inner_grad_bytes=rng.uniform(0, 60, (1, units)),
+                               lifetime_bytes=lifetimes, checkpoint_bytes=rng.uniform(0, 20))
 
 
 @st.composite
