@@ -40,6 +40,9 @@ class Run:
     grad_enabled: bool = True
     loss: Callable[[int, Mapping[str, Any]], torch.Tensor] | None = None  # (mb, outputs) -> loss
     output_grads: Sequence[Mapping[str, Any]] | None = None  # per mb: grads of model outputs
+    # per micro-batch: the model's outputs, kept only by a run without a loss (the drop-in
+    # forward returns them); a run with a loss keeps its detached losses, so that each
+    # micro-batch's graph (and the weight copies it reaches) goes with its backward
     outputs: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     losses: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     input_grads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -239,8 +242,9 @@ class Driver:
     def _finish_forward(self, runner: StageRunner, key: MicroBatchKey,
                         values: Mapping[str, Any], run: Run) -> None:
         outputs = {name: values[name] for name in self.comm.graph_outputs}
-        run.outputs[key.mb] = outputs
-        if run.loss is not None:
+        if run.loss is None:
+            run.outputs[key.mb] = outputs
+        else:
             with runner.autocast():
                 loss = run.loss(key.mb, outputs)
             if run.grad_enabled:  # fp16: the loss scaled, so that small gradients stay above 0
