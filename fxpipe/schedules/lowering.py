@@ -235,13 +235,15 @@ def delivered_sends(programs: Sequence[Sequence[Action]]) -> list[dict[int, list
                 progress = True
     found: list[dict[int, list[Message]]] = [{} for _ in programs]
     for d, program in enumerate(programs):
+        heard: dict[int, list[int]] = {}  # per peer device, its count d knew of; never falls
         for i, a in enumerate(program):
             peer = device_of.get(a.peer) if a.kind.is_send else None
             if peer is None or peer == d or message_of(a) not in received:
                 continue
-            heard = [clock[peer] for clock in after[d]]  # never decreases
-            at = bisect.bisect_left(heard, received[message_of(a)], lo=i)
-            if at < len(heard):
+            if peer not in heard:
+                heard[peer] = [clock[peer] for clock in after[d]]
+            at = bisect.bisect_left(heard[peer], received[message_of(a)], lo=i)
+            if at < len(heard[peer]):
                 found[d].setdefault(at, []).append(message_of(a))
     return found
 
