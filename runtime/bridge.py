@@ -66,8 +66,11 @@ class Pipelined(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.executor, ctx.call = executor, call
         ctx.set_materialize_grads(False)
-        call.merged = pytree.tree_leaves(executor.joined_outputs(executor.run_forward(call),
-                                                                 call))
+        # detached: kept on ctx beside the caller's graph, they must not keep the stages'
+        # graphs (and their activations) once the pipeline's backward ran
+        call.merged = [x.detach() if isinstance(x, torch.Tensor) else x for x in
+                       pytree.tree_leaves(executor.joined_outputs(executor.run_forward(call),
+                                                                  call))]
         outputs = tuple(x.detach() for x in call.merged if isinstance(x, torch.Tensor))
         ctx.mark_non_differentiable(*(o for o in outputs if not o.is_floating_point()))
         # the graph holding ctx may be freed without a backward: then free the stages' state

@@ -92,7 +92,7 @@ class StashPolicy(WeightPolicy):
         self.forward_versions[key] = version
         if version not in self._copies:
             self._copies[version] = self._snapshot()
-        self.peak_copies = max(self.peak_copies, len(self._copies))
+        self.peak_copies = max(self.peak_copies, self._held())
         self._users.setdefault(version, set()).add(key)
         return self._copies[version]
 
@@ -101,6 +101,10 @@ class StashPolicy(WeightPolicy):
 
     def _version_for_forward(self) -> int:
         return self.version
+
+    def _held(self) -> int:
+        """The weight copies the policy holds now."""
+        return len(self._copies)
 
     def _backward_version(self, key: Any) -> int:
         return self.forward_versions[key]
@@ -141,6 +145,12 @@ class TwoBufferPolicy(StashPolicy):
 
     def before_step(self) -> None:
         self._shadow = self._snapshot()  # the version this step is about to replace
+        self.peak_copies = max(self.peak_copies, self._held())
+
+    def _held(self) -> int:
+        """The versions' copies and the shadow, which may be one of them (counted once)."""
+        held = {id(copies) for copies in self._copies.values()}
+        return len(held | ({id(self._shadow)} if self._shadow is not None else set()))
 
     def _version_for_forward(self) -> int:
         version = max(self.version - 1, 0)

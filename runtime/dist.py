@@ -121,7 +121,8 @@ class DistTransport:
     Both ends know every message's layout ahead: the values of each (src, dst) edge in table
     order, each tensor's dtype from the shape pass and its shape as an expression of the
     micro-batch size (and sequence length) from the symbolic pass, so an uneven micro-batch needs
-    no handshake. Sends are posted (isend) and completed at the end of a run; receives block,
+    no handshake. Sends are posted (isend) and completed (their buffers released) once the
+    driver knows them received (`delivered`), the rest at the end of a run; receives block,
     each at most the watchdog's deadline. A failing rank posts its error to the job's store,
     and a peer whose wait ends without its message reads it and stops with that rank's error.
     """
@@ -150,7 +151,8 @@ class DistTransport:
                                  and carries[s.value]]
                           for pair, slots in self._forward.items()}
         self._dims: dict[Any, tuple[list[int], int | None]] = {}  # of the run in progress
-        self._pending: list[tuple[Any, str]] = []  # posted sends and what they carry
+        # posted sends not known complete, by message: their works and what they carry
+        self._pending: dict[Any, list[tuple[Any, str]]] = {}
         self._posted: dict[Any, tuple[list[_Slot], list[torch.Tensor], list[Any]]] = {}
         self._error: BaseException | None = None
         self._local: dict[Any, Mapping[str, Any]] = {}  # between two stages of this rank
@@ -173,7 +175,13 @@ class DistTransport:
                 work = dist.isend(tensor, self.ranks[dst], self._group(src, dst), tag)
             except Exception as error:  # a connection a peer closed fails at once
                 raise self.watchdog.failure(error, what) from error
-            self._pending.append((work, what))
+            self._pending.setdefault((src, dst, direction, key), []).append((work, what))
+
+    def delivered(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> None:
+        """Complete the sends of a message its receiver has taken: the wait returns at once
+        (a gloo send reports its completion only through a wait), and the buffers go."""
+        for work, what in self._pending.pop((src, dst, direction, key), ()):
+            self._wait(work, what)
 
     def prefetch(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> None:
         """Post the receive of a message the stage will wait for later, so the transfer
@@ -212,8 +220,8 @@ class DistTransport:
 
     def flush(self) -> None:
         """Complete every posted send (their buffers may then be reused)."""
-        pending, self._pending = self._pending, []
-        for work, what in pending:
+        pending, self._pending = self._pending, {}
+        for work, what in (sent for message in pending.values() for sent in message):
             self._wait(work, what)
         self.watchdog.finished()
 

@@ -25,7 +25,8 @@ from fxpipe.runtime.transport import (
     device_context,
     to_device,
 )
-from fxpipe.schedules import Action, ActionKind, forwards_first
+from fxpipe.schedules import Action, ActionKind, delivered_sends, forwards_first
+from fxpipe.schedules.lowering import Message
 
 __all__ = ["Driver", "Run"]
 
@@ -40,6 +41,9 @@ class Run:
     grad_enabled: bool = True
     loss: Callable[[int, Mapping[str, Any]], torch.Tensor] | None = None  # (mb, outputs) -> loss
     output_grads: Sequence[Mapping[str, Any]] | None = None  # per mb: grads of model outputs
+    # per micro-batch: the model's outputs, kept only by a run without a loss (the drop-in
+    # forward returns them); a run with a loss keeps its detached losses, so that each
+    # micro-batch's graph (and the weight copies it reaches) goes with its backward
     outputs: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     losses: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     input_grads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -92,7 +96,11 @@ class Driver:
                     if torch.is_autocast_enabled(kind)]
         run.started = time.time()
         start = time.perf_counter()
-        walks = [(self._walk, program, run, run_id, start, autocast) for program in programs
+        # where each device learns that a message it sent was received: its send completes
+        # there, so a long run holds only the messages in flight, not every one it sent
+        delivered = delivered_sends(programs)
+        walks = [(self._walk, program, run, run_id, start, autocast, known)
+                 for program, known in zip(programs, delivered)
                  if program and program[0].stage in self.runners]
         if self.pool is None or len(walks) == 1:
             outcomes = [_error_of(*walk) for walk in walks]
@@ -132,11 +140,13 @@ class Driver:
             from failed.error
 
     def _walk(self, program: Sequence[Action], run: Run, run_id: Any, start: float,
-              autocast: Sequence[tuple[str, torch.dtype]]) -> None:
+              autocast: Sequence[tuple[str, torch.dtype]],
+              delivered: Mapping[int, Sequence[Message]]) -> None:
         """Walk a device's program in order on this thread, blocking in its receives: each
         action goes to its stage's runner, with that stage's own bookkeeping (a `_Walk` of
-        the stage's actions). A failure aborts the transport and is raised as the failing
-        action's stage's (_StageFailed)."""
+        the stage's actions); after action i, the transport completes the sends
+        `delivered[i]` (delivered_sends). A failure aborts the transport and is raised as the
+        failing action's stage's (_StageFailed)."""
         held = sorted({a.stage for a in program})
         s = held[0]
         try:
@@ -166,10 +176,12 @@ class Driver:
                             self.transport.prefetch(ahead.peer, walk.stage, _direction(ahead),
                                                     MicroBatchKey(run_id, ahead.mb))
                 position = dict.fromkeys(held, 0)  # each stage's next action in its own list
-                for a in program:
+                for i, a in enumerate(program):
                     s = a.stage
                     marks.append(self._advance(walks[s], position[s], run, run_id, clock))
                     position[s] += 1
+                    for src, dst, direction, mb in delivered.get(i, ()):
+                        self.transport.delivered(src, dst, direction, MicroBatchKey(run_id, mb))
                 run.events.extend(Event(t, a, clock.seconds(began), clock.seconds(ended))
                                   for t, a, began, ended in marks)
         except BaseException as error:
@@ -239,8 +251,9 @@ class Driver:
     def _finish_forward(self, runner: StageRunner, key: MicroBatchKey,
                         values: Mapping[str, Any], run: Run) -> None:
         outputs = {name: values[name] for name in self.comm.graph_outputs}
-        run.outputs[key.mb] = outputs
-        if run.loss is not None:
+        if run.loss is None:
+            run.outputs[key.mb] = outputs
+        else:
             with runner.autocast():
                 loss = run.loss(key.mb, outputs)
             if run.grad_enabled:  # fp16: the loss scaled, so that small gradients stay above 0

@@ -42,8 +42,10 @@ class Transport(Protocol):
     """What the driver needs to move a micro-batch's values between stages.
 
     A send never waits for its receiver; a receive blocks until the message is there, the run
-    is aborted, or the timeout passes. Messages are keyed by (src, dst, direction, micro-batch),
-    so their order on a link does not matter.
+    is aborted, or the timeout passes. `delivered` says a message sent has surely been received
+    (its send may complete now, without waiting); `flush`, at a run's end, completes the rest.
+    Messages are keyed by (src, dst, direction, micro-batch), so their order on a link does not
+    matter.
     """
 
     def send(self, src: int, dst: int, direction: str, key: MicroBatchKey,
@@ -52,6 +54,8 @@ class Transport(Protocol):
     def recv(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> dict[str, Any]: ...
 
     def prefetch(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> None: ...
+
+    def delivered(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> None: ...
 
     def prepare(self, run: Any, sizes: Sequence[int], seq: int | None) -> None: ...
 
@@ -121,6 +125,9 @@ class LocalTransport:
 
     def prefetch(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> None:
         """Messages here are handed over, not transferred: nothing to start early."""
+
+    def delivered(self, src: int, dst: int, direction: str, key: MicroBatchKey) -> None:
+        """A receive takes its message: nothing of it stays behind to release."""
 
 
 class CudaOps:

@@ -26,10 +26,13 @@ from fxpipe.schedules import (
     build,
     chain,
     check_communication,
+    delivered_sends,
     gpipe,
+    lower,
     one_f_one_b,
     peak_activations,
 )
+from fxpipe.schedules.lowering import message_of
 from fxpipe.simulate import WEIGHT_SHARE, simulate
 
 K = ActionKind
@@ -255,6 +258,62 @@ def test_lowered_schedules_pass_the_communication_check(schedule: Schedule, data
             sent = sorted((a.mb, a.peer) for a in stage if a.kind is kind)
             assert sent == sorted((m, q) for m in range(micro_batch_count(schedule))
                                   for q in peers)
+
+
+def _run_in_drawn_order(programs, found, rng) -> list[int]:
+    """Run device programs in an order `rng` draws (any device whose next action can run), and
+    check that each message `found` lists as delivered after an action was received by then;
+    returns how far each program got."""
+    pc, sent, received = [0] * len(programs), set(), set()
+    while True:
+        ready = [d for d, program in enumerate(programs) if pc[d] < len(program)
+                 and (not program[pc[d]].kind.is_recv or message_of(program[pc[d]]) in sent)]
+        if not ready:
+            return pc
+        d = rng.choice(ready)
+        a = programs[d][pc[d]]
+        if a.kind.is_send:
+            sent.add(message_of(a))
+        elif a.kind.is_recv:
+            received.add(message_of(a))
+        assert set(found[d].get(pc[d], ())) <= received, (d, pc[d], a)
+        pc[d] += 1
+
+
+@given(schedules(), st.data(), st.randoms(use_true_random=False))
+def test_a_send_counts_as_delivered_only_after_its_receive(schedule: Schedule, data, rng):
+    """Whatever order the devices run in, a message delivered_sends lists after an action of
+    its sender has been received when that action is done; each is listed once, and only
+    between two devices."""
+    edges = data.draw(edge_sets(schedule.stages))
+    programs = add_communication(schedule, edges).device_programs
+    found = delivered_sends(programs)
+    assert _run_in_drawn_order(programs, found, rng) == [len(p) for p in programs]
+    listed = [m for device in found for messages in device.values() for m in messages]
+    assert len(listed) == len(set(listed))
+    assert all(m[0] != m[1] for m in listed)
+
+
+@pytest.mark.parametrize("stages, p", [(2, 2), (3, 2), (4, 1)])
+def test_async_sends_awaiting_delivery_do_not_grow_with_the_mini_batches(stages, p):
+    """Past the warm-up, a device's sends not yet known delivered are about as many as its
+    micro-batches in flight (at most N), however many mini-batches the run streams."""
+    peaks = []
+    for minibatches in (stages + 1, 4 * stages):
+        programs = lower("async-1f1b", stages, p, chain(stages), minibatches).device_programs
+        found = delivered_sends(programs)
+        peak = []
+        for d, program in enumerate(programs):
+            pending, most = set(), 0
+            for i, a in enumerate(program):
+                if a.kind.is_send:
+                    pending.add(message_of(a))
+                most = max(most, len(pending))
+                pending -= set(found[d].get(i, ()))
+            peak.append(most)
+        peaks.append(peak)
+    assert peaks[0] == peaks[1]
+    assert max(peaks[1]) <= stages
 
 
 @given(schedules())

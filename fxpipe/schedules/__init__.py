@@ -30,13 +30,21 @@ from fxpipe.schedules.interleaved import (
     v_shape,
     zbv,
 )
-from fxpipe.schedules.lowering import add_communication, add_step, chain, check_communication, lower
+from fxpipe.schedules.lowering import (
+    add_communication,
+    add_step,
+    chain,
+    check_communication,
+    delivered_sends,
+    lower,
+)
 from fxpipe.schedules.zero_bubble import zb_h1
 
 __all__ = [
     "SCHEDULES", "VIRTUAL_SCHEDULES", "Action", "ActionKind", "B", "DeadlockError", "F",
     "Schedule", "ScheduleError", "W", "add_communication", "add_step", "async_one_f_one_b",
-    "build", "chain", "check_communication", "device_peak_activations", "dualpipev",
+    "build", "chain", "check_communication", "delivered_sends", "device_peak_activations",
+    "dualpipev",
     "forwards_first", "gpipe",
     "interleaved_one_f_one_b", "load_csv", "looped_bfs", "lower", "one_f_one_b", "peak_activations",
     "round_robin", "save_csv", "v_shape", "zb_h1", "zbv",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from fxpipe.schedules.actions import (
     _MINIBATCH_KINDS,
@@ -20,7 +21,8 @@ from fxpipe.schedules.actions import (
 )
 from fxpipe.schedules.generators import build
 
-__all__ = ["add_communication", "add_step", "chain", "check_communication", "lower"]
+__all__ = ["Message", "add_communication", "add_step", "chain", "check_communication",
+           "delivered_sends", "lower", "message_of"]
 
 
 def chain(stages: int) -> tuple[tuple[int, int], ...]:
@@ -187,6 +189,63 @@ def _run_messages(schedule: Schedule) -> None:
         explained = (_explain_deadlock(schedule, pc) if schedule.placement is None else
                      "Reorder the lists so every receive is met by a send its peer reaches first")
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {waits}. {explained}")
+
+
+Message = tuple[int, int, str, int]  # (sending stage, receiving stage, "F" or "B", micro-batch)
+
+
+def message_of(a: Action) -> Message:
+    """The message a send or receive action moves."""
+    direction = "F" if a.kind in (ActionKind.SEND_F, ActionKind.RECV_F) else "B"
+    return (a.stage, a.peer, direction, a.mb) if a.kind.is_send else (a.peer, a.stage,
+                                                                       direction, a.mb)
+
+
+def delivered_sends(programs: Sequence[Sequence[Action]]) -> list[dict[int, list[Message]]]:
+    """Per device program, position -> the messages that device sent to another device which
+    are surely received once its action at that position is done: their receive happens before
+    it (that device heard, directly or relayed, from the receiver after it). A runtime may
+    complete such sends there without waiting on the receiver. Found with vector clocks over
+    the programs run with messages as the only constraint (as `check_communication`); a
+    send never found received is not listed."""
+    device_of = {a.stage: d for d, program in enumerate(programs) for a in program}
+    clocks = [[0] * len(programs) for _ in programs]
+    after: list[list[list[int]]] = [[] for _ in programs]  # each device's clock per action
+    sent: dict[Message, list[int]] = {}  # the sender's clock at the send
+    received: dict[Message, int] = {}  # the receiver's own count at the receive
+    pc = [0] * len(programs)
+    progress = True
+    while progress:
+        progress = False
+        for d, program in enumerate(programs):
+            clock = clocks[d]
+            while pc[d] < len(program):
+                a = program[pc[d]]
+                if a.kind.is_recv:
+                    if message_of(a) not in sent:
+                        break
+                    clock[:] = map(max, clock, sent[message_of(a)])
+                clock[d] += 1
+                if a.kind.is_send:
+                    sent[message_of(a)] = list(clock)
+                elif a.kind.is_recv:
+                    received[message_of(a)] = clock[d]
+                after[d].append(list(clock))
+                pc[d] += 1
+                progress = True
+    found: list[dict[int, list[Message]]] = [{} for _ in programs]
+    for d, program in enumerate(programs):
+        heard: dict[int, list[int]] = {}  # per peer device, its count d knew of; never falls
+        for i, a in enumerate(program):
+            peer = device_of.get(a.peer) if a.kind.is_send else None
+            if peer is None or peer == d or message_of(a) not in received:
+                continue
+            if peer not in heard:
+                heard[peer] = [clock[peer] for clock in after[d]]
+            at = bisect.bisect_left(heard[peer], received[message_of(a)], lo=i)
+            if at < len(heard[peer]):
+                found[d].setdefault(at, []).append(message_of(a))
+    return found
 
 
 def _explain_deadlock(schedule: Schedule, pc: list[int]) -> str:

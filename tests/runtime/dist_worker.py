@@ -11,6 +11,7 @@ import io
 import os
 import pathlib
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -467,11 +468,36 @@ def leave(out):
     torch.save({"during": during, "after": _gloo_threads()}, f"{out}.{rank}")
 
 
+def sends(out):
+    """async-1f1b over 2, then 6 mini-batches: the most sends (isend works) alive at once in
+    each run, as this rank posts them, and how many it posted in the longer one."""
+    pipe, data = async_pipeline("skipnet", 2, "none", 2)
+    posted: list[weakref.ref] = []
+    peaks = []
+    isend = dist.isend
+
+    def recording(*args, **kwargs):
+        work = isend(*args, **kwargs)
+        posted.append(weakref.ref(work))
+        peaks[-1] = max(peaks[-1], sum(ref() is not None for ref in posted))
+        return work
+
+    dist.isend = recording
+    try:
+        for count in (2, 6):
+            posted.clear()
+            peaks.append(0)
+            pipe.step_many((data * 3)[:count])
+    finally:
+        dist.isend = isend
+    torch.save({"peaks": peaks, "sent": len(posted)}, f"{out}.{dist.get_rank()}")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     scenario, out = sys.argv[1], sys.argv[2]
-    if scenario in ("fail", "stall", "names"):
-        {"fail": fail, "stall": stall, "names": names}[scenario](out)
+    if scenario in ("fail", "stall", "names", "sends"):
+        {"fail": fail, "stall": stall, "names": names, "sends": sends}[scenario](out)
     elif scenario == "stall-groups":
         stall(out, groups=2)
     elif scenario.startswith("hybrid:"):  # hybrid:MODE:MODEL

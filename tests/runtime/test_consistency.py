@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.runtime.consistency import PredictPolicy, predicted_update
+from fxpipe.runtime.consistency import PredictPolicy, StashPolicy, predicted_update
+from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import MicroBatchKey
 from fxpipe.schedules import Action, ActionKind, build, chain, lower
 
@@ -162,6 +165,38 @@ def test_stash_holds_a_copy_per_version_in_flight():
         assert len(policy.history) == 12 and not policy.forward_versions  # none left in flight
     stale = [forward for _, forward, _ in pipe.executor.runners[0].policy.history]
     assert max(stale) < 6 and len(set(stale)) > 1  # forwards did see several versions
+
+
+@pytest.mark.parametrize("policy", ["stash", "2bw"])
+def test_a_weight_copy_goes_once_the_backwards_that_used_it_ran(policy, monkeypatch):
+    """Right after each micro-batch's backward, the only weight copies alive on a stage are
+    those the policy still keeps (a version an in-flight micro-batch uses, 2bw's shadow):
+    nothing else (a step's outputs, say) keeps a graph that reaches them."""
+    pipe, _ = _async_pipe(policy)
+    made: list[tuple[int, weakref.ref]] = []
+    snapshot, backward = StashPolicy._snapshot, StageRunner.backward
+
+    def recording(self):
+        copies = snapshot(self)
+        made.extend((self.stage, weakref.ref(t)) for t in copies.values())
+        return copies
+
+    extra = []
+
+    def checked(self, key, *args, **kwargs):
+        result = backward(self, key, *args, **kwargs)
+        gc.collect()
+        kept = [*self.policy._copies.values(), getattr(self.policy, "_shadow", None) or {}]
+        kept_ids = {id(t) for copies in kept for t in copies.values()}
+        extra.append(sum(ref() is not None and id(ref()) not in kept_ids
+                         for stage, ref in made if stage == self.index))
+        return result
+
+    monkeypatch.setattr(StashPolicy, "_snapshot", recording)
+    monkeypatch.setattr(StageRunner, "backward", checked)
+    pipe.step_many(_data(4))
+    assert len(extra) == 3 * 8 and made
+    assert extra == [0] * len(extra)
 
 
 def _stash_reference(model, data, micro_batches, lr):
@@ -400,11 +435,10 @@ def test_async_needs_an_optimizer_and_step_many():
         pipe.step(*_data(1)[0])
 
 
-@pytest.mark.parametrize("policy", ["stash", "predict"])
+@pytest.mark.parametrize("policy", ["stash", "2bw", "predict"])
 def test_the_memory_model_counts_the_copies_the_policy_keeps(policy):
     """fxpipe.memory's count of each stage's weight copies is what the runtime keeps at most,
-    over enough mini-batches to reach the steady state (2bw's shadow copy, which its count
-    holds, is not in the runtime's peak_copies)."""
+    over enough mini-batches to reach the steady state (2bw's shadow copy included)."""
     from fxpipe.memory import stage_copies, weight_copies
     pipe, _ = _async_pipe(policy)
     pipe.step_many(_data(8))

@@ -104,6 +104,17 @@ def test_recomputing_across_ranks_changes_no_loss_buffer_or_weight(tmp_path):
             torch.testing.assert_close(state_again[key], value, rtol=1e-12, atol=0, msg=key)
 
 
+def test_a_send_completes_once_received_not_at_the_end_of_the_run(tmp_path):
+    """Under async-1f1b a rank keeps only the sends (and their buffers) whose message may still
+    be on its way (it learns the others arrived from what its peer sends back): as many over 6
+    mini-batches as over 2, far fewer than it posted."""
+    result = torchrun(2, "sends", tmp_path / "sends", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        held = torch.load(tmp_path / f"sends.{rank}")
+        assert 0 < held["peaks"][0] == held["peaks"][1] < held["sent"] / 3, held
+
+
 def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
     """Rank 0 waits for the failed stage until Plan(timeout=2) passes, not for the process
     group's 300 s or the failed rank's exit (subprocess.TimeoutExpired fails the test)."""

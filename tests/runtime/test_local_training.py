@@ -4,7 +4,9 @@ optimizer, through the drop-in forward/backward and through step()."""
 from __future__ import annotations
 
 import copy
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.models import GPT, ResNet
+from fxpipe.runtime.stage import StageRunner
 
 
 class Net(nn.Module):
@@ -241,6 +244,56 @@ def test_in_flight_activations_meet_the_schedule_bound(schedule, bound):
     pipe.step(x, torch.randint(0, 3, (12,)))
     peaks = [runner.peak_in_flight for runner in pipe.executor.runners.values()]
     assert peaks == [bound(n, s, p) for s in range(n)]
+
+
+def outputs_alive_after_backward(monkeypatch) -> list[tuple[int, int, int]]:
+    """Record, as a step runs, (stage, micro-batch, how many of its stage outputs are still
+    alive) right after each micro-batch's backward (its weight gradient, where split off):
+    nothing should keep them, and so the graph they hold, once it has run."""
+    made: dict[tuple[int, int], list[weakref.ref]] = {}
+    alive: list[tuple[int, int, int]] = []
+    forward, backward = StageRunner.forward, StageRunner.backward
+    weight_backward = StageRunner.weight_backward
+
+    def recording(self, key, values, split=False):
+        out = forward(self, key, values, split)
+        made[self.index, key.mb] = [weakref.ref(out[name]) for name in self.io.outputs
+                                    if isinstance(out[name], torch.Tensor)]
+        return out
+
+    def check(self, key):
+        if key not in self._awaiting_weights:  # its graph is done with
+            gc.collect()
+            alive.append((self.index, key.mb,
+                          sum(ref() is not None for ref in made[self.index, key.mb])))
+
+    def checked_backward(self, key, *args, **kwargs):
+        result = backward(self, key, *args, **kwargs)
+        check(self, key)
+        return result
+
+    def checked_weight_backward(self, key, *args, **kwargs):
+        weight_backward(self, key, *args, **kwargs)
+        check(self, key)
+
+    monkeypatch.setattr(StageRunner, "forward", recording)
+    monkeypatch.setattr(StageRunner, "backward", checked_backward)
+    monkeypatch.setattr(StageRunner, "weight_backward", checked_weight_backward)
+    return alive
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_micro_batch_graph_is_freed_once_its_backward_ran(schedule, monkeypatch):
+    n, p = 3, 4
+    model = Net(depth=2).double()
+    x = torch.randn(8, 5, dtype=torch.float64)
+    plan = fxpipe.Plan(stages=n, micro_batches=p, schedule=schedule, loss_fn=F.cross_entropy,
+                       costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    alive = outputs_alive_after_backward(monkeypatch)
+    pipe.step(x, torch.randint(0, 3, (8,)))
+    assert sorted((s, mb) for s, mb, _ in alive) == [(s, mb) for s in range(n) for mb in range(p)]
+    assert [entry for entry in alive if entry[2]] == []
 
 
 def test_backward_runs_in_schedule_order_across_stages():
