@@ -324,7 +324,7 @@ class Partition:
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
             again = bool(recompute) and recompute[s]
-            peak = peak_of(stage_terms(own[s], again, last),
+            peak = peak_of(stage_terms(own[s], again),
                            stage_bytes(cost, p, bounds, s, again))
             memory_s = stage_memory(
                 cost.param_bytes[start:end], saved[start:end], 0,
@@ -357,7 +357,7 @@ def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int,
                 recompute: bool = False) -> StageBytes:
     """What stage s of `bounds` holds per micro-batch at count p: its saved activations, in
     from the cut before it (its gradient back), out over the cut after it (its gradient in;
-    the last stage's "out": the model's outputs, which the step keeps to its end); and where
+    the last stage's "out": the model's outputs, kept until the micro-batch's backward); and where
     it `recompute`s, what its segments keep at their cuts and the largest one saves
     (`recompute_segments`)."""
     start, end = (0, *bounds)[s], bounds[s]
@@ -372,7 +372,7 @@ def stage_bytes(cost: CostTable, p: int, bounds: Sequence[int], s: int,
     chain = recompute_segments(cost, p, start, end) if recompute else Segmentation((), 0.0, 0.0)
     return StageBytes(float(cost.saved_bytes(p)[start:end].sum()), float(into), float(out),
                       float(out_saved), float(grads_in), float(back), workspace, chain.kept,
-                      chain.largest, last)
+                      chain.largest)
 
 
 

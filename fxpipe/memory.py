@@ -183,7 +183,7 @@ class StageBytes:
 
     saved: float  # what autograd saves (of its units' making)
     received: float = 0.0  # inputs received, kept for the micro-batch's backward
-    sent: float = 0.0  # outputs sent on: held by the send until the step ends
+    sent: float = 0.0  # outputs sent on: held by the send until the micro-batch's backward
     sent_saved: float = 0.0  # of `sent`, what autograd saves (in `saved` until the backward)
     received_grads: float = 0.0  # its outputs' gradients, received
     sent_grads: float = 0.0  # its inputs' gradients, sent back: held until the step ends
@@ -192,9 +192,6 @@ class StageBytes:
     # segments, and what the largest segment saves (its recompute holds it again)
     kept: float = 0.0
     segment: float = 0.0
-    # the last stage: the step's model outputs keep their autograd graph, which holds the
-    # stage's received inputs, until the step ends
-    inputs_kept: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +212,12 @@ def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes]) -> Peak
     """The peak of a device running `actions` (one stage's, or a device's program of several)
     with these per-micro-batch `stages` bytes, walked action by action as torchrun's
     transport runs them: a stage keeps its received inputs until the micro-batch's backward
-    (its weight gradient's, where split) and every message it sends until the step ends
-    (sends complete at the step's flush); receives are posted ahead, all of a step's at its
-    start where the stage runs every forward before a backward (GPipe), else the next one.
+    (its weight gradient's, where split); an output it sends until that micro-batch's
+    backward (its gradient came back, so the receiver has it and the transport lets the send
+    go: `fxpipe.schedules.delivered_sends`), the gradients it sends back until the step ends
+    (an upper bound: the transport lets them go once it hears from the receiver again);
+    receives are posted ahead, all of a step's at its start where the stage runs every
+    forward before a backward (GPipe), else the next one.
     Stages of one process on one device hand values over without these copies: for them
     this is an upper bound."""
     own = {s: [a for a in actions if a.stage == s] for s in {a.stage for a in actions}}
@@ -240,6 +240,8 @@ def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes]) -> Peak
         ahead = sum(stages[t].received_grads * (left_b[t] if first[t] else min(left_b[t], 1))
                     + (0.0 if first[t] or not left_f[t] else stages[t].received)
                     for t in own)
+        if a.kind is ActionKind.B:  # its send was received: of it, only what autograd saves stays
+            buffers -= q.sent - q.sent_saved
         workspace = 0.0 if a.kind is ActionKind.F else q.workspace
         if activations + buffers + ahead + workspace > best.total:  # a Peak only when higher
             best = Peak(activations, buffers + ahead, workspace)
@@ -248,7 +250,7 @@ def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes]) -> Peak
             buffers += q.sent_grads
         if releases:
             activations -= q.saved
-            buffers += q.sent_saved - (0.0 if q.inputs_kept else q.received)
+            buffers -= q.received
     return best
 
 
@@ -281,8 +283,7 @@ FIELDS = ("saved", "received", "sent", "sent_saved", "received_grads", "sent_gra
 _E = {name: np.eye(len(FIELDS))[i] for i, name in enumerate(FIELDS)}
 
 
-def stage_terms(actions: Sequence[Action], recompute: bool = False, inputs_kept: bool = False
-                ) -> np.ndarray:
+def stage_terms(actions: Sequence[Action], recompute: bool = False) -> np.ndarray:
     """`stage_peak`'s walk of ONE stage's `actions`, run symbolically: (T, 3, len(FIELDS)),
     per step t of the walk the coefficients of StageBytes' FIELDS in what it holds then as
     activations, message buffers and workspace, so that the stage's peak is max_t
@@ -315,6 +316,8 @@ def stage_terms(actions: Sequence[Action], recompute: bool = False, inputs_kept:
                 act = act + _E["kept"]
         if recompute and a.kind is ActionKind.B and a.mb in split:
             act = act + _E["saved"]  # recomputed before B, held until W
+        if a.kind is ActionKind.B:  # its send was received (see stage_peak)
+            buf = buf - _E["sent"] + (zero if recompute else _E["sent_saved"])
         ahead = (_E["received_grads"] * (left_b if first else min(left_b, 1))
                  + (zero if first or not left_f else _E["received"]))
         workspace = zero if a.kind is ActionKind.F else _E["workspace"] + (
@@ -327,8 +330,8 @@ def stage_terms(actions: Sequence[Action], recompute: bool = False, inputs_kept:
             if recompute:
                 act = act - (_E["saved"] if a.kind is ActionKind.W else _E["kept"])
             else:
-                act, buf = act - _E["saved"], buf + _E["sent_saved"]
-            buf = buf - (zero if inputs_kept else _E["received"])
+                act = act - _E["saved"]
+            buf = buf - _E["received"]
     return np.array(rows).reshape(-1, 3, len(FIELDS))
 
 
@@ -353,8 +356,8 @@ def stage_actions(schedule: str | Schedule, stages: int, p: int) -> tuple[tuple[
 
 @functools.lru_cache(maxsize=1024)  # the planners ask for every stage at every count
 def named_terms(schedule: str, stages: int, p: int, s: int, recompute: bool) -> np.ndarray:
-    """`stage_terms` of stage s of the named schedule (the last stage keeps its inputs)."""
-    return stage_terms(stage_actions(schedule, stages, p)[s], recompute, s == stages - 1)
+    """`stage_terms` of stage s of the named schedule."""
+    return stage_terms(stage_actions(schedule, stages, p)[s], recompute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,8 +406,7 @@ class MemoryBudget:
     def terms(self, stages: int, p: int, s: int, recompute: bool) -> np.ndarray:
         """`stage_terms` of stage s under this budget's schedule."""
         if isinstance(self.schedule, Schedule):
-            return stage_terms(stage_actions(self.schedule, stages, p)[s], recompute,
-                               s == stages - 1)
+            return stage_terms(stage_actions(self.schedule, stages, p)[s], recompute)
         return named_terms(self.schedule, stages, p, s, recompute)
 
     def modes(self, stages: int) -> tuple[tuple[bool, ...], ...]:

@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 
 from fxpipe.cost import CostTable, Partition
 from fxpipe.memory import (
+    FIELDS,
     StageBytes,
     device_peaks,
     in_flight,
     stage_copies,
     stage_peak,
+    stage_terms,
     weight_copies,
     workspace_bytes,
 )
@@ -31,16 +33,28 @@ def test_without_messages_the_peak_holds_the_schedules_micro_batches_in_flight(
     assert all(peak.boundary == 0 and peak.workspace == 0 for peak in peaks)
 
 
-def test_sends_stay_until_the_step_ends_and_the_last_stage_keeps_its_inputs():
-    """1F1B's last stage holds one micro-batch's activations, but every gradient it sent back
-    and (the outputs' graph keeps them) every input it received, by its last backward."""
+def test_gradients_sent_back_stay_until_the_step_ends_and_inputs_until_their_backward():
+    """1F1B's last stage holds one micro-batch's activations and input (and the next input,
+    posted ahead), and every gradient it sent back."""
     last = build("1f1b", 2, 4).actions[1]
-    q = StageBytes(saved=100.0, received=10.0, sent_grads=1.0, workspace=5.0, inputs_kept=True)
-    peak = stage_peak(last, {1: q})
+    peak = stage_peak(last, {1: StageBytes(saved=100.0, received=10.0, sent_grads=1.0,
+                                           workspace=5.0)})
     assert peak.activations == 100.0 and peak.workspace == 5.0
-    assert peak.boundary == 4 * 10.0 + 3 * 1.0  # during the 4th backward: 3 gradients sent
-    forgetting = stage_peak(last, {1: StageBytes(100.0, 10.0, sent_grads=1.0, workspace=5.0)})
-    assert forgetting.total < peak.total
+    # during the 3rd backward: its input, the 4th posted, 2 gradients sent back
+    assert peak.boundary == 2 * 10.0 + 2 * 1.0
+
+
+def test_an_output_sent_on_is_let_go_at_its_micro_batchs_backward():
+    """Its gradient came back, so the receiver has it: 1F1B's first stage of two holds two
+    micro-batches' sends at its first backward, and one after (the other's backward ran)."""
+    first = build("1f1b", 2, 4).actions[0]
+    peak = stage_peak(first, {0: StageBytes(saved=100.0, sent=7.0, sent_saved=3.0)})
+    # the peak is the second forward: two micro-batches' activations, their sends' unsaved part
+    assert (peak.activations, peak.boundary) == (200.0, 2 * (7.0 - 3.0))
+    assert [str(a) for a in first if a.kind.is_compute] == [
+        "0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+    held = stage_terms([a for a in first if a.kind.is_compute])[:, 1, FIELDS.index("sent")]
+    assert list(held) == [1, 2, 1, 2, 1, 2, 1, 0]  # sends held as each action runs
 
 
 def test_gpipe_posts_every_receive_at_the_start():

@@ -74,7 +74,7 @@ def test_the_symbolic_walk_is_stage_peaks_walk(instance):
     for s, actions in enumerate(stage_actions(schedule, len(bounds), p)):
         q = stage_bytes(cost, p, bounds, s)
         walked, symbolic = stage_peak(actions, {s: q}), peak_of(
-            stage_terms(actions, False, q.inputs_kept), q)
+            stage_terms(actions), q)
         assert symbolic.total == pytest.approx(walked.total, rel=1e-12, abs=1e-9)
 
 

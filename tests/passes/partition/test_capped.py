@@ -142,10 +142,11 @@ def test_recomputation_adds_the_forward_to_the_backward_and_holds_only_inputs():
     # gpipe posts the four receives at the start, and holds four micro-batches' activations
     assert plain.stages[1].memory == 4 * 8.0 + 4 * 50.0
     assert again.stages[1].memory == 4 * 8.0 + 50.0  # their inputs, and one recompute's
-    # stage 0 holds its four sends until the step ends, and in its backward a new weight
-    # gradient beside .grad (its workspace)
+    # stage 0's first backward: four micro-batches' activations, three sends (its own
+    # micro-batch's came back as a gradient, so was received), and a new weight gradient
+    # beside .grad (its workspace)
     assert plain.stages[0].memory == again.stages[0].memory == (
-        4 * 10 * 4 + 4 * 100.0 + 4 * 8.0 + 10 * 4)
+        4 * 10 * 4 + 4 * 100.0 + 3 * 8.0 + 10 * 4)
 
 
 def test_auto_recomputes_only_the_stage_that_needs_it():
