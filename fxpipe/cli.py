@@ -327,7 +327,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
     _stages_per_device_option(demo)
-    add_training_options(demo, optimizer=False)  # it trains with SGD and momentum
+    add_training_options(demo, optimizer=False, capped=False)  # SGD with momentum, no cap
     _threads_option(demo)
     demo.set_defaults(run=_demo)
 

@@ -8,7 +8,8 @@ from typing import Any
 from fxpipe.memory_spec import OPTIMIZER_SLOTS
 from fxpipe.precision import PRECISIONS
 
-__all__ = ["add_training_options", "optimizer_option", "recompute_option", "training_fields"]
+__all__ = ["add_training_options", "optimizer_option", "recompute_option", "training_fields",
+           "uncapped_recompute_option"]
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 _OPTIMIZERS = ("adam", "sgd", "sgd-momentum")  # the common ones; Plan knows a few more
@@ -30,6 +31,18 @@ def recompute_option(text: str) -> bool | str | tuple[bool, ...]:
         "(the stages a memory cap needs), or one true/false per stage such as 1,0,0,1")
 
 
+def uncapped_recompute_option(text: str) -> bool | tuple[bool, ...]:
+    """recompute_option for a command without a memory cap, where auto would recompute
+    nothing."""
+    value = recompute_option(text)
+    if value == "auto":
+        raise argparse.ArgumentTypeError(
+            "auto recomputes only the stages a memory cap needs, and this command takes no "
+            "memory cap, so it would recompute nothing; give true, false, or one per stage "
+            "such as 1,0")
+    return value
+
+
 def optimizer_option(text: str) -> str | int:
     """An argparse type for Plan(optimizer=...): an optimizer's name, or the number of
     weight-sized state tensors it keeps per parameter."""
@@ -44,13 +57,17 @@ def optimizer_option(text: str) -> str | int:
         "weight-sized state tensors it keeps per parameter, e.g. 2 for Adam")
 
 
-def add_training_options(command: argparse.ArgumentParser, optimizer: bool = True) -> None:
+def add_training_options(command: argparse.ArgumentParser, optimizer: bool = True,
+                         capped: bool = True) -> None:
     """Add --recompute, --precision and (unless the command picks its own optimizer)
-    --optimizer, each defaulting to Plan's own default."""
-    command.add_argument("--recompute", type=recompute_option, default=False,
+    --optimizer, each defaulting to Plan's own default; `capped`: the command takes a
+    memory cap (else --recompute refuses auto)."""
+    command.add_argument("--recompute", default=False,
+                         type=recompute_option if capped else uncapped_recompute_option,
                          help="recompute each stage's forward in its backward to save memory: "
-                              "true, false, auto (only the stages a memory cap needs), or "
-                              "one per stage such as 1,0")
+                              "true, false, " + ("auto (only the stages a memory cap needs), "
+                                                 if capped else "") + "or one per stage such "
+                              "as 1,0")
     command.add_argument("--precision", choices=PRECISIONS,
                          help="run the stages under torch.autocast in this dtype (default: "
                               "full precision)")

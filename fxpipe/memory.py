@@ -162,8 +162,9 @@ def _named_copies(policy: str, name: str, stages: int, p: int, s: int) -> int:
     try:  # async-1f1b as step_many streams it, long enough to reach its steady state
         built = (async_one_f_one_b(stages, p, 2 * stages + 2) if name == "async-1f1b"
                  else build(name, stages, p))
-    except ValueError:  # a count it cannot run: a copy per micro-batch at most
-        return p
+    except ValueError:  # not built here (a count it cannot run, or several stages a device)
+        # no copies without a policy or a step inside the run; else one per micro-batch at most
+        return 0 if policy == "none" or name != "async-1f1b" else p
     return stage_copies(policy, built, stages, p, s)
 
 

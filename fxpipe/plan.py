@@ -420,6 +420,11 @@ class Plan:
         if self.micro_batches is not None:
             return self
         p = max(1, min(self.stages, batch // self.groups))
+        if self.schedule == "dualpipev" and p < self.stages:  # as _check_virtual_stages, but
+            # the count is ours: the batch is what to change
+            raise PlanError(f"schedule='dualpipev' needs at least one micro-batch per stage, so "
+                            f"a batch of at least {self.stages * self.groups} samples; the "
+                            f"example batch has {batch}: give a larger batch or fewer stages.")
         n = self.device_count
         if self.schedule == "interleaved-1f1b" and self.stages_per_device > 1 and p >= n:
             p -= p % n  # its micro-batches go through the chunks in groups of one per device

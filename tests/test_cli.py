@@ -75,6 +75,8 @@ def test_bench_reports_user_errors_before_any_progress(capsys, options, error):
     (["plan", "mlp", "--stages", "2", "--precision", "fp8"], "argument --precision: invalid "
      "choice: 'fp8'"),
     (["demo", "--recompute", "sometimes"], "argument --recompute: 'sometimes'"),
+    (["demo", "--recompute", "auto"], "auto recomputes only the stages a memory cap needs, "
+     "and this command takes no memory cap"),
 ])
 def test_options_that_are_not_numbers_of_the_right_kind_are_refused_by_name(capsys, argv,
                                                                             message):
@@ -515,11 +517,13 @@ def test_training_options_reach_the_plan_of_plan_and_demo(monkeypatch, capsys, o
 
     monkeypatch.setattr(fxpipe.cli, "compile", compiled)
     assert main(["plan", "mlp", "--stages", "3", "--partitioner", "even", *options]) == 2
-    demo_options = [o for o in options if o not in ("--optimizer", "3", "sgd-momentum")]
+    # the demo has no memory cap, so no auto: it recomputes every stage instead
+    demo_options = ["true" if o == "auto" else o for o in options
+                    if o not in ("--optimizer", "3", "sgd-momentum")]
     assert main(["demo", "--model", "mlp", "--stages", "3", *demo_options]) == 2
     assert "stopped before compiling" in capsys.readouterr().err
     for field, value in fields.items():
         assert getattr(plans[0], field) == value
         if field != "optimizer":
-            assert getattr(plans[1], field) == value
+            assert getattr(plans[1], field) == (True if value == "auto" else value)
     assert plans[1].optimizer == "sgd-momentum"  # the optimizer the demo trains with

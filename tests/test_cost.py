@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxpipe.cost import CostTable, Link, Partition, fit_to_flops
+from fxpipe.cost import CostTable, Link, Partition
+from fxpipe.cost_fit import fit_to_flops
 from fxpipe.passes.analysis.comm import default_link
 
 

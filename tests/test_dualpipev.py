@@ -158,3 +158,11 @@ def test_plan_refuses_what_dualpipev_cannot_run(fields, message):
     plan = Plan(stages=4, stages_per_device=2, schedule="dualpipev", micro_batches=4,
                 costs="none")
     assert plan.placement == (0, 1, 1, 0) and plan.device_count == 2
+
+
+def test_a_default_count_too_small_for_dualpipev_names_the_batch():
+    plan = Plan(stages=4, stages_per_device=2, schedule="dualpipev", costs="none")
+    with pytest.raises(PlanError, match=r"a batch of at least 4 samples; the example batch has "
+                                        r"2: give a larger batch or fewer stages"):
+        plan.for_batch(2)
+    assert plan.for_batch(8).micro_batches == 4

@@ -105,3 +105,8 @@ def test_the_copies_counted_follow_each_policys_rules():
     synchronous = [a for a in build("1f1b", 2, 4).actions[0]]
     assert weight_copies("stash", synchronous) == 1  # one version: its one copy
     assert weight_copies("2bw", synchronous) == 1
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"])
+def test_no_policy_keeps_no_copies_where_the_schedule_is_not_built_by_name(schedule):
+    assert [stage_copies("none", schedule, 4, p, s) for p in (1, 4) for s in range(4)] == [0] * 8

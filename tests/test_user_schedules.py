@@ -441,6 +441,12 @@ def test_csv_errors_name_the_cell_and_the_fix(tmp_path, text, message) -> None:
         load_csv(path)
 
 
+def test_blank_lines_ending_a_csv_are_no_rank(tmp_path) -> None:
+    path = tmp_path / "ends_blank.csv"
+    path.write_text("0F0,0B0\n1F0,1B0\n\n\n")
+    assert load_csv(path).actions == gpipe(2, 1).actions
+
+
 def test_save_csv_refuses_what_pytorch_cannot_say(tmp_path) -> None:
     skip = add_communication(gpipe(3, 1), [(0, 1), (0, 2), (1, 2)])
     with pytest.raises(ScheduleError, match=r"0SF0>2 talks to stage 2, but PyTorch's SEND_F "

@@ -28,7 +28,8 @@ from fxpipe.compiler.model_loss import LABEL_NAMES, scalar_joins
 from fxpipe.compiler.parameter_fit import check_parameters_fit
 from fxpipe.compiler.partitioning import choose_partition
 from fxpipe.compiler.state import Compilation, Pass, ensure
-from fxpipe.cost import CostTable, Link, fit_to_flops
+from fxpipe.cost import CostTable, Link
+from fxpipe.cost_fit import fit_to_flops
 from fxpipe.devices import timing_device
 from fxpipe.distributed import launched, rank_device, rank_layout
 from fxpipe.errors import FxpipeTraceError, PlanError

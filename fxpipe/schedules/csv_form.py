@@ -104,6 +104,8 @@ def load_csv(path: str | os.PathLike, name: str | None = None,
             rows = list(csv.reader(file))
     except (OSError, UnicodeDecodeError, csv.Error) as error:
         raise ScheduleError(f"cannot read a schedule from {str(path)!r}: {error}") from error
+    while rows and not any(cell.strip() for cell in rows[-1]):  # blank lines at the end
+        rows.pop()
     if not rows:
         raise ScheduleError(f"{str(path)!r} holds no rows; write one row of actions per rank")
     programs = []

@@ -10,6 +10,7 @@ import numpy as np
 from fxpipe.cost import CostTable, Partition
 from fxpipe.errors import PlanError
 from fxpipe.memory import FIELDS, MemoryBudget
+from fxpipe.passes.partition.cap_message import format_bytes, no_fit_message
 from fxpipe.passes.partition.least_cap import frontier, least_scale, row_terms, walk_fields
 from fxpipe.passes.partition.odpa import divisors
 from fxpipe.segments import recompute_table
@@ -347,7 +348,7 @@ def check_fits(cost: CostTable, stages: int, p: int, budget: MemoryBudget | None
     scale, bounds, again = least_scale(cost, stages, p, budget)  # fast, without the tables
     if scale <= 1 + _SLACK:
         return Capacity.of(cost, stages, p, budget)
-    message = _explain(cost, p, budget, scale, bounds, again)
+    message = no_fit_message(cost, p, budget, scale, bounds, again)
     if cost.batch is not None and len(cost.sizes) > 1:  # measured at several micro-batch
         # sizes, so another count may fit where this one does not
         others = [q for q in divisors(cost.batch) if q != p and
@@ -372,7 +373,7 @@ def capacities(cost: CostTable, stages: int, counts: Sequence[int], budget: Memo
             least = (scale, q, bounds, again)
     if not found:
         scale, q, bounds, again = least
-        raise PlanError(_explain(cost, q, budget, scale, bounds, again, every_count=True)
+        raise PlanError(no_fit_message(cost, q, budget, scale, bounds, again, every_count=True)
                         + f" (no micro-batch count of {sorted(counts)} fits; this one needs "
                         "the least)")
     return found
@@ -392,64 +393,5 @@ def fit_or_explain(cost: CostTable, cap: Capacity, part: Partition, planner: str
     rule = "your stage sizes" if planner == "given" else f"partitioner {planner!r}'s fixed rule"
     raise PlanError(
         f"{rule} ({sizes} units per stage) leaves stage {s} (units {start}-{end - 1}) needing "
-        f"{_bytes(need[s])}, over its memory_limit of {_bytes(cap.limits[s])}; use a "
-        "partitioner that honours the cap: 'balanced', 'exact', 'imd', 'csimd' or 'ampa'")
-
-
-def _explain(cost: CostTable, p: int, budget: MemoryBudget, scale: float,
-             bounds: tuple[int, ...], again: tuple[bool, ...], every_count: bool = False) -> str:
-    limits = budget.limits(len(bounds))
-    need = [x.memory for x in Partition.evaluate(cost, bounds, p, recompute=again,
-                                                 memory=budget).stages]
-    s = int(np.argmax(np.asarray(need) / limits))
-    start, end = (0, *bounds)[s], bounds[s]
-    needed = _per_device([int(np.ceil(x * scale)) if np.isfinite(x) else None
-                          for x in limits], budget.placement)
-    how = ("recomputing: its messages, the values kept at its segments' cuts, and its "
-           "largest segment's activations in its backward"
-           if again[s] else f"its activations × up to {budget.held(len(bounds), p)[s]} "
-           "micro-batches in flight, "
-           "its messages and backward workspace")
-    hint = ""
-    if not budget.may_recompute and budget.cannot_recompute is None:  # else it cannot help
-        hint = ", recompute='auto' (recomputes the forward of the stages that need it)"
-    return (f"no partition into {len(bounds)} stages fits the memory cap ({_bytes(limits[s])} "
-            f"on stage {s}) at {p} micro-batch(es): the partition needing the "
-            f"least ({'+'.join(str(e - a) for a, e in zip((0, *bounds), bounds))} units) still "
-            f"needs {_bytes(need[s])} on stage {s} (units "
-            f"{start}-{end - 1}: weights, gradients, optimizer state and {how}); give "
-            f"memory_limit={_as_limit(needed)} ({_bytes(max(x for x in needed if x))}) or more"
-            + (" (a device's stages are capped at an equal share of its cap)"
-               if budget.placement else "") + ", "
-            f"more stages{hint}"
-            + ("" if every_count else
-               ", or more micro-batches (smaller ones hold fewer activation bytes)"))
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _per_device(needed: list[int | None], placement: tuple[int, ...]) -> list[int | None]:
-    """Per-stage caps as the per-device caps memory_limit takes: a device holding v stages
-    gives each 1/v of its cap, so it needs v times its stages' largest."""
-    if not placement:
-        return needed
-    share = len(placement) // (max(placement) + 1)
-    devices: dict[int, int | None] = {}
-    for d, x in zip(placement, needed):
-        held = devices.get(d)
-        devices[d] = None if x is None or (d in devices and held is None) else max(
-            x * share, held or 0)
-    return [devices[d] for d in sorted(devices)]
-
-
-def _as_limit(needed: list[int | None]) -> str:
-    if len(set(needed)) == 1:
-        return f"{needed[0]} bytes"
-    return "[" + ", ".join(str(x) for x in needed) + "] bytes (per device)"
-
+        f"{format_bytes(need[s])}, over its memory_limit of {format_bytes(cap.limits[s])}; "
+        "use a partitioner that honours the cap: 'balanced', 'exact', 'imd', 'csimd' or 'ampa'")

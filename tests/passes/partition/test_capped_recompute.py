@@ -91,7 +91,9 @@ def test_the_error_suggests_recompute_auto_only_where_it_can_help():
     assert hint in _no_fit(MemoryBudget(100.0, "1f1b", recompute=(False, False)))
     assert hint not in _no_fit(MemoryBudget(100.0, "1f1b", recompute="auto"))  # it already does
     reason = "with schedule='async-1f1b' needs consistency='stash' or '2bw'"
-    assert hint not in _no_fit(MemoryBudget(100.0, "1f1b", cannot_recompute=reason))
+    refused = _no_fit(MemoryBudget(100.0, "1f1b", cannot_recompute=reason))
+    assert hint not in refused  # and it says why recomputation cannot help
+    assert refused.endswith(f"; recomputation {reason}")
 
 
 @pytest.mark.parametrize("consistency, possible", [("none", False), ("predict", False),
