@@ -64,6 +64,7 @@ def worker(model_name: str, stages: int, schedule: str, batch: int, micro_batche
                          + runs[0].optimizer[s]})
         with open(out, "w") as handle:
             json.dump(rows, handle)
+    fxpipe.shutdown()  # every rank, as a torchrun script ends
 
 
 def async_worker(model_name: str, stages: int, policy: str, batch: int, micro_batches: int,
