@@ -14,6 +14,7 @@ from fxpipe.memory import (
     peak_of,
     stage_actions,
     stage_copies,
+    stage_let_go,
     stage_memory,
     stage_terms,
     workspace_bytes,
@@ -324,7 +325,7 @@ class Partition:
         for s, (start, end) in enumerate(zip(starts, bounds)):
             last = s == len(bounds) - 1
             again = bool(recompute) and recompute[s]
-            peak = peak_of(stage_terms(own[s], again),
+            peak = peak_of(stage_terms(own[s], again, stage_let_go(counted, len(bounds), p).get(s)),
                            stage_bytes(cost, p, bounds, s, again))
             memory_s = stage_memory(
                 cost.param_bytes[start:end], saved[start:end], 0,

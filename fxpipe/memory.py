@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from fxpipe.schedules import (
     async_one_f_one_b,
     build,
     forwards_first,
+    gradients_let_go,
     peak_activations,
 )
 
@@ -284,7 +285,8 @@ FIELDS = ("saved", "received", "sent", "sent_saved", "received_grads", "sent_gra
 _E = {name: np.eye(len(FIELDS))[i] for i, name in enumerate(FIELDS)}
 
 
-def stage_terms(actions: Sequence[Action], recompute: bool = False) -> np.ndarray:
+def stage_terms(actions: Sequence[Action], recompute: bool = False,
+                let_go: Mapping[int, int] | None = None) -> np.ndarray:
     """`stage_peak`'s walk of ONE stage's `actions`, run symbolically: (T, 3, len(FIELDS)),
     per step t of the walk the coefficients of StageBytes' FIELDS in what it holds then as
     activations, message buffers and workspace, so that the stage's peak is max_t
@@ -296,7 +298,12 @@ def stage_terms(actions: Sequence[Action], recompute: bool = False) -> np.ndarra
     outputs are held anyway) until its backward, which holds the largest segment's saved
     activations again as workspace. Where the backward is split (B then W) the stage is
     checkpointed whole, keeping only its inputs, and B runs its whole forward again, held
-    until W."""
+    until W.
+
+    `let_go` (`stage_let_go`): per micro-batch, the index among `actions`' compute actions
+    from which the input gradient the stage sent back is let go (the transport knows it
+    received); a micro-batch not in it holds its gradient until the step ends."""
+    let_go = let_go or {}
     zero = np.zeros(len(FIELDS))
     first = forwards_first(actions)
     split = {a.mb for a in actions if a.kind is ActionKind.W}
@@ -309,6 +316,7 @@ def stage_terms(actions: Sequence[Action], recompute: bool = False) -> np.ndarra
             continue
         left_f -= a.kind is ActionKind.F
         releases = a.kind is ActionKind.W or (a.kind is ActionKind.B and a.mb not in split)
+        buf = buf - _E["sent_grads"] * sum(at == len(rows) for at in let_go.values())
         if a.kind is ActionKind.F:
             buf = buf + (zero if first else _E["received"]) + _E["sent"]
             if not recompute:  # of the sent outputs, what autograd saves is counted as saved
@@ -358,7 +366,21 @@ def stage_actions(schedule: str | Schedule, stages: int, p: int) -> tuple[tuple[
 @functools.lru_cache(maxsize=1024)  # the planners ask for every stage at every count
 def named_terms(schedule: str, stages: int, p: int, s: int, recompute: bool) -> np.ndarray:
     """`stage_terms` of stage s of the named schedule."""
-    return stage_terms(stage_actions(schedule, stages, p)[s], recompute)
+    return stage_terms(stage_actions(schedule, stages, p)[s], recompute,
+                       stage_let_go(schedule, stages, p).get(s))
+
+
+@functools.lru_cache(maxsize=256)  # the planners ask for every stage at every count
+def stage_let_go(schedule: str | Schedule, stages: int, p: int) -> dict[int, dict[int, int]]:
+    """`gradients_let_go` of the schedule `stage_actions` walks (a name, built for `stages`
+    and p, or a user's Schedule)."""
+    if isinstance(schedule, Schedule):
+        return gradients_let_go(schedule)
+    try:
+        built = build(schedule, stages, p)
+    except ValueError:  # as _named_lists: gpipe's order
+        built = build("gpipe", stages, p)
+    return gradients_let_go(built)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,7 +429,8 @@ class MemoryBudget:
     def terms(self, stages: int, p: int, s: int, recompute: bool) -> np.ndarray:
         """`stage_terms` of stage s under this budget's schedule."""
         if isinstance(self.schedule, Schedule):
-            return stage_terms(stage_actions(self.schedule, stages, p)[s], recompute)
+            return stage_terms(stage_actions(self.schedule, stages, p)[s], recompute,
+                               stage_let_go(self.schedule, stages, p).get(s))
         return named_terms(self.schedule, stages, p, s, recompute)
 
     def modes(self, stages: int) -> tuple[tuple[bool, ...], ...]:

@@ -19,7 +19,7 @@ from fxpipe.memory import (
     weight_copies,
     workspace_bytes,
 )
-from fxpipe.schedules import build
+from fxpipe.schedules import build, gradients_let_go
 
 
 @settings(max_examples=30, deadline=None)
@@ -110,3 +110,25 @@ def test_the_copies_counted_follow_each_policys_rules():
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"])
 def test_no_policy_keeps_no_copies_where_the_schedule_is_not_built_by_name(schedule):
     assert [stage_copies("none", schedule, 4, p, s) for p in (1, 4) for s in range(4)] == [0] * 8
+
+
+def test_a_gradient_sent_back_is_let_go_once_the_sender_hears_from_its_receiver():
+    # 1F1B's last stage of two: the earlier stage sends F2 only after its B0, so receiving F2
+    # tells the last stage that its gradient of micro-batch 0 arrived; 2 and 3 wait for the end
+    last = build("1f1b", 2, 4)
+    assert gradients_let_go(last) == {1: {0: 4, 1: 6}}
+    held = stage_terms([a for a in last.actions[1] if a.kind.is_compute], let_go={0: 4, 1: 6})
+    assert list(held[:, 1, FIELDS.index("sent_grads")]) == [0, 0, 1, 1, 1, 1, 1, 1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), stages=st.integers(2, 5),
+       p=st.integers(1, 8))
+def test_a_gradient_is_let_go_after_the_backward_that_sent_it(schedule, stages, p):
+    built = build(schedule, stages, p)
+    for s, released in gradients_let_go(built).items():
+        compute = [a for a in built.actions[s] if a.kind.is_compute]
+        assert s > 0  # the first stage sends no gradient back
+        for mb, at in released.items():
+            sent = next(i for i, a in enumerate(compute) if a.kind.name == "B" and a.mb == mb)
+            assert sent < at <= len(compute)

@@ -36,6 +36,7 @@ from fxpipe.schedules.lowering import (
     chain,
     check_communication,
     delivered_sends,
+    gradients_let_go,
     lower,
 )
 from fxpipe.schedules.zero_bubble import zb_h1
@@ -45,7 +46,7 @@ __all__ = [
     "Schedule", "ScheduleError", "W", "add_communication", "add_step", "async_one_f_one_b",
     "build", "chain", "check_communication", "delivered_sends", "device_peak_activations",
     "dualpipev",
-    "forwards_first", "gpipe",
+    "forwards_first", "gpipe", "gradients_let_go",
     "interleaved_one_f_one_b", "load_csv", "looped_bfs", "lower", "one_f_one_b", "peak_activations",
     "round_robin", "save_csv", "v_shape", "zb_h1", "zbv",
 ]

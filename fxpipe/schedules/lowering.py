@@ -22,7 +22,7 @@ from fxpipe.schedules.actions import (
 from fxpipe.schedules.generators import build
 
 __all__ = ["Message", "add_communication", "add_step", "chain", "check_communication",
-           "delivered_sends", "lower", "message_of"]
+           "delivered_sends", "gradients_let_go", "lower", "message_of"]
 
 
 def chain(stages: int) -> tuple[tuple[int, int], ...]:
@@ -246,6 +246,25 @@ def delivered_sends(programs: Sequence[Sequence[Action]]) -> list[dict[int, list
             if at < len(heard[peer]):
                 found[d].setdefault(at, []).append(message_of(a))
     return found
+
+
+def gradients_let_go(schedule: Schedule) -> dict[int, dict[int, int]]:
+    """Per stage, per micro-batch whose input gradient it sends back to an earlier stage on
+    another device: the index, among the stage's own compute actions, of the first one that
+    runs once its transport knows the message received (`delivered_sends`, on the schedule
+    with its chain's messages); a gradient never known so (completed at the step's flush) is
+    absent."""
+    lowered = schedule if schedule.lowered else add_communication(schedule)
+    programs = lowered.device_programs
+    let_go: dict[int, dict[int, int]] = defaultdict(dict)
+    for program, released in zip(programs, delivered_sends(programs)):
+        ran: dict[int, int] = defaultdict(int)  # per stage, its compute actions so far
+        for i, a in enumerate(program):
+            ran[a.stage] += a.kind.is_compute
+            for sender, _, direction, mb in released.get(i, ()):
+                if direction == "B":
+                    let_go[sender][mb] = ran[sender]
+    return dict(let_go)
 
 
 def _explain_deadlock(schedule: Schedule, pc: list[int]) -> str:
