@@ -32,6 +32,7 @@ __all__ = [
     "peak_of",
     "stage_actions",
     "stage_copies",
+    "stage_let_go",
     "stage_memory",
     "stage_peak",
     "stage_terms",
@@ -210,14 +211,15 @@ class Peak:
         return self.activations + self.boundary + self.workspace
 
 
-def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes]) -> Peak:
+def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes],
+               let_go: Mapping[int, Mapping[int, int]] | None = None) -> Peak:
     """The peak of a device running `actions` (one stage's, or a device's program of several)
     with these per-micro-batch `stages` bytes, walked action by action as torchrun's
     transport runs them: a stage keeps its received inputs until the micro-batch's backward
     (its weight gradient's, where split); an output it sends until that micro-batch's
     backward (its gradient came back, so the receiver has it and the transport lets the send
-    go: `fxpipe.schedules.delivered_sends`), the gradients it sends back until the step ends
-    (an upper bound: the transport lets them go once it hears from the receiver again);
+    go: `fxpipe.schedules.delivered_sends`), a gradient it sends back until the stage's
+    compute action `let_go[stage][mb]` (`stage_let_go`; absent: the step's end);
     receives are posted ahead, all of a step's at its start where the stage runs every
     forward before a backward (GPipe), else the next one.
     Stages of one process on one device hand values over without these copies: for them
@@ -230,10 +232,13 @@ def stage_peak(actions: Sequence[Action], stages: dict[int, StageBytes]) -> Peak
     # posted at the start: a forwards-first stage's receives, all of them
     buffers = sum(q.received * left_f[s] for s, q in stages.items() if s in own and first[s])
     activations, best = 0.0, Peak(0.0, 0.0, 0.0)
+    ran = dict.fromkeys(own, 0)  # per stage, its compute actions so far
     for a in actions:
         if not a.kind.is_compute:
             continue
         q, s = stages[a.stage], a.stage
+        buffers -= q.sent_grads * sum(at == ran[s] for at in (let_go or {}).get(s, {}).values())
+        ran[s] += 1
         left_f[s] -= a.kind is ActionKind.F
         releases = a.kind is ActionKind.W or (a.kind is ActionKind.B and (s, a.mb) not in split)
         if a.kind is ActionKind.F:
