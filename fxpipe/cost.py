@@ -13,12 +13,12 @@ from fxpipe.memory import (
     StageBytes,
     peak_of,
     stage_actions,
-    stage_copies,
     stage_let_go,
     stage_memory,
     stage_terms,
     workspace_bytes,
 )
+from fxpipe.policy_copies import stage_copies
 from fxpipe.schedules import Schedule, build
 from fxpipe.segments import Segmentation, recompute_segments
 from fxpipe.simulate import Timeline, simulate
@@ -302,7 +302,7 @@ class Partition:
         N − s on stage s for 1f1b), its message buffers and its backward's workspace
         (docs/memory.md); autocast's copies of the weights (`CostTable.weight_cast_bytes`),
         and the copies of the weights the `consistency` policy keeps
-        (`fxpipe.memory.weight_copies`). `memory`, where given, counts it by its schedule,
+        (`fxpipe.policy_copies.weight_copies`). `memory`, where given, counts it by its schedule,
         optimizer and consistency (the planners' `Capacity` counts exactly this).
 
         `recompute` (one bool per stage, () for none): such a stage's backward runs its

@@ -13,12 +13,11 @@ from fxpipe.memory import (
     StageBytes,
     device_peaks,
     in_flight,
-    stage_copies,
     stage_peak,
     stage_terms,
-    weight_copies,
     workspace_bytes,
 )
+from fxpipe.policy_copies import stage_copies, weight_copies
 from fxpipe.schedules import build, gradients_let_go
 
 

@@ -439,7 +439,7 @@ def test_async_needs_an_optimizer_and_step_many():
 def test_the_memory_model_counts_the_copies_the_policy_keeps(policy):
     """fxpipe.memory's count of each stage's weight copies is what the runtime keeps at most,
     over enough mini-batches to reach the steady state (2bw's shadow copy included)."""
-    from fxpipe.memory import stage_copies, weight_copies
+    from fxpipe.policy_copies import stage_copies, weight_copies
     pipe, _ = _async_pipe(policy)
     pipe.step_many(_data(8))
     streamed = build("async-1f1b", 3, 2, minibatches=8).actions
