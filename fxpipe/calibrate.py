@@ -16,9 +16,24 @@ from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.schedules import ActionKind
 from fxpipe.simulate import WEIGHT_SHARE
 
-__all__ = ["Calibration", "calibrate", "calibration_from"]
+__all__ = ["Calibration", "calibrate", "calibration_from", "check_flushed_training"]
 
 K = ActionKind
+
+
+def check_flushed_training(pipe: Any, name: str, does: str,
+                           runs: str = "runs training steps, which need") -> None:
+    """Refuse, naming `name`() and the fix, what cannot run flushed training steps: not a
+    compiled pipeline, no loss function, or an asynchronous schedule."""
+    if not isinstance(pipe, CompiledPipeline):
+        raise FxpipeError(f"{name}() takes the pipeline fxpipe.compile returned, not "
+                          f"{type(pipe).__name__}.")
+    if pipe.plan.loss_fn is None:
+        raise FxpipeError(f"{name}() {runs} Plan(loss_fn=...): "
+                          "compile with a loss function.")
+    if pipe.plan.schedule == "async-1f1b":
+        raise FxpipeError(f"{name}() {does} (pipe.step); async-1f1b streams mini-batches: "
+                          f"{name.split('_')[0]} a pipeline compiled with schedule='1f1b'.")
 
 
 def calibrate(pipe: Any, *inputs: Any, target: Any, steps: int = 10, warmup: int = 2,
@@ -29,15 +44,7 @@ def calibrate(pipe: Any, *inputs: Any, target: Any, steps: int = 10, warmup: int
     random number generator or last run (what pipe.report() describes) changed. Use a batch
     like compile's example: the prediction is of its micro-batches. Under torchrun every rank
     calls it, as pipe.step."""
-    if not isinstance(pipe, CompiledPipeline):
-        raise FxpipeError(f"calibrate() takes the pipeline fxpipe.compile returned, not "
-                          f"{type(pipe).__name__}.")
-    if pipe.plan.loss_fn is None:
-        raise FxpipeError("calibrate() runs training steps, which need Plan(loss_fn=...): "
-                          "compile with a loss function.")
-    if pipe.plan.schedule == "async-1f1b":
-        raise FxpipeError("calibrate() times flushed steps (pipe.step); async-1f1b streams "
-                          "mini-batches: calibrate a pipeline compiled with schedule='1f1b'.")
+    check_flushed_training(pipe, "calibrate", "times flushed steps")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or \
             isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise FxpipeError(f"calibrate(steps={steps!r}, warmup={warmup!r}) takes steps >= 1 "

@@ -11,8 +11,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from fxpipe.calibrate import check_flushed_training
 from fxpipe.errors import FxpipeError
-from fxpipe.pipeline import CompiledPipeline
 from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.report import MeasuredMemory
 
@@ -128,15 +128,7 @@ def _gathered(mine: dict[int, tuple[float, ...]], distributed: bool
 
 
 def _check(pipe: Any, warmup: int) -> None:
-    if not isinstance(pipe, CompiledPipeline):
-        raise FxpipeError(f"measure_memory() takes the pipeline fxpipe.compile returned, not "
-                          f"{type(pipe).__name__}.")
-    if pipe.plan.loss_fn is None:
-        raise FxpipeError("measure_memory() runs a training step, which needs "
-                          "Plan(loss_fn=...): compile with a loss function.")
-    if pipe.plan.schedule == "async-1f1b":
-        raise FxpipeError("measure_memory() measures a flushed step (pipe.step); async-1f1b "
-                          "streams mini-batches: measure a pipeline compiled with "
-                          "schedule='1f1b'.")
+    check_flushed_training(pipe, "measure_memory", "measures a flushed step",
+                           "runs a training step, which needs")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise FxpipeError(f"measure_memory(warmup={warmup!r}) takes a whole number >= 0.")

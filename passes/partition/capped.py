@@ -208,6 +208,15 @@ def trace_lane(cap: Capacity, timings: Sequence[Timing], ok: np.ndarray | None =
     return tuple(reversed(bounds)), tuple(reversed(again))
 
 
+def _fitting_sums(cap: Capacity, plain: np.ndarray, twice: np.ndarray
+                  ) -> list[dict[bool, np.ndarray]]:
+    """Per stage and allowed setting, (K+1, K+1) the sum over [a, e) from the prefix sums
+    `plain` (`twice` recomputing), inf where the stage does not fit."""
+    sums = {False: plain[None, :] - plain[:, None], True: twice[None, :] - twice[:, None]}
+    return [{r: np.where(cap.fits(s, r), sums[r], np.inf) for r in cap.modes[s]}
+            for s in range(cap.stages)]
+
+
 def capped_minmax(cap: Capacity, weights: np.ndarray, again: np.ndarray | None = None,
                   forward: np.ndarray | None = None
                   ) -> tuple[tuple[int, ...], tuple[bool, ...]] | None:
@@ -217,9 +226,7 @@ def capped_minmax(cap: Capacity, weights: np.ndarray, again: np.ndarray | None =
     recomputing the least forward time (what recomputation adds to a step)."""
     plain = np.concatenate([[0.0], np.cumsum(weights)])
     twice = plain if again is None else np.concatenate([[0.0], np.cumsum(again)])
-    sums = {False: plain[None, :] - plain[:, None], True: twice[None, :] - twice[:, None]}
-    costs = [{r: np.where(cap.fits(s, r), sums[r], np.inf) for r in cap.modes[s]}
-             for s in range(cap.stages)]
+    costs = _fitting_sums(cap, plain, twice)
     value, bounds, settings = _bottleneck(cap, costs)
     if not np.isfinite(value):
         return None
@@ -245,9 +252,7 @@ def capped_step(cap: Capacity, f: np.ndarray, b: np.ndarray
     p = cap.micro_batches
     plain = np.concatenate([[0.0], np.cumsum(f + b)])
     twice = np.concatenate([[0.0], np.cumsum(2 * f + b)])
-    sums = {False: plain[None, :] - plain[:, None], True: twice[None, :] - twice[:, None]}
-    costs = [{r: np.where(cap.fits(s, r), sums[r], np.inf) for r in cap.modes[s]}
-             for s in range(cap.stages)]
+    costs = _fitting_sums(cap, plain, twice)
     value, bounds, settings = _bottleneck(cap, costs)
     if not np.isfinite(value):
         return None
@@ -261,7 +266,8 @@ def capped_step(cap: Capacity, f: np.ndarray, b: np.ndarray
     largest = max(float(c[np.isfinite(c)].max(initial=0.0)) for per in costs
                   for c in per.values())
     _, ends, again = _least_added(cap, costs, f, largest + tol)
-    top = max(sums[r][a, e] for a, e, r in zip((0, *ends[:-1]), ends, again))
+    top = max((twice if r else plain)[e] - (twice if r else plain)[a]
+              for a, e, r in zip((0, *ends[:-1]), ends, again))
     if p > 1:
         top = min(top, value + added / (p - 1))
     values = np.unique(np.concatenate([c[(c > value + tol) & (c <= top + tol)]
