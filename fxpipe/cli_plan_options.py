@@ -1,4 +1,5 @@
-"""The `fxpipe` options that set Plan's training fields: --recompute, --optimizer, --precision."""
+"""The `fxpipe` options that set Plan's training fields: --recompute, --optimizer, --precision,
+--consistency."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 from typing import Any
 
 from fxpipe.memory_spec import OPTIMIZER_SLOTS
+from fxpipe.plan import CONSISTENCY_POLICIES
 from fxpipe.precision import PRECISIONS
 
 __all__ = ["add_training_options", "optimizer_option", "recompute_option", "training_fields",
@@ -59,9 +61,10 @@ def optimizer_option(text: str) -> str | int:
 
 def add_training_options(command: argparse.ArgumentParser, optimizer: bool = True,
                          capped: bool = True) -> None:
-    """Add --recompute, --precision and (unless the command picks its own optimizer)
-    --optimizer, each defaulting to Plan's own default; `capped`: the command takes a
-    memory cap (else --recompute refuses auto)."""
+    """Add --recompute, --precision and, for a command that only plans (`optimizer`: it does
+    not pick its own optimizer or schedule), --optimizer and --consistency, each defaulting
+    to Plan's own default; `capped`: the command takes a memory cap (else --recompute
+    refuses auto)."""
     command.add_argument("--recompute", default=False,
                          type=recompute_option if capped else uncapped_recompute_option,
                          help="recompute each stage's forward in its backward to save memory: "
@@ -76,6 +79,10 @@ def add_training_options(command: argparse.ArgumentParser, optimizer: bool = Tru
                              help=f"the optimizer whose state the memory model counts: "
                                   f"{', '.join(_OPTIMIZERS)}, or its state tensors per "
                                   "parameter (default: adam, as Plan's)")
+        command.add_argument("--consistency", choices=CONSISTENCY_POLICIES, default="none",
+                             help="with --schedule async-1f1b, the weight versions each stage "
+                                  "keeps, whose copies the memory model counts (default: none, "
+                                  "as Plan's)")
 
 
 def training_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,4 +90,5 @@ def training_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = {"recompute": args.recompute, "precision": args.precision}
     if "optimizer" in args:
         fields["optimizer"] = args.optimizer
+        fields["consistency"] = args.consistency
     return fields

@@ -527,3 +527,26 @@ def test_training_options_reach_the_plan_of_plan_and_demo(monkeypatch, capsys, o
         if field != "optimizer":
             assert getattr(plans[1], field) == (True if value == "auto" else value)
     assert plans[1].optimizer == "sgd-momentum"  # the optimizer the demo trains with
+
+
+@pytest.mark.parametrize("policy", ["stash", "2bw", "predict"])
+def test_plan_counts_the_weight_copies_of_its_consistency_policy(capsys, policy):
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+    def memory_column(options):
+        assert main(["plan", "mlp", "--stages", "2", "--partitioner", "even", "--batch", "4",
+                     "--schedule", "async-1f1b", *options]) == 0
+        header, *rows = capsys.readouterr().out.splitlines()[1:4]
+        column = header.index("memory")  # the table's columns are aligned
+        return [float(row[column:].split()[0]) * scale[row[column:].split()[1]] for row in rows]
+
+    plain, kept = memory_column([]), memory_column(["--consistency", policy])
+    assert len(plain) == len(kept) == 2
+    # the first stage, whose weights are furthest behind, keeps a copy or more (predict's
+    # last stage runs on current weights and keeps none)
+    assert kept[0] > plain[0] and kept[1] >= plain[1]
+
+
+def test_plan_refuses_a_consistency_policy_on_a_synchronous_schedule(capsys):
+    assert main(["plan", "mlp", "--stages", "2", "--consistency", "stash"]) == 2
+    assert "use schedule='async-1f1b'" in capsys.readouterr().err
