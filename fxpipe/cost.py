@@ -83,14 +83,14 @@ class CostTable:
     activation_bytes: np.ndarray | None = None  # (M, K) bytes saved for backward per micro-batch
     source: str = ""  # where the times come from (measured, read from a cache file, ...)
     # (M, K) per micro-batch: bytes of the values crossing the cut after unit i, of their
-    # gradients, and of the part of them autograd saves (the memory model's boundary buffers:
-    # as torchrun's transport sends them, in the trace's dtype, and a value autocast made in
-    # another dtype in that one too, which both ends hold besides)
+    # gradients, and of the part of them autograd saves (the memory model's boundary buffers,
+    # in the dtypes the stages make them in, as they are handed over and travel: bf16 under
+    # a bf16 autocast)
     boundary_bytes: np.ndarray | None = None
     boundary_grad_bytes: np.ndarray | None = None
     boundary_saved_bytes: np.ndarray | None = None
     # (M, K) the gradients of the values crossing the cut after unit i as a backward inside a
-    # stage holds them: in their own dtype under autocast (None: boundary_grad_bytes)
+    # stage holds them (None: boundary_grad_bytes, which they are in a profile)
     inner_grad_bytes: np.ndarray | None = None
     output_bytes: np.ndarray | None = None  # (M,) per micro-batch: the model's outputs
     # (K,) autocast's bf16/fp16 copies of each unit's weights, which its stage holds for the

@@ -9,12 +9,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["GATHER", "PROFILE", "SEGMENT", "SHAPE", "SHARD", "STAGE", "SYMBOLIC", "UNIT",
-           "TensorInfo", "ValueInfo"]
+__all__ = ["AUTOCAST", "GATHER", "PROFILE", "SEGMENT", "SHAPE", "SHARD", "STAGE", "SYMBOLIC",
+           "UNIT", "TensorInfo", "ValueInfo"]
 
 SHAPE = "fxpipe.shape"  # ValueInfo: what the node produces (shape pass)
 UNIT = "fxpipe.unit"  # int: index of the partitionable unit the node belongs to
 STAGE = "fxpipe.stage"  # int: pipeline stage the node runs on (rewrite pass)
+# ValueInfo: what the node produces under the plan's autocast (torchrun's shapes pass)
+AUTOCAST = "fxpipe.autocast"
 SYMBOLIC = "fxpipe.symbolic"  # SymbolicCost: FLOPs, bytes and shapes in b, s (symbolic pass)
 SHARD = "fxpipe.shard"  # ShardTag: merged chain, shard and device a node runs on (split_merge pass)
 GATHER = "fxpipe.gather"  # int: merged chain whose pieces a `cat` node gathers (split_merge pass)

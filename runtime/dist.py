@@ -119,7 +119,9 @@ class DistTransport:
     before it receives it, so it is there when received).
 
     Both ends know every message's layout ahead: the values of each (src, dst) edge in table
-    order, each tensor's dtype from the shape pass and its shape as an expression of the
+    order, each tensor's dtype from the shape pass (under Plan(precision), the dtype the
+    stage's autocast makes it in, so a bf16 value travels as bf16, as one process hands it
+    over, and its gradient too, as autograd makes it) and its shape as an expression of the
     micro-batch size (and sequence length) from the symbolic pass, so an uneven micro-batch needs
     no handshake. Sends are posted (isend) and completed (their buffers released) once the
     driver knows them received (`delivered`), the rest at the end of a run; receives block,
@@ -244,9 +246,9 @@ class DistTransport:
                 tensor = torch.tensor(value, dtype=slot.dtype, device=wire)
             elif value is None:  # a gradient that is zero: send zeros, the receiver expects it
                 tensor = torch.zeros(slot.shape(batch, seq), dtype=slot.dtype, device=wire)
-            else:  # under autocast a value may be in a lower precision than the trace's: it
-                # travels in the traced dtype, the receiver's buffer's (a lossless cast)
-                tensor = value.detach().to(wire, slot.dtype).contiguous()
+            else:
+                tensor = value.detach().to(wire, _wire_dtype(value, slot, src, dst))
+                tensor = tensor.contiguous()
             yield tensor
 
     def _post_receive(self, src, dst, direction, key):
@@ -298,6 +300,18 @@ def _shape_function(edge: Edge) -> Callable[[int, int], tuple[int, ...]]:
                                                                           integer=True)
     dims = [sympy.lambdify((b, s), dim, "math") for dim in edge.shape]
     return lambda batch, seq: tuple(round(d(batch, seq)) for d in dims)
+
+
+def _wire_dtype(value: torch.Tensor, slot: _Slot, src: int, dst: int) -> torch.dtype:
+    """The slot's dtype, which `value` has (the compiler derived it under the plan's autocast)
+    or widens to without loss (a value the derivation left in the trace's dtype)."""
+    if value.dtype != slot.dtype and torch.promote_types(value.dtype, slot.dtype) != slot.dtype:
+        raise FxpipeError(
+            f"value {slot.value!r} crossing from stage {src} to stage {dst} is "
+            f"{value.dtype}, but the receiver expects {slot.dtype} (the dtype the compiler "
+            "derived for it under the plan's autocast): the stage made it otherwise than "
+            "compiled. Give the ranks the same device type, or use Plan(precision=None).")
+    return slot.dtype
 
 
 def _tag(direction: str, key: MicroBatchKey, index: int) -> int:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import torch
 from torch import fx
 
 from fxpipe.batching import batch_norm_of_one
-from fxpipe.compiler.distributed import LinkGroups, agree, ping_pong
+from fxpipe.compiler.distributed import LinkGroups, agree, ping_pong, stage_device_types
 from fxpipe.compiler.inputs import (
     check_batched_inputs,
     check_example_runs,
@@ -36,7 +37,7 @@ from fxpipe.errors import FxpipeTraceError, PlanError
 from fxpipe.inspect import format_bytes
 from fxpipe.ir import CommTable
 from fxpipe.materialize import check_meta_model, has_meta_tensors
-from fxpipe.meta import SHAPE, SYMBOLIC
+from fxpipe.meta import AUTOCAST, SHAPE, SYMBOLIC
 from fxpipe.passes.analysis.comm import default_link, measure_local_link
 from fxpipe.passes.analysis.costs import cost_table
 from fxpipe.passes.analysis.profile import (
@@ -46,6 +47,7 @@ from fxpipe.passes.analysis.profile import (
     real_bytes,
     time_loss,
 )
+from fxpipe.passes.analysis.shape import annotate_autocast
 from fxpipe.passes.analysis.symbolic import annotate_symbolic, flops_of_units
 from fxpipe.passes.rewrite.stages import split_stages
 from fxpipe.plan import VIRTUAL, Plan
@@ -136,9 +138,16 @@ def cut(c: Compilation) -> None:
 
 def shapes(c: Compilation) -> None:
     """Shapes as functions of the micro-batch size where ranks must agree on message shapes
-    (the example's, recorded by the trace, serve in one process)."""
+    (the example's, recorded by the trace, serve in one process), and, under Plan(precision),
+    the dtypes the stages' autocast makes each value in: a value crosses ranks as one process
+    hands it over. Ranks of several device types (whose autocasts differ) send the trace's."""
     if c.distributed:
         annotate_symbolic(c.traced.gm, c.flat, c.whole)
+        kinds = set(stage_device_types(c.plan, c.layout))
+        if len(kinds) == 1:  # a value crosses as its sender's autocast made it
+            problem = annotate_autocast(c.traced.gm, c.flat, kinds.pop(), c.plan.precision)
+            if problem is not None:
+                warnings.warn(problem, stacklevel=2)
 
 
 def profile(c: Compilation) -> None:
@@ -368,7 +377,9 @@ def _show_units(c: Compilation) -> str:
 
 
 def _show_shapes(c: Compilation) -> str:
-    return ("symbolic shapes in the micro-batch size, for the ranks' messages"
+    derived = any(AUTOCAST in n.meta for n in c.traced.gm.graph.nodes)
+    dtypes = f", in their dtypes under {c.plan.precision} autocast" if derived else ""
+    return (f"symbolic shapes in the micro-batch size{dtypes}, for the ranks' messages"
             if c.distributed else "the example's shapes, recorded by the trace")
 
 

@@ -36,9 +36,7 @@ def cost_table(profile: UnitProfile, link: Link, batch: int, names: Sequence[str
         names=tuple(names),
         param_bytes=params[1],
         activation_bytes=profile.activation_bytes,
-        # held in memory: what travels, and a value cast for the wire in its own dtype too
-        boundary_bytes=(profile.boundary_bytes if profile.boundary_cast_bytes is None
-                        else profile.boundary_bytes + profile.boundary_cast_bytes),
+        boundary_bytes=profile.boundary_bytes,
         boundary_grad_bytes=profile.boundary_grad_bytes,
         boundary_saved_bytes=profile.boundary_saved_bytes,
         inner_grad_bytes=profile.inner_grad_bytes,

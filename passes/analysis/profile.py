@@ -131,11 +131,10 @@ def profile_units(
                  "off, so they were measured again")
     rows = [measure(size, warmup, repeats, min_time, runs) for size in sizes]
     (forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs, casts,
-     crossing_cast, inner_grad, lifetimes) = (np.array(r, dtype=float) for r in zip(*rows))
+     inner_grad, lifetimes) = (np.array(r, dtype=float) for r in zip(*rows))
     profile = UnitProfile(sizes, forward, backward, crossing, crossing_grad, saved,
                           crossing_saved, outputs, device, weight_cast_bytes=casts,
-                          boundary_cast_bytes=crossing_cast, inner_grad_bytes=inner_grad,
-                          lifetime_bytes=lifetimes)
+                          inner_grad_bytes=inner_grad, lifetime_bytes=lifetimes)
     where = cache.put(key, profile) if cache is not None else "not cached"
     under = f" under {precision} autocast" if precision else ""
     return dataclasses.replace(profile, origin=f"measured now on {device}{under}, {where}{stale}")
@@ -293,14 +292,14 @@ def _measure(table, modules, inputs, device, warmup, repeats, min_time, runs, me
                     if rep >= warmup:
                         b_times[i].append(seconds)
             env = values  # the next run starts from the last repetition's values
-    crossing, crossing_grad, crossing_saved, crossing_cast, inner_grad, lifetimes = (
+    crossing, crossing_grad, crossing_saved, inner_grad, lifetimes = (
         _crossing_bytes(table, env, units, saved_values))
     forward = [statistics.median(t) if t else 0.0 for t in f_times]
     backward = [statistics.median(t) if t else 0.0 for t in b_times]
     outputs = sum(env[v].nbytes for v in table.graph_outputs
                   if isinstance(env.get(v), torch.Tensor))
     return (forward, backward, crossing, crossing_grad, saved, crossing_saved, outputs, casts,
-            crossing_cast, inner_grad, lifetimes)
+            inner_grad, lifetimes)
 
 
 def _runs(tensors: Sequence[Mapping[int, int]], window: float) -> list[range]:
@@ -359,41 +358,30 @@ def _as_input(value: Any, needs_grad: bool) -> Any:
 def _crossing_bytes(table, env, units: int, saved: set[str]
                     ) -> tuple[list, ...]:
     """Bytes of the values crossing each cut (after unit i), of their gradients, and of those
-    of them autograd saves (the values named in `saved`), as they travel between processes:
-    in the dtype the trace recorded (torchrun's transport sends a value under autocast, say a
-    bf16 one, as that fp32: a copy, which autograd saves not; the gradient comes back so);
-    and the bytes, in their own dtype, of the values that travel so cast: the sender keeps
-    them (its outputs, until their backward), and the receiver casts the fp32 back where
-    autocast runs it in bf16 (a copy its backward keeps); and the gradients' bytes in the
-    values' own dtypes, as a backward within a stage holds them; and by lifetime, [m][r]:
-    the bytes (in their own dtype) of the values unit m makes and unit r reads last."""
+    of them autograd saves (the values named in `saved`), in the dtypes the units made them in
+    (under autocast, a bf16 value is handed over, and travels between processes, as bf16, and
+    its gradient so); the gradients' bytes as a backward within a stage holds them (the same);
+    and by lifetime, [m][r]: the bytes of the values unit m makes and unit r reads last."""
     last_use: dict[str, tuple[int, int]] = {}
-    traced: dict[str, torch.dtype] = {}
     for edge in table.edges:
         src, dst = last_use.get(edge.value, (edge.src, edge.dst))
         last_use[edge.value] = (src, max(dst, edge.dst))
-        if edge.info.is_tensor:
-            traced[edge.value] = edge.info.tensors[0].dtype
-    crossing, crossing_grad, crossing_saved, cast, inner = ([0.0] * units for _ in range(5))
+    crossing, crossing_grad, crossing_saved, inner = ([0.0] * units for _ in range(4))
     lifetimes = [[0.0] * units for _ in range(units)]
     for value, (src, dst) in last_use.items():
         tensor = env.get(value)
         if not isinstance(tensor, torch.Tensor):
             continue
-        dtype = traced.get(value, tensor.dtype)
-        wire = tensor.numel() * dtype.itemsize
         if 0 <= src < dst < units:
             lifetimes[src][dst] += tensor.nbytes
         for cut in range(src, dst):
-            crossing[cut] += wire
+            crossing[cut] += tensor.nbytes
             if tensor.is_floating_point():
-                crossing_grad[cut] += wire
+                crossing_grad[cut] += tensor.nbytes
                 inner[cut] += tensor.nbytes
-            if dtype != tensor.dtype:
-                cast[cut] += tensor.nbytes
-            if value in saved:  # the sent tensor (or the one it is a cast of) is the saved one
+            if value in saved:  # the sent tensor is the saved one
                 crossing_saved[cut] += tensor.nbytes
-    return crossing, crossing_grad, crossing_saved, cast, inner, lifetimes
+    return crossing, crossing_grad, crossing_saved, inner, lifetimes
 
 
 @contextlib.contextmanager

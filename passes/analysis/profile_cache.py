@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 __all__ = ["STALE", "ProfileCache", "UnitProfile", "cache_key", "default_cache_dir",
            "describe_key"]
 
-_FORMAT = 16  # bump when the cached record changes (or how it is measured)
+_FORMAT = 17  # bump when the cached record changes (or how it is measured)
 # a cached profile is measured afresh when a short re-time of its units is off its times by
 # more than this factor either way: a second CPU-bound job on a 2-core machine doubles a
 # timing, which must not discard a good entry; a profile taken under other conditions the key
@@ -45,9 +45,6 @@ class UnitProfile:
     origin: str = ""  # where the times come from, in words: measured now, or which cache entry
     # (M, K): autocast's bf16/fp16 copies of the unit's weights (0 in full precision)
     weight_cast_bytes: np.ndarray | None = None
-    # (M, K): of the values crossing the cut after unit i, the bytes (in their own dtype) of
-    # those autocast made in another dtype than the trace's, the wire's (0 in full precision)
-    boundary_cast_bytes: np.ndarray | None = None
     # (M, K): the gradients of the values crossing the cut after unit i in their own dtypes,
     # as a backward within a stage holds them (boundary_grad_bytes: as they travel)
     inner_grad_bytes: np.ndarray | None = None

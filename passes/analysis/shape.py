@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
 
 from fxpipe.materialize import has_meta_tensors, meta_twin, on_meta
-from fxpipe.meta import SHAPE, ValueInfo
+from fxpipe.meta import AUTOCAST, SHAPE, ValueInfo
+from fxpipe.precision import autocast
 from fxpipe.preserve import preserved_state
 
-__all__ = ["annotate_shapes", "record_values"]
+__all__ = ["annotate_autocast", "annotate_shapes", "autocast_values", "record_values"]
 
 
 class _ShapeRecorder(fx.Interpreter):
@@ -47,3 +53,46 @@ def annotate_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> None:
         node.meta[SHAPE] = values[node.name]
 
 
+
+
+def autocast_values(gm: fx.GraphModule, flat_inputs: Sequence[Any], device: str,
+                    precision: str) -> dict[str, ValueInfo]:
+    """Every node's ValueInfo when `gm` runs under `precision`'s autocast on `device` (a
+    Linear's output in bf16, say), as a stage there makes it. The run is on fake tensors of
+    the weights' and inputs' shapes and dtypes on `device` (no memory, no compute, the model's
+    own tensors untouched), so a model on the meta device, or a GPU's autocast, is run alike."""
+    named = itertools.chain(gm.named_parameters(remove_duplicate=False),
+                            gm.named_buffers(remove_duplicate=False))
+    with FakeTensorMode(allow_non_fake_inputs=True), preserved_state(gm):
+        def fake(tensor: torch.Tensor) -> torch.Tensor:
+            made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                       device=device)
+            return made.requires_grad_(tensor.requires_grad)
+
+        state = {name: fake(tensor) for name, tensor in named}
+        inputs = pytree.tree_map_only(torch.Tensor, fake, list(flat_inputs))
+        recorder = _ShapeRecorder(gm)
+        with _reparametrize_module(gm, state), autocast(device, precision):
+            recorder.run(*inputs, enable_io_processing=False)
+    return recorder.values
+
+
+def annotate_autocast(gm: fx.GraphModule, flat_inputs: Sequence[Any], device: str,
+                      precision: str | None) -> str | None:
+    """Write each node's ValueInfo under `precision`'s autocast on `device` under
+    node.meta[AUTOCAST] (nothing in full precision): the dtypes its value crosses between
+    processes in, which both ends must know ahead. A graph fake tensors cannot run (a
+    data-dependent shape, say) is left without: its values then cross in the trace's dtypes,
+    a lossless cast; the return says why."""
+    if precision is None:
+        return None
+    try:
+        values = autocast_values(gm, flat_inputs, device, precision)
+    except Exception as error:  # any failure leaves the trace's dtypes
+        return (f"the dtypes under {precision} autocast could not be derived "
+                f"({type(error).__name__}: {error}); values cross processes in the trace's "
+                "dtypes")
+    for node in gm.graph.nodes:
+        if node.name in values:
+            node.meta[AUTOCAST] = values[node.name]
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from torch import fx
 
 from fxpipe.cost import check_bounds
 from fxpipe.ir import CommTable, Edge, Stage, StageHook, StageIO, recv, send
-from fxpipe.meta import SHAPE, STAGE, SYMBOLIC, UNIT, ValueInfo
+from fxpipe.meta import AUTOCAST, SHAPE, STAGE, SYMBOLIC, UNIT, ValueInfo
 from fxpipe.units import Unit
 
 __all__ = ["assign_stages", "build_pipeline", "find_edges", "split_stages"]
@@ -67,7 +68,7 @@ def find_edges(gm: fx.GraphModule, stage_of: dict[fx.Node, int], n_stages: int) 
     outputs: list[dict[str, None]] = [{} for _ in range(n_stages)]
     edges: dict[tuple[str, int], Edge] = {}
     produced = {n.name: stage_of[n] for n in gm.graph.nodes if n.op not in ("get_attr", "output")}
-    info = {n.name: n.meta.get(SHAPE) or ValueInfo("object", ()) for n in gm.graph.nodes}
+    info = {n.name: _travelling(n) for n in gm.graph.nodes}
     shapes = {n.name: n.meta[SYMBOLIC].shapes[0] for n in gm.graph.nodes
               if SYMBOLIC in n.meta and n.meta[SYMBOLIC].shapes}
 
@@ -102,6 +103,17 @@ def find_edges(gm: fx.GraphModule, stage_of: dict[fx.Node, int], n_stages: int) 
     )
     graph_inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     return CommTable(stages, tuple(edges.values()), graph_inputs, tuple(graph_outputs))
+
+
+def _travelling(node: fx.Node) -> ValueInfo:
+    """What the node's value is as it crosses to another stage: the trace's, in the dtypes the
+    plan's autocast makes it in where the shapes pass recorded them (node.meta[AUTOCAST])."""
+    info = node.meta.get(SHAPE) or ValueInfo("object", ())
+    cast = node.meta.get(AUTOCAST)
+    if cast is None or len(cast.tensors) != len(info.tensors):
+        return info
+    return dataclasses.replace(info, tensors=tuple(
+        dataclasses.replace(t, dtype=c.dtype) for t, c in zip(info.tensors, cast.tensors)))
 
 
 def build_pipeline(

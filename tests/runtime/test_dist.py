@@ -1,15 +1,17 @@
-"""The distributed transport's watchdog: its deadline and what it says when a wait fails."""
+"""The distributed transport's watchdog (its deadline and what it says when a wait fails) and
+the dtypes its messages travel in."""
 
 from __future__ import annotations
 
 import datetime
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.dist import ErrorBoard, Watchdog
+from fxpipe.runtime.dist import ErrorBoard, Watchdog, _Slot, _wire_dtype
 from fxpipe.runtime.transport import PipelineAborted
 
 
@@ -87,3 +89,19 @@ def test_a_failure_another_rank_posted_comes_first():
     with pytest.raises(PipelineAborted, match="the pipeline stopped because rank 1 failed: "
                        "ValueError: bad"):
         watchdog.wait(Work(clock, 2.0, "Timed out"), "backward micro-batch 0 from stage 1")
+
+
+_FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@given(st.sampled_from(_FLOATS), st.sampled_from(_FLOATS))
+def test_a_value_travels_in_its_slots_dtype_only_without_loss(made, expected):
+    """A value in its slot's dtype travels as it is; one the compiler left in the trace's
+    (wider) dtype widens to it; one it would have to narrow stops with its name."""
+    slot = _Slot("h", expected, lambda b, s: (2,), None)
+    value = torch.tensor([1.0, 2.0], dtype=made)
+    if torch.promote_types(made, expected) == expected:
+        assert _wire_dtype(value, slot, 0, 1) == expected
+    else:
+        with pytest.raises(FxpipeError, match="'h' crossing from stage 0 to stage 1"):
+            _wire_dtype(value, slot, 0, 1)

@@ -1,4 +1,5 @@
-"""fp16 loss scaling: an inf or nan gradient anywhere skips the optimizer step everywhere."""
+"""Mixed precision across ranks: fp16 loss scaling (an inf or nan gradient anywhere skips the
+optimizer step everywhere), and values crossing ranks in their autocast dtype."""
 
 from __future__ import annotations
 
@@ -129,16 +130,24 @@ def test_fp16_loss_is_scaled_and_gradients_unscaled():
         torch.testing.assert_close(mine.grad, plain.grad, rtol=1e-2, atol=1e-4)
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    out = tmp_path / "result"
+@pytest.fixture(scope="module")
+def precision_run(tmp_path_factory) -> pathlib.Path:
+    """One torchrun of the precision scenario (2 ranks) for the tests below: the prefix of
+    the files its ranks wrote."""
+    out = tmp_path_factory.mktemp("precision") / "result"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(pathlib.Path(scaler_worker.__file__)), str(out)],
         capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(precision_run):
+    out = precision_run
     ranks = [json.loads(pathlib.Path(f"{out}.{r}").read_text()) for r in (0, 1)]
     poisoned, clean = ranks[0]["steps"][0], ranks[1]["steps"][0]
     assert poisoned["local_inf"] and not clean["local_inf"]  # the inf is on rank 0 only
@@ -148,14 +157,36 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
         assert all(step["stepped"] and not step["local_inf"] for step in later)
     assert [s["next_scale"] for s in ranks[0]["steps"]] == [s["next_scale"]
                                                             for s in ranks[1]["steps"]]
-    # the same training in one process: the same losses and weights (a value crossing ranks
-    # travels in fp32, which holds its fp16 value exactly)
+    # the same training in one process: the same losses and weights
     pipe, x, y = scaler_worker.pipeline(["cpu", "cpu"])
     alone = scaler_worker.train(pipe, x, y)
     assert ranks[1]["losses"] == pytest.approx(alone["losses"], rel=1e-6)
     state = torch.load(f"{out}.state")
     for key, value in pipe.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=key)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_values_cross_ranks_in_their_autocast_dtype(precision_run):
+    """bf16: the values crossing ranks (and their gradients) travel in bf16, as one process
+    hands them over, so the receiving stage adds and squashes in bf16 there as here: the same
+    loss and gradients as one process, bit for bit."""
+    bf16 = [torch.load(f"{precision_run}.bf16.{r}") for r in (0, 1)]
+    assert bf16[0]["wire"] == bf16[1]["wire"] == {"a": "torch.bfloat16",
+                                                  "tanh": "torch.bfloat16"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks compute
+    try:
+        alone = scaler_worker.bf16_step(*scaler_worker.bf16_pipeline(["cpu", "cpu"]))
+    finally:
+        torch.set_num_threads(threads)
+    assert alone["wire"] == {}  # one process: nothing crosses a process
+    assert bf16[0]["loss"] == bf16[1]["loss"] == alone["loss"]
+    grads = {**bf16[0]["grads"], **bf16[1]["grads"]}
+    assert grads.keys() == alone["grads"].keys()
+    for name, grad in alone["grads"].items():
+        assert torch.equal(grads[name], grad), name
 
 
 def _fp16_pipe():
