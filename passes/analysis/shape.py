@@ -53,8 +53,6 @@ def annotate_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> None:
         node.meta[SHAPE] = values[node.name]
 
 
-
-
 def autocast_values(gm: fx.GraphModule, flat_inputs: Sequence[Any], device: str,
                     precision: str) -> dict[str, ValueInfo]:
     """Every node's ValueInfo when `gm` runs under `precision`'s autocast on `device` (a
@@ -63,7 +61,7 @@ def autocast_values(gm: fx.GraphModule, flat_inputs: Sequence[Any], device: str,
     own tensors untouched), so a model on the meta device, or a GPU's autocast, is run alike."""
     named = itertools.chain(gm.named_parameters(remove_duplicate=False),
                             gm.named_buffers(remove_duplicate=False))
-    with FakeTensorMode(allow_non_fake_inputs=True), preserved_state(gm):
+    with preserved_state(gm), FakeTensorMode(allow_non_fake_inputs=True):
         def fake(tensor: torch.Tensor) -> torch.Tensor:
             made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
                                        device=device)
