@@ -271,16 +271,31 @@ def _warn_fallback(name: str) -> None:
 def _reading_current(hooked: Mapping[str, torch.Tensor],
                      params: Mapping[str, torch.nn.Parameter]) -> Iterator[None]:
     """Saved weights are read back at backward time from the parameters as they are then
-    (the weights may have been stepped meanwhile; autograd's version check is not wanted)."""
+    (the weights may have been stepped meanwhile; autograd's version check is not wanted).
+    A weight saved as a view (a Linear's weight is saved transposed) is read as the same view
+    of its parameter: keeping the substitute's view would keep the substitute (predict's Ŵ)
+    alive until the backward, and the backward would read it instead of the weights."""
     originals = {id(t): params[name] for name, t in hooked.items() if name in params}
+    # a substitute laid out as its parameter, by its storage: views of it are read from W
+    storages = {t.untyped_storage().data_ptr(): params[name] for name, t in hooked.items()
+                if name in params and t is not params[name] and t.shape == params[name].shape
+                and t.stride() == params[name].stride()
+                and t.storage_offset() == params[name].storage_offset()}
 
     def pack(tensor: torch.Tensor) -> Any:
         param = originals.get(id(tensor))
-        return ("weight", param) if param is not None else tensor
+        if param is not None:
+            return ("weight", param)
+        param = storages.get(tensor.untyped_storage().data_ptr()) if storages else None
+        if param is not None:
+            return ("view", param, tensor.size(), tensor.stride(), tensor.storage_offset())
+        return tensor
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, tuple) and packed[0] == "weight":
             return packed[1]
+        if isinstance(packed, tuple) and packed[0] == "view":
+            return packed[1].as_strided(*packed[2:])
         return packed
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

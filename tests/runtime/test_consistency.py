@@ -501,3 +501,23 @@ def test_a_step_lets_go_of_what_the_last_step_kept_before_keeping_its_own(policy
         with peak_rise([torch.device("cpu")]) as rise:
             chosen.step()
     assert rise[torch.device("cpu")] < 0.5 * weights
+
+
+def test_a_weight_saved_as_a_view_is_read_back_from_the_current_weights():
+    """predict's backward reads the current W, also where autograd saves a view of the weight
+    (a Linear saves it transposed): the predicted weights are not kept past the forward."""
+    from fxpipe.runtime.consistency import _reading_current
+    layer = nn.Linear(4, 3)
+    params = dict(layer.named_parameters())
+    predicted = {name: param - 0.5 for name, param in params.items()}  # differentiable in W
+    x = torch.randn(2, 4, requires_grad=True)
+    with _reading_current(predicted, params):
+        out = F.linear(x, predicted["weight"], predicted["bias"])
+    gone = weakref.ref(predicted["weight"])
+    predicted.clear()
+    gc.collect()
+    assert gone() is None  # nothing the backward needs holds Ŵ
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # a step between the forward and the backward
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, torch.ones(2, 3) @ layer.weight.detach())
