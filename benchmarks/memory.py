@@ -12,8 +12,11 @@ profiler's memory events of its rank), the median of --repeats measured steps wi
 With --consistency, each policy runs schedule="async-1f1b" (which measure_memory refuses: it
 streams mini-batches with no flushed step): pipe.step_many over --minibatches mini-batches with
 plain SGD attached (lr 0: no state, the weights kept; Plan(optimizer="sgd")), after one such
-run, measured as the stage's parameters plus the peak the run allocates above what it started
-with (`fxpipe.peak_memory.peak_rise`; the gradients are made inside the run).
+run, measured as the stage's parameters, the tensors its policy holds at the run's start (2bw's
+shadow copy, predict's last gradients: `policy_bytes`) and the peak the run allocates above what
+it started with (`fxpipe.peak_memory.peak_rise`; the gradients are made inside the run). The
+run before is profiled too: the profiler reports freeing a block only if it saw it allocated,
+so a tensor the policy replaces would otherwise count twice.
 """
 
 from __future__ import annotations
@@ -89,17 +92,19 @@ def async_worker(model_name: str, stages: int, policy: str, batch: int, micro_ba
                        optimizer="sgd", precision=precision)
     pipe = fxpipe.compile(model, plan, example_inputs=(batches[0][0],), cache=False)
     pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.0))
-    pipe.step_many(batches)
     (runner,) = pipe.executor.runners.values()
+    with peak_rise([runner.device]):  # its allocations known, so their frees are reported
+        pipe.step_many(batches)
     module = pipe.stages[pipe.rank].module
     weights = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
     measured = []
     for _ in range(repeats):
         for param in module.parameters():  # as each step leaves them: none
             param.grad = None
+        held = policy_bytes(runner.policy)
         with peak_rise([runner.device]) as rise:
             pipe.step_many(batches)
-        measured.append(weights + rise[runner.device])
+        measured.append(weights + held + rise[runner.device])
     every = [None] * stages
     torch.distributed.all_gather_object(every, (measured,))
     if pipe.rank == 0:
@@ -109,6 +114,28 @@ def async_worker(model_name: str, stages: int, policy: str, batch: int, micro_ba
         with open(out, "w") as handle:
             json.dump(rows, handle)
     shutdown()
+
+
+def policy_bytes(policy) -> float:
+    """The bytes of the distinct tensors a consistency policy holds (its copies of weights or
+    gradients, found in its attributes), the parameters and the optimizer's aside."""
+    import torch
+
+    params = {p.data_ptr() for p in policy.weights.values()}
+    seen: dict[int, int] = {}
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.data_ptr() not in params:
+                seen[value.data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    for name, value in vars(policy).items():
+        if name not in ("weights", "optimizer"):
+            visit(value)
+    return float(sum(seen.values()))
 
 
 def run(model: str, stages: int, schedule: str, args: argparse.Namespace) -> list[dict]:

@@ -52,12 +52,13 @@ def weight_copies(policy: str, actions: Sequence[Action]) -> int:
 def stage_copies(policy: str, schedule: str | Schedule, stages: int, p: int, s: int) -> int:
     """Weight-sized tensors stage s keeps beside its parameters, gradients and optimizer state
     under `schedule` (a name, built for the stages and p, or a user's Schedule) and consistency
-    `policy`: its `weight_copies`, and, where the stage steps inside the run (a STEP among its
-    actions: async-1f1b), the copy of its last gradients every policy keeps from a step on
-    (runtime/consistency.py's last_grads, which predict reads)."""
+    `policy`: its `weight_copies`, and under predict, where the stage steps inside the run (a
+    STEP among its actions: async-1f1b), the copy of its last gradients it keeps from a step on
+    for its prediction (runtime/consistency.py's last_grads; the other policies keep none)."""
     if isinstance(schedule, Schedule):
         mine = [a for actions in schedule.actions for a in actions if a.stage == s]
-        return weight_copies(policy, mine) + any(a.kind is ActionKind.STEP for a in mine)
+        steps = any(a.kind is ActionKind.STEP for a in mine)
+        return weight_copies(policy, mine) + (policy == "predict" and steps)
     return _named_copies(policy, schedule, stages, p, s)
 
 

@@ -23,6 +23,8 @@ Predictor = Callable[[torch.optim.Optimizer, torch.nn.Parameter, torch.Tensor | 
 class WeightPolicy:
     """`none`: forward and backward read the stage's parameters as they are at that moment."""
 
+    keeps_last_grads = False  # whether step() keeps a copy of the gradients it applies
+
     def __init__(self, weights: Mapping[str, torch.nn.Parameter], stage: int, stages: int) -> None:
         self.weights = dict(weights)
         self.stage, self.stages = stage, stages
@@ -31,7 +33,8 @@ class WeightPolicy:
         self.forward_versions: dict[Any, int] = {}  # in-flight micro-batch -> its forward's version
         # (micro-batch, forward's version, backward's version) of the latest backwards
         self.history: collections.deque[tuple[Any, int, int]] = collections.deque(maxlen=4096)
-        self.last_grads: dict[str, torch.Tensor] = {}  # gradients of the latest step
+        # gradients of the latest step, kept only by a policy that reads them (predict)
+        self.last_grads: dict[str, torch.Tensor] = {}
         self.peak_copies = 0  # most weight copies held at once
         self.schedule: Schedule | None = None  # what the current run executes (follow)
 
@@ -51,6 +54,11 @@ class WeightPolicy:
         with _reading_current(hooked, self.weights):
             yield
 
+    def before_backward(self, key: Any) -> None:
+        """Right before the backward of `key` (its gradients then accumulate as the policy
+        says)."""
+        return None
+
     def after_backward(self, key: Any) -> None:
         self.history.append((key, self.forward_versions[key], self._backward_version(key)))
         self.forward_versions.pop(key)
@@ -69,8 +77,10 @@ class WeightPolicy:
                               "call pipe.attach_optimizer(lambda params: torch.optim.SGD(params, "
                               "lr=0.1)) before training.")
         self.before_step()
-        self.last_grads = {n: w.grad.detach().clone() for n, w in self.weights.items()
-                           if w.grad is not None}
+        if self.keeps_last_grads:
+            self.last_grads = {}  # the previous step's go before this step's are copied
+            self.last_grads = {n: w.grad.detach().clone() for n, w in self.weights.items()
+                               if w.grad is not None}
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.version += 1
@@ -109,13 +119,20 @@ class StashPolicy(WeightPolicy):
     def _backward_version(self, key: Any) -> int:
         return self.forward_versions[key]
 
+    def before_backward(self, key: Any) -> None:
+        """The copy's gradients are the parameters': autograd adds this micro-batch's into
+        .grad in place, as it does without a policy, instead of making a second set of
+        gradients to add afterwards."""
+        for name, tensor in self._copies[self.forward_versions[key]].items():
+            if tensor.requires_grad:
+                tensor.grad = self.weights[name].grad
+
     def after_backward(self, key: Any) -> None:
         version = self.forward_versions[key]
         super().after_backward(key)
         for name, tensor in self._copies[version].items():  # this micro-batch's gradients
-            if tensor.grad is not None:
-                param = self.weights[name]
-                param.grad = tensor.grad if param.grad is None else param.grad + tensor.grad
+            if tensor.grad is not None:  # .grad itself, or new where .grad was None
+                self.weights[name].grad = tensor.grad
                 tensor.grad = None
         users = self._users[version]
         users.discard(key)
@@ -144,6 +161,7 @@ class TwoBufferPolicy(StashPolicy):
         self._shadow: dict[str, torch.Tensor] | None = None
 
     def before_step(self) -> None:
+        self._shadow = None  # the last step's shadow goes (unless a version in use) first
         self._shadow = self._snapshot()  # the version this step is about to replace
         self.peak_copies = max(self.peak_copies, self._held())
 
@@ -162,6 +180,8 @@ class TwoBufferPolicy(StashPolicy):
 class PredictPolicy(WeightPolicy):
     """`predict` (PipeOptim): forward with Ŵ = W − lr·s·ΔW, the weights expected after the s
     steps that land before this micro-batch's backward; the backward reads the current W."""
+
+    keeps_last_grads = True  # the predictors of SGD without momentum, and the fallback, read them
 
     def __init__(self, weights, stage, stages, predictor: Predictor | None = None) -> None:
         super().__init__(weights, stage, stages)
@@ -251,16 +271,31 @@ def _warn_fallback(name: str) -> None:
 def _reading_current(hooked: Mapping[str, torch.Tensor],
                      params: Mapping[str, torch.nn.Parameter]) -> Iterator[None]:
     """Saved weights are read back at backward time from the parameters as they are then
-    (the weights may have been stepped meanwhile; autograd's version check is not wanted)."""
+    (the weights may have been stepped meanwhile; autograd's version check is not wanted).
+    A weight saved as a view (a Linear's weight is saved transposed) is read as the same view
+    of its parameter: keeping the substitute's view would keep the substitute (predict's Ŵ)
+    alive until the backward, and the backward would read it instead of the weights."""
     originals = {id(t): params[name] for name, t in hooked.items() if name in params}
+    # a substitute laid out as its parameter, by its storage: views of it are read from W
+    storages = {t.untyped_storage().data_ptr(): params[name] for name, t in hooked.items()
+                if name in params and t is not params[name] and t.shape == params[name].shape
+                and t.stride() == params[name].stride()
+                and t.storage_offset() == params[name].storage_offset()}
 
     def pack(tensor: torch.Tensor) -> Any:
         param = originals.get(id(tensor))
-        return ("weight", param) if param is not None else tensor
+        if param is not None:
+            return ("weight", param)
+        param = storages.get(tensor.untyped_storage().data_ptr()) if storages else None
+        if param is not None:
+            return ("view", param, tensor.size(), tensor.stride(), tensor.storage_offset())
+        return tensor
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, tuple) and packed[0] == "weight":
             return packed[1]
+        if isinstance(packed, tuple) and packed[0] == "view":
+            return packed[1].as_strided(*packed[2:])
         return packed
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

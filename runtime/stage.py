@@ -96,6 +96,8 @@ class StageRunner:
         and the micro-batch's activations for `weight_backward`, which accumulates the
         parameters' gradients later and fires the hook then."""
         inputs, outputs, roots = self._in_flight.pop(key)
+        if self.policy is not None:
+            self.policy.before_backward(key)
         tensors = list(roots)
         grad_tensors: list[torch.Tensor | None] = [None] * len(roots)
         for name, output in zip(self.io.outputs, outputs):

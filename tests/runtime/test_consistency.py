@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.runtime.consistency import PredictPolicy, StashPolicy, predicted_update
+from fxpipe.peak_memory import peak_rise
+from fxpipe.runtime.consistency import PredictPolicy, StashPolicy, make_policy, predicted_update
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.transport import MicroBatchKey
 from fxpipe.schedules import Action, ActionKind, build, chain, lower
@@ -444,8 +445,79 @@ def test_the_memory_model_counts_the_copies_the_policy_keeps(policy):
     pipe.step_many(_data(8))
     streamed = build("async-1f1b", 3, 2, minibatches=8).actions
     assert pipe.weight_copies() == [weight_copies(policy, streamed[s]) for s in range(3)]
-    # and the stage's count adds the last gradients every policy keeps after a step
-    assert [len(r.policy.last_grads) == len(list(r.stage.module.parameters()))
+    # only predict keeps the last gradients (its rule for SGD reads them), and the count adds
+    # them there only
+    keeps = policy == "predict"
+    assert [len(r.policy.last_grads) == (len(list(r.stage.module.parameters())) if keeps else 0)
             for r in pipe.executor.runners.values()] == [True] * 3
     assert [stage_copies(policy, "async-1f1b", 3, 2, s) for s in range(3)] == [
-        weight_copies(policy, streamed[s]) + 1 for s in range(3)]
+        weight_copies(policy, streamed[s]) + keeps for s in range(3)]
+
+
+def _one_stage_rise(policy: str) -> tuple[float, float]:
+    """The most a one-stage async-1f1b pipeline's step_many allocates above its start (it runs
+    on this thread, so torch.profiler's memory events see it), after a first step_many, and
+    its weights' bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 3))
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 16, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(3)]
+    plan = fxpipe.Plan(stages=1, schedule="async-1f1b", consistency=policy, micro_batches=2,
+                       loss_fn=F.cross_entropy, costs="none")
+    pipe = fxpipe.compile(model, plan, example_inputs=(data[0][0],), cache=False)
+    pipe.attach_optimizer(lambda params: torch.optim.SGD(params, lr=0.0))
+    pipe.step_many(data)
+    with peak_rise([torch.device("cpu")]) as rise:
+        pipe.step_many(data)
+    return rise[torch.device("cpu")], float(sum(p.nbytes for p in model.parameters()))
+
+
+@pytest.mark.parametrize("policy", ["stash", "2bw", "predict"])
+def test_a_policy_holds_beyond_no_policy_only_the_copies_the_model_counts(policy):
+    """Measured: what a stage holds at its peak under a policy, beyond what it holds without
+    one, is the weight-sized copies `stage_copies` counts (stash, 2bw: the weights' copy; its
+    gradients are the parameters' .grad, accumulated in place, not a second set; predict: the
+    last gradients, as no step lands between a forward and its backward on one stage)."""
+    from fxpipe.policy_copies import stage_copies
+    plain, weights = _one_stage_rise("none")
+    held, _ = _one_stage_rise(policy)
+    counted = stage_copies(policy, "async-1f1b", 1, 2, 0) * weights
+    assert held - plain == pytest.approx(counted, abs=0.05 * weights)
+
+
+@pytest.mark.parametrize("policy", ["2bw", "predict"])
+def test_a_step_lets_go_of_what_the_last_step_kept_before_keeping_its_own(policy):
+    """2bw's shadow copy and predict's last gradients are replaced at each step, never held
+    twice: the step allocates nothing beyond what it frees first."""
+    layer = nn.Linear(64, 64)
+    chosen = make_policy(policy, dict(layer.named_parameters()), 0, 1)
+    chosen.optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)
+    weights = sum(p.nbytes for p in layer.parameters())
+    for _ in range(2):  # the second step has the first's copy to replace
+        for param in layer.parameters():
+            param.grad = torch.ones_like(param)
+        with peak_rise([torch.device("cpu")]) as rise:
+            chosen.step()
+    assert rise[torch.device("cpu")] < 0.5 * weights
+
+
+def test_a_weight_saved_as_a_view_is_read_back_from_the_current_weights():
+    """predict's backward reads the current W, also where autograd saves a view of the weight
+    (a Linear saves it transposed): the predicted weights are not kept past the forward."""
+    from fxpipe.runtime.consistency import _reading_current
+    layer = nn.Linear(4, 3)
+    params = dict(layer.named_parameters())
+    predicted = {name: param - 0.5 for name, param in params.items()}  # differentiable in W
+    x = torch.randn(2, 4, requires_grad=True)
+    with _reading_current(predicted, params):
+        out = F.linear(x, predicted["weight"], predicted["bias"])
+    gone = weakref.ref(predicted["weight"])
+    predicted.clear()
+    gc.collect()
+    assert gone() is None  # nothing the backward needs holds Ŵ
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # a step between the forward and the backward
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, torch.ones(2, 3) @ layer.weight.detach())
