@@ -260,9 +260,11 @@ class _Prepared(NamedTuple):
 # The planners ask for the same table's segments at the same count many times (a cap's
 # least scale, its Capacity, each planner's own check, every partition scored), each
 # O(M·K²·w): kept here by the bytes of their inputs (not the table's identity, which a
-# later table may reuse), the most recently used few. A pure cache: what it returns is
-# what computing again would (read-only arrays, so no caller can change what it holds).
+# later table may reuse), the most recently used few within a byte budget. A pure cache:
+# what it returns is what computing again would (read-only arrays, so no caller can change
+# what it holds).
 _CACHED = 8
+_CACHED_BYTES = 256 * 2**20  # its keys, inputs and tables (5 (K+1)² arrays a count)
 _RANGES = 4096  # ranges' segmentations kept per table and count
 _cache: OrderedDict[tuple, _Prepared] = OrderedDict()
 _lock = threading.Lock()
@@ -292,9 +294,16 @@ def _prepared(cost: Any, p: int) -> _Prepared:
     with _lock:
         entry = _cache.setdefault(key, entry)
         _cache.move_to_end(key)
-        while len(_cache) > _CACHED:
+        while len(_cache) > 1 and (len(_cache) > _CACHED or
+                                   sum(map(_size, _cache.items())) > _CACHED_BYTES):
             _cache.popitem(last=False)
     return entry
+
+
+def _size(item: tuple[tuple, _Prepared]) -> int:
+    """The bytes a cache entry holds, its table counted before it is made."""
+    key, entry = item
+    return len(key[3]) + len(key[5]) + 4 * entry.out.nbytes
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fxpipe import segments
 from fxpipe.cost import CostTable
 from fxpipe.segments import (
     bound_grid,
@@ -132,3 +133,15 @@ def test_the_cached_segments_are_what_computing_them_again_gives(seed, units, li
     changed = uncached(cost, 1)
     assert np.array_equal(recompute_table(cost, 1)[0], changed[0])
     assert recompute_segments(cost, 1, 0, units).largest == changed[1][0, units]
+
+
+def test_the_cache_holds_a_few_tables_within_its_bytes(monkeypatch):
+    rng = np.random.default_rng(0)
+    costs = [table(rng, 6, True) for _ in range(segments._CACHED + 3)]
+    for cost in costs:
+        recompute_table(cost, 1)
+    assert len(segments._cache) == segments._CACHED  # the least recently used went
+    monkeypatch.setattr(segments, "_CACHED_BYTES", 1)
+    recompute_table(costs[0], 1)
+    assert len(segments._cache) == 1  # the one asked for stays, however large
+    assert np.array_equal(recompute_table(costs[0], 1)[0], uncached(costs[0], 1)[0])
