@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -108,36 +110,50 @@ class _Paths(NamedTuple):
 
 
 def _solve(out: np.ndarray, sent: np.ndarray, saved: np.ndarray, starts: np.ndarray,
-           bound: float, last: int) -> _Paths:
-    """`_Paths` for segments of at most `bound` bytes, for the units j <= `last`."""
+           bounds: np.ndarray, last: int) -> _Paths:
+    """`_Paths` for the units j <= `last` for rows of ascending `starts`, each row's segments
+    of at most its bound: `bounds` one for every row, or one per row (a start under several
+    bounds at once: each row then tries the units a wider bound fits as if they were not)."""
     units = len(saved)
     prefix = np.concatenate([[0.0], np.cumsum(saved)])
-    rows = np.arange(len(starts))
-    shape = (len(starts), units + 1)
+    count = len(starts)
+    shape = (count, units + 1)
     paths = _Paths(np.full(shape, np.inf), np.zeros(shape), np.zeros(shape, dtype=np.int64),
                    np.full(shape, np.inf), np.zeros(shape), np.zeros(shape, dtype=np.int64))
-    paths.cut[rows, starts] = 0.0
+    paths.cut[np.arange(count), starts] = 0.0
+    bounds = np.asarray(bounds, dtype=np.float64)
+    shared = len(bounds) == 1
     for j in range(int(starts.min()) + 1, last + 1):
+        rows = int(np.searchsorted(starts, j))  # the rows of the starts before j, a prefix
         span = prefix[j] - prefix[:j]  # bytes of the segment [i, j), i < j
-        fits = np.flatnonzero(span <= bound)
-        if not fits.size:
+        fits = span[None, :] <= (bounds if shared else bounds[:rows])[:, None]
+        firsts = np.where(fits.any(axis=1), fits.argmax(axis=1), j)
+        first = int(firsts.min())  # each row's fitting spans (they shrink with i): a suffix
+        if first == j:
             continue
-        first = int(fits[0])  # the spans shrink with i: the fitting ones are a suffix
-        later = j > starts  # (a start's own column stays as it is)
-        before = paths.cut[:, first:j]  # [a, i]: inf where i < a
+        index = np.arange(rows)
+        before = paths.cut[:rows, first:j]  # [a, i]: inf where i < a
+        if not shared:  # a row's own window: the units it fits
+            before = np.where(np.arange(first, j)[None, :] < firsts[:, None], np.inf, before)
         # ending there: of the values kept, those made before the last cut and read from j
         # on are the stage's outputs, held anyway
-        sends = sent[first:j, j][None, :] - sent[starts, j][:, None]
+        sends = sent[first:j, j][None, :] - sent[starts[:rows], j][:, None]
         for options, value, largest, back in (
                 (before + sends, paths.end, paths.end_largest, paths.end_back),
                 (before + out[first:j, j][None, :], paths.cut, paths.cut_largest,
                  paths.cut_back)):
             pick = np.argmin(options, axis=1)
-            begin = first + pick
-            value[:, j] = np.where(later, options[rows, pick], value[:, j])
-            largest[:, j] = np.where(later, np.maximum(paths.cut_largest[rows, begin],
-                                                       span[begin]), largest[:, j])
-            back[:, j] = np.where(later, begin, back[:, j])
+            # where nothing fits (inf), what a row's own window would pick: its first unit
+            begin = (first + pick if shared else
+                     np.maximum(first + pick, np.minimum(firsts, j - 1)))
+            found = (options[index, pick], np.maximum(paths.cut_largest[index, begin],
+                                                      span[begin]), begin)
+            if shared:
+                value[:rows, j], largest[:rows, j], back[:rows, j] = found
+            else:  # a row none of whose units fits keeps its column as it is
+                keep = firsts < j
+                for array, new in zip((value, largest, back), found):
+                    array[:rows, j] = np.where(keep, new, array[:rows, j])
     return paths
 
 
@@ -152,13 +168,24 @@ def segment_table(out: np.ndarray, saved: np.ndarray, sent: np.ndarray | None = 
     starts = np.arange(units + 1)
     best = np.full((units + 1, units + 1), np.inf)
     table_kept, table_largest = np.zeros_like(best), np.zeros_like(best)
-    for bound in bound_grid(saved):
-        paths = _solve(out, sent, saved, starts, bound, units)
+    grid = bound_grid(saved)
+    # a bound at least every range from a start holds (the one before it too) cannot do
+    # better there than that one did: its range need no cut under either, and it is larger
+    total = np.concatenate([[0.0], np.cumsum(saved)])
+    total = total[-1] - total
+    monotone = bool(np.all(saved >= 0))  # the spans then grow with the range
+    for k, bound in enumerate(grid):
+        rows = units + 1
+        if monotone and k:
+            rows = int(np.flatnonzero(np.append(True, total > grid[k - 1]))[-1])
+        if not rows:
+            break  # every later bound holds every range too
+        paths = _solve(out, sent, saved, starts[:rows], np.array([bound]), units)
         value = bound + paths.end
-        better = value < best  # ties: the smaller bound, tried first
-        best = np.where(better, value, best)
-        table_kept = np.where(better, paths.end, table_kept)
-        table_largest = np.where(better, paths.end_largest, table_largest)
+        better = value < best[:rows]  # ties: the smaller bound, tried first
+        best[:rows] = np.where(better, value, best[:rows])
+        table_kept[:rows] = np.where(better, paths.end, table_kept[:rows])
+        table_largest[:rows] = np.where(better, paths.end_largest, table_largest[:rows])
     empty = starts[None, :] <= starts[:, None]
     table_kept[empty] = 0.0
     table_largest[empty] = 0.0
@@ -183,24 +210,24 @@ def segmentation(out: np.ndarray, saved: np.ndarray, start: int = 0,
                          f"{(len(saved) + 1,) * 2}, one row and column per cut")
     if not 0 <= start < end <= len(saved):
         raise ValueError(f"units [{start}, {end}) are not a range of the {len(saved)} units")
-    starts = np.array([start])
-    best, chosen = np.inf, None
     grid = bound_grid(saved)
     # the bounds that matter here: from the largest unit's (below it nothing fits) to the
     # first at least the range's total (above it, no cut is needed either)
     total = float(np.sum(saved[start:end]))
     low = int(np.searchsorted(grid, float(np.max(saved[start:end])) * (1 - 1e-9)))
     high = int(np.searchsorted(grid, total * (1 + 1e-9)))
-    for bound in grid[max(low - 1, 0):high + 1]:
-        paths = _solve(out, sent, saved, starts, bound, end)
-        if bound + paths.end[0, end] < best:
-            best, chosen = bound + paths.end[0, end], paths
-    cuts, j = [], int(chosen.end_back[0, end])
+    bounds = grid[max(low - 1, 0):high + 1]
+    paths = _solve(out, sent, saved, np.full(len(bounds), start), bounds, end)  # all at once
+    best, row = np.inf, None
+    for k, bound in enumerate(bounds):
+        if bound + paths.end[k, end] < best:
+            best, row = bound + paths.end[k, end], k
+    cuts, j = [], int(paths.end_back[row, end])
     while j > start:
         cuts.append(j)
-        j = int(chosen.cut_back[0, j])
-    return Segmentation(tuple(reversed(cuts)), float(chosen.end[0, end]),
-                        float(chosen.end_largest[0, end]))
+        j = int(paths.cut_back[row, j])
+    return Segmentation(tuple(reversed(cuts)), float(paths.end[row, end]),
+                        float(paths.end_largest[row, end]))
 
 
 def checkpointed(out: np.ndarray, per_checkpoint: float) -> np.ndarray:
@@ -220,21 +247,92 @@ def segment_keeps(cost: Any, p: int) -> tuple[np.ndarray, np.ndarray | None]:
     return kept_by_lifetimes(lifetimes), sent_by_lifetimes(lifetimes)
 
 
+class _Prepared(NamedTuple):
+    """A cost table's inputs to `segmentation` at one count, and what was found from them."""
+
+    out: np.ndarray  # `checkpointed` `segment_keeps` out
+    sent: np.ndarray | None
+    saved: np.ndarray
+    per: float  # checkpoint_bytes
+    found: dict  # (start, end) -> Segmentation; "table" -> recompute_table's arrays
+
+
+# The planners ask for the same table's segments at the same count many times (a cap's
+# least scale, its Capacity, each planner's own check, every partition scored), each
+# O(M·K²·w): kept here by the bytes of their inputs (not the table's identity, which a
+# later table may reuse), the most recently used few within a byte budget. A pure cache:
+# what it returns is what computing again would (read-only arrays, so no caller can change
+# what it holds).
+_CACHED = 8
+_CACHED_BYTES = 256 * 2**20  # its keys, inputs and tables (5 (K+1)² arrays a count)
+_RANGES = 4096  # ranges' segmentations kept per table and count
+_cache: OrderedDict[tuple, _Prepared] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _prepared(cost: Any, p: int) -> _Prepared:
+    """The inputs of `recompute_segments` and `recompute_table` for `cost` at count p, and
+    the cache of what was found from them."""
+    per = float(cost.checkpoint_bytes)
+    saved = np.ascontiguousarray(cost.saved_bytes(p), dtype=np.float64)
+    lifetimes = cost.lifetimes(p)
+    source = np.ascontiguousarray(cost.crossing_bytes(p)[0][:-1] if lifetimes is None
+                                  else lifetimes, dtype=np.float64)
+    key = (lifetimes is None, np.float64(per).tobytes(), saved.shape, saved.tobytes(),
+           source.shape, source.tobytes())
+    with _lock:
+        entry = _cache.get(key)
+        if entry is not None:
+            _cache.move_to_end(key)
+            return entry
+    if lifetimes is None:
+        out, sent = kept_by_cuts(source), None
+    else:
+        out, sent = kept_by_lifetimes(source), sent_by_lifetimes(source)
+    entry = _Prepared(_frozen(checkpointed(out, per)), None if sent is None else _frozen(sent),
+                      _frozen(saved), per, {})
+    with _lock:
+        entry = _cache.setdefault(key, entry)
+        _cache.move_to_end(key)
+        while len(_cache) > 1 and (len(_cache) > _CACHED or
+                                   sum(map(_size, _cache.items())) > _CACHED_BYTES):
+            _cache.popitem(last=False)
+    return entry
+
+
+def _size(item: tuple[tuple, _Prepared]) -> int:
+    """The bytes a cache entry holds, its table counted before it is made."""
+    key, entry = item
+    return len(key[3]) + len(key[5]) + 4 * entry.out.nbytes
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
+
+
 def recompute_segments(cost: Any, p: int, start: int, end: int) -> Segmentation:
     """How a stage of a cost table (`cost`) over the units [start, end) that recomputes is
     cut into checkpointed segments at count p (`segmentation`): from each unit's saved bytes
     and what each segment keeps at its cut (`segment_keeps`), with the table's
     `checkpoint_bytes` per checkpoint and one more for the stage's replay record."""
-    per = cost.checkpoint_bytes
-    out, sent = segment_keeps(cost, p)
-    found = segmentation(checkpointed(out, per), cost.saved_bytes(p), start, end, sent)
-    return found._replace(kept=found.kept + 2 * per)
+    entry = _prepared(cost, p)
+    found = entry.found.get((start, end))
+    if found is None:
+        found = segmentation(entry.out, entry.saved, start, end, entry.sent)
+        found = found._replace(kept=found.kept + 2 * entry.per)
+        if len(entry.found) < _RANGES:
+            entry.found[(start, end)] = found
+    return found
 
 
 def recompute_table(cost: Any, p: int) -> tuple[np.ndarray, np.ndarray]:
-    """(K+1, K+1) per range [a, e): `recompute_segments`' kept and largest bytes."""
-    per = cost.checkpoint_bytes
-    out, sent = segment_keeps(cost, p)
-    kept, largest = segment_table(checkpointed(out, per), cost.saved_bytes(p), sent)
-    units = np.arange(len(kept))
-    return np.where(units[None, :] > units[:, None], kept + 2 * per, 0.0), largest
+    """(K+1, K+1) per range [a, e): `recompute_segments`' kept and largest bytes (read-only)."""
+    entry = _prepared(cost, p)
+    found = entry.found.get("table")
+    if found is None:
+        kept, largest = segment_table(entry.out, entry.saved, entry.sent)
+        units = np.arange(len(kept))
+        kept = np.where(units[None, :] > units[:, None], kept + 2 * entry.per, 0.0)
+        found = entry.found.setdefault("table", (_frozen(kept), _frozen(largest)))
+    return found

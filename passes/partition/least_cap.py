@@ -43,9 +43,9 @@ def frontier(rows: np.ndarray) -> np.ndarray:
     """The rows no other row is at least as large as everywhere (the bytes are >= 0, so the
     others never hold the maximum)."""
     rows = np.unique(np.round(rows, 12), axis=0)
-    keep = [i for i, r in enumerate(rows)
-            if not any(j != i and np.all(o >= r) for j, o in enumerate(rows))]
-    return rows[keep]
+    covered = np.all(rows[None, :, :] >= rows[:, None, :], axis=2)  # [i, j]: j >= i everywhere
+    np.fill_diagonal(covered, False)
+    return rows[~covered.any(axis=1)]
 
 
 def least_scale(cost: CostTable, stages: int, p: int, budget: MemoryBudget

@@ -3,6 +3,7 @@ whenever some partition does, and no fit at all names the smallest cap that woul
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -98,11 +99,31 @@ def test_balanced_recomputes_the_least_forward_time_among_its_optima():
     assert max(s.f + s.b for s in part.stages) == 17.0
 
 
+def some_partition_fits(cost: CostTable, stages: int, p: int, budget: MemoryBudget) -> bool:
+    """Whether `brute_force` under `budget` finds a partition (it scores every one it finds,
+    where this only asks whether there is one): some bounds and recompute settings whose
+    every stage fits its cap."""
+    cap = Capacity.of(cost, stages, p, budget)
+    return any(all(cap.memory(s, a, e, r) <= cap.limits[s] * (1 + 1e-9)
+                   for s, ((a, e), r) in enumerate(zip(zip((0, *cuts), (*cuts, cost.units)),
+                                                       again)))
+               for cuts in itertools.combinations(range(1, cost.units), stages - 1)
+               for again in itertools.product(*cap.modes))
+
+
+@settings(max_examples=25, deadline=None)
+@given(capped())
+def test_some_partition_fits_exactly_where_brute_force_finds_one(instance):
+    cost, stages, p, budget = instance
+    assert some_partition_fits(cost, stages, p, budget) == (
+        brute_force(cost, stages, p, memory=budget) is not None)
+
+
 @settings(max_examples=25, deadline=None)
 @given(capped(sizes=True))
 def test_csimd_searches_the_micro_batch_counts_that_fit(instance):
     cost, stages, _, budget = instance
-    fitting = [q for q in divisors(BATCH) if brute_force(cost, stages, q, memory=budget)]
+    fitting = [q for q in divisors(BATCH) if some_partition_fits(cost, stages, q, budget)]
     if not fitting:
         with pytest.raises(PlanError, match="no micro-batch count"):
             csimd(cost, stages, memory=budget, schedule=budget.schedule)
