@@ -264,7 +264,8 @@ class _Prepared(NamedTuple):
 # what it returns is what computing again would (read-only arrays, so no caller can change
 # what it holds).
 _CACHED = 8
-_CACHED_BYTES = 256 * 2**20  # its keys, inputs and tables (5 (K+1)² arrays a count)
+_CACHED_BYTES = 64 * 2**20  # its keys, inputs and tables (5 (K+1)² arrays a count); the
+# most recent entry stays whatever its size: both calls for one count share it
 _RANGES = 4096  # ranges' segmentations kept per table and count
 _cache: OrderedDict[tuple, _Prepared] = OrderedDict()
 _lock = threading.Lock()
