@@ -13,7 +13,6 @@ from fxpipe.passes.partition.balanced import settle
 from fxpipe.passes.partition.capped import (
     Capacity,
     Timing,
-    capped_minmax,
     check_fits,
     split_lanes,
     stage_dp,
@@ -165,8 +164,9 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
 
     Under a `memory` cap: exactly N stages (a stage's memory depends on its place among
     them), and D is feasible when some weight's caps admit a partition whose stages also fit
-    their memory (`capped._reach`, recomputing where the budget allows and needs: Σb + Σf);
-    PlanError when no partition fits at all. When uncapped IMD's partition fits without
+    their memory, recomputing where the budget allows and needs (Σb + Σf): greedy-furthest
+    (`capped._reach`), else a DP over (stage, end), as memory is not monotone in a stage's
+    end; PlanError when no partition fits at all. When uncapped IMD's partition fits without
     recomputing, the cap changes nothing: that one. Otherwise recomputation makes the step's
     other term vary, T = Σ(f + b) + A + (p − 1)·(ρF + ρB) with A the link costs plus the
     forward time recomputed, so the least T is the objective (ρF + ρB ignores A: more
@@ -177,9 +177,8 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
     the lanes (it falls as D grows), drops, found by bisection to within ε, while (p − 1)·D <
     T − Σ(f + b) of the best so far (a larger D cannot win); at each, that lane's least-A
     partition. The one with the least T. A partition λ that fits lies in some lane at volume
-    ρ(λ)·η/(η − 1), so T <= T(λ) + (p − 1)·(ρ(λ)/(η − 1) + ε) for every such λ (when
-    greedy-furthest finds a fitting partition wherever one is). A stage recomputes only
-    where it does not fit without.
+    ρ(λ)·η/(η − 1), so T <= T(λ) + (p − 1)·(ρ(λ)/(η − 1) + ε) for every such λ. A stage
+    recomputes only where it does not fit without.
     """
     check_planner_args(cost, stages, p)
     cap = check_fits(cost, stages, p, memory)
@@ -238,23 +237,21 @@ def _capped(cost: CostTable, cap: Capacity, pack: Packing, weights: np.ndarray, 
         fits = split_lanes(cap, _timings(pack, again, v1, v2), _links_ok(pack, v1, v2))
         return v1[fits], v2[fits]
 
+    adding = _Adding.of(cap, pack, again, weights)
+
+    def feasible(volume: float) -> bool:  # greedy-furthest, else the DP (memory is not
+        return bool(fitting(volume)[0].size) or np.isfinite(adding(volume)[0])  # monotone)
+
     d_lo = max(float(f.max()), float(b.max()))
     d_hi = max(d_max, again[-1] + pack.sum_f[-1]) * len(weights) / max(len(weights) - 2, 1)
-    if not split_lanes(cap, [])[0]:  # a partition fits (checked), but no stage-by-stage
-        # greedy one (memory is not monotone in a stage's end): balanced's exact DP finds it
-        bounds, setting = capped_minmax(cap, f + b, 2 * f + b)
-        return cap.evaluate(cost, bounds, "imd", setting)
-    while not fitting(d_hi)[0].size:  # with the time caps loose enough, some D fits
+    while not feasible(d_hi):  # with the time caps loose enough, some D fits
         d_lo, d_hi = d_hi, 2 * d_hi
     loose, p1 = d_hi, cap.micro_batches - 1
     while d_hi - d_lo >= eps:
         d_mid = 0.5 * (d_lo + d_hi)
         if not d_lo < d_mid < d_hi:
             break
-        if fitting(d_mid)[0].size:
-            d_hi = d_mid
-        else:
-            d_lo = d_mid
+        d_lo, d_hi = (d_lo, d_mid) if feasible(d_mid) else (d_mid, d_hi)
     cut, scored = pack.link_f + pack.link_b, {}
 
     def score(bounds: tuple[int, ...]) -> Partition:  # the cheapest settings that fit
@@ -276,7 +273,7 @@ def _capped(cost: CostTable, cap: Capacity, pack: Packing, weights: np.ndarray, 
         one, two = np.array([v1]), np.array([v2])
         lane = trace_lane(cap, _timings(pack, again, one, two), _links_ok(pack, one, two))
         found += ([lane[0]] if lane else []) + cheapest(v1, v2)
-    adding, base = _Adding.of(cap, pack, again, weights), pack.sum_f[-1] + pack.sum_b[-1]
+    base = pack.sum_f[-1] + pack.sum_b[-1]
     least, v1, v2 = adding(d_hi)  # the least adding lane's, found by the DP even where
     found += cheapest(v1, v2) if np.isfinite(least) else []  # greedy-furthest finds none
     best = min(map(score, found), key=lambda part: part.predicted_time)
