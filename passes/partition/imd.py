@@ -9,11 +9,10 @@ import numpy as np
 
 from fxpipe.cost import CostTable, Partition
 from fxpipe.memory import MemoryBudget
-from fxpipe.passes.partition.balanced import TIE, settle
+from fxpipe.passes.partition.balanced import settle
 from fxpipe.passes.partition.capped import (
     Capacity,
     Timing,
-    capped_minmax,
     check_fits,
     split_lanes,
     stage_dp,
@@ -165,11 +164,20 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
 
     Under a `memory` cap: exactly N stages (a stage's memory depends on its place among
     them), and D is feasible when some weight's caps admit a partition whose stages also fit
-    their memory (`capped._reach`, recomputing where the budget allows and needs: Σb + Σf);
-    PlanError when no partition fits at all. Every partition within a lane's caps at the last
-    feasible D meets the bisection's bound, so of each such lane's greedy partition and its
-    partition adding the least to T beyond ρF + ρB (link costs, forward time recomputed),
-    the one with the least ρF + ρB, ties (within TIE) broken by that addition; a stage
+    their memory, recomputing where the budget allows and needs (Σb + Σf): greedy-furthest
+    (`capped._reach`), else a DP over (stage, end), as memory is not monotone in a stage's
+    end; PlanError when no partition fits at all. When uncapped IMD's partition fits without
+    recomputing, the cap changes nothing: that one. Otherwise recomputation makes the step's
+    other term vary, T = Σ(f + b) + A + (p − 1)·(ρF + ρB) with A the link costs plus the
+    forward time recomputed, so the least T is the objective (ρF + ρB ignores A: more
+    stages recomputing for a slightly smaller ρF + ρB can cost more than it saves). The
+    candidates are each lane's partitions within its caps, which all meet the bound ρF + ρB
+    <= D: at the last feasible D*, each lane's greedy partition and, per lane, the one with
+    the least A (a DP over (stage, end)); then each volume D > D* where A(D), the least A over
+    the lanes (it falls as D grows), drops, found by bisection to within ε, while (p − 1)·D <
+    T − Σ(f + b) of the best so far (a larger D cannot win); at each, that lane's least-A
+    partition. The one with the least T. A partition λ that fits lies in some lane at volume
+    ρ(λ)·η/(η − 1), so T <= T(λ) + (p − 1)·(ρ(λ)/(η − 1) + ε) for every such λ. A stage
     recomputes only where it does not fit without.
     """
     check_planner_args(cost, stages, p)
@@ -188,11 +196,11 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
         free = imd(cost, stages, p, eta, eps)  # when its N stages fit without recomputing,
         fitting = (cap.evaluate(cost, free.bounds, "imd")  # the cap changes nothing
                    if len(free.bounds) == stages else None)
-        if fitting is None or any(fitting.recompute):
-            fitting = _capped(cost, cap, pack, weights, stages, eps, d_max)
-        found = fitting
-        return settle(cost, found, "rho", stages, cap)
-    lanes = _Lanes(pack, weights, stages, float(f.max()), float(b.max()))
+        if fitting is not None and not any(fitting.recompute):
+            return settle(cost, fitting, "rho", stages, cap)
+        return settle(cost, _capped(cost, cap, pack, weights, stages, eps, d_max), "time",
+                      stages, cap)
+    lanes = _Lanes(pack, weights, stages)
 
     d_lo = max(float(f.max()), float(b.max()))
     # With η + 1 weights, one stage holding everything fits some weight once D >= volume·η/(η-1).
@@ -214,56 +222,131 @@ def imd(cost: CostTable, stages: int, p: int = 1, eta: int = 1000, eps: float | 
 def _capped(cost: CostTable, cap: Capacity, pack: Packing, weights: np.ndarray, stages: int,
             eps: float, d_max: float) -> Partition:
     """IMD's bisection on D under a memory cap: exactly N stages, each within the caps
-    (v1, v2) = (wD, (1 − w)D) and its memory cap, links within the caps; of the lanes that fit
-    at the last feasible D, the partition with the least ρF + ρB (then link sum plus forward
-    time recomputed)."""
+    (v1, v2) = (wD, (1 − w)D) and its memory cap, links within the caps; then of the lanes'
+    partitions at the last feasible D and where the least A drops above it, the least T
+    (`imd`'s docstring)."""
     f, b = np.diff(pack.sum_f), np.diff(pack.sum_b)
     again = pack.sum_b + pack.sum_f  # a recomputing stage's backward runs its forward again
 
     def fitting(volume: float) -> tuple[np.ndarray, np.ndarray]:
         v1, v2 = weights * volume, (1.0 - weights) * volume
-        keep = ((v1 + 2 * pack.tol >= f.max()) & (v2 + 2 * pack.tol >= b.max())
-                & (stages * (v1 + 2 * pack.tol) >= pack.sum_f[-1])
-                & (stages * (v2 + 2 * pack.tol) >= pack.sum_b[-1]))
+        keep = _plausible(pack, v1, v2, stages)
         v1, v2 = v1[keep], v2[keep]
         if not v1.size:
             return v1, v2
         fits = split_lanes(cap, _timings(pack, again, v1, v2), _links_ok(pack, v1, v2))
         return v1[fits], v2[fits]
 
+    adding = _Adding.of(cap, pack, again, weights)
+
+    def feasible(volume: float) -> bool:  # greedy-furthest, else the DP (memory is not
+        return bool(fitting(volume)[0].size) or np.isfinite(adding(volume)[0])  # monotone)
+
     d_lo = max(float(f.max()), float(b.max()))
     d_hi = max(d_max, again[-1] + pack.sum_f[-1]) * len(weights) / max(len(weights) - 2, 1)
-    if not split_lanes(cap, [])[0]:  # a partition fits (checked), but no stage-by-stage
-        # greedy one (memory is not monotone in a stage's end): balanced's exact DP finds it
-        bounds, setting = capped_minmax(cap, f + b, 2 * f + b)
-        return cap.evaluate(cost, bounds, "imd", setting)
-    while not fitting(d_hi)[0].size:  # with the time caps loose enough, some D fits
+    while not feasible(d_hi):  # with the time caps loose enough, some D fits
         d_lo, d_hi = d_hi, 2 * d_hi
+    loose, p1 = d_hi, cap.micro_batches - 1
     while d_hi - d_lo >= eps:
         d_mid = 0.5 * (d_lo + d_hi)
         if not d_lo < d_mid < d_hi:
             break
-        if fitting(d_mid)[0].size:
-            d_hi = d_mid
-        else:
-            d_lo = d_mid
-    found = []
-    cut = pack.link_f + pack.link_b
-    for v1, v2 in zip(*fitting(d_hi)):
+        d_lo, d_hi = (d_lo, d_mid) if feasible(d_mid) else (d_mid, d_hi)
+    cut, scored = pack.link_f + pack.link_b, {}
+
+    def score(bounds: tuple[int, ...]) -> Partition:  # the cheapest settings that fit
+        if bounds not in scored:
+            scored[bounds] = cap.evaluate(cost, bounds, "imd")
+        return scored[bounds]
+
+    def cheapest(v1: float, v2: float) -> list[tuple[int, ...]]:
         one, two = np.array([v1]), np.array([v2])
         timings, ok = _timings(pack, again, one, two), _links_ok(pack, one, two)
-        # the lane's greedy partition, and within the same caps the one adding the least to
-        # a step beyond ρF + ρB: links, and forward time recomputed
-        for bounds, _ in filter(None, (trace_lane(cap, timings, ok),
-                                       _cheapest_in_lane(cap, timings, ok, cut, f))):
-            # at these bounds, a stage that fits without recomputing need not (T only grows
-            # with a stage's backward)
-            part = cap.evaluate(cost, bounds, "imd")
-            added = sum(s.cf + s.cb + (s.f if r else 0.0)
-                        for s, r in zip(part.stages, part.recompute or (False,) * stages))
-            found.append((part.rho_f + part.rho_b, added, part))
-    least = min(x[0] for x in found)
-    return min((x for x in found if x[0] <= least * (1 + TIE)), key=lambda x: x[1])[2]
+        found = _cheapest_in_lane(cap, timings, ok, cut, f)
+        return [] if found is None else [found[0]]
+
+    # At the last feasible D, each lane's greedy partition and the one adding the least to
+    # T = Σ(f + b) + added + (p − 1)·(ρF + ρB) within its caps (added: links, forwards
+    # recomputed); the least T of them.
+    found = []
+    for v1, v2 in zip(*fitting(d_hi)):
+        one, two = np.array([v1]), np.array([v2])
+        lane = trace_lane(cap, _timings(pack, again, one, two), _links_ok(pack, one, two))
+        found += ([lane[0]] if lane else []) + cheapest(v1, v2)
+    base = pack.sum_f[-1] + pack.sum_b[-1]
+    least, v1, v2 = adding(d_hi)  # the least adding lane's, found by the DP even where
+    found += cheapest(v1, v2) if np.isfinite(least) else []  # greedy-furthest finds none
+    best = min(map(score, found), key=lambda part: part.predicted_time)
+    # Then above d_hi, each volume where the least added over the lanes, A(D), drops (A falls
+    # as D grows), while (p − 1)·D < T − Σ(f + b): a larger volume cannot win.
+    lo, tiny = d_hi, _SLACK * d_max
+    while least > tiny:
+        top = loose if p1 == 0 else min(loose, (best.predicted_time - base) / p1)
+        if top <= lo or adding(top)[0] >= least - tiny:
+            break  # no volume in reach adds less
+        hi = top
+        while hi - lo >= eps:  # the least volume adding less than `least`, to within eps
+            mid = 0.5 * (lo + hi)
+            if not lo < mid < hi:
+                break
+            lo, hi = (lo, mid) if adding(mid)[0] < least - tiny else (mid, hi)
+        least, v1, v2 = adding(hi)
+        best = min([best, *map(score, cheapest(v1, v2))], key=lambda part: part.predicted_time)
+        lo = hi
+    return best
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Adding:
+    """A(D): at volume D, the least over the lanes of `_cheapest_in_lane`'s objective (link
+    costs plus forward time recomputed; inf when no lane fits) and that lane's caps, by one
+    DP over (stage, end) for all lanes at once (in chunks of lanes)."""
+
+    cap: Capacity
+    pack: Packing
+    weights: np.ndarray
+    spans: tuple[np.ndarray, dict[bool, np.ndarray]]  # (K+1, K+1) Σf, and Σb per setting
+    base: tuple[dict[bool, np.ndarray], ...]  # per stage and setting: cost, inf: misfit
+
+    @classmethod
+    def of(cls, cap: Capacity, pack: Packing, again: np.ndarray, weights: np.ndarray
+           ) -> _Adding:
+        span_f = pack.sum_f[None, :] - pack.sum_f[:, None]
+        span_b = {False: pack.sum_b[None, :] - pack.sum_b[:, None],
+                  True: again[None, :] - again[:, None]}
+        cut, last = pack.link_f + pack.link_b, cap.stages - 1
+        base = tuple({r: np.where(cap.fits(s, r), (0.0 if s == last else cut[None, :])
+                                  + (np.maximum(span_f, 0.0) if r else 0.0), np.inf)
+                      for r in cap.modes[s]} for s in range(cap.stages))
+        return cls(cap, pack, weights, (span_f, span_b), base)
+
+    def __call__(self, volume: float) -> tuple[float, float, float]:
+        pack, units, n = self.pack, self.cap.units, self.cap.stages
+        v1, v2 = self.weights * volume, (1.0 - self.weights) * volume
+        keep = _plausible(pack, v1, v2, n)
+        v1, v2 = v1[keep], v2[keep]
+        if not v1.size:
+            return np.inf, 0.0, 0.0
+        values = np.empty(v1.size)
+        chunk = max(1, 2_000_000 // (units + 1) ** 2)
+        for at in range(0, v1.size, chunk):
+            c1 = v1[at:at + chunk, None, None] + pack.tol
+            c2 = v2[at:at + chunk, None, None] + pack.tol
+            # per setting, 0 where a stage [a, e) fits the lane's time caps, inf where not;
+            # a non-last stage's link must fit them too
+            last = {r: np.where((self.spans[0] <= c1) & (span <= c2), 0.0, np.inf)
+                    for r, span in self.spans[1].items()}
+            links = np.where((pack.link_f <= c1[:, 0]) & (pack.link_b <= c2[:, 0]), 0.0, np.inf)
+            inner = {r: m + links[:, None, :] for r, m in last.items()}
+            best = np.full((len(c1), units + 1), np.inf)
+            best[:, 0] = 0.0
+            for s, per in enumerate(self.base):
+                lane = last if s == n - 1 else inner
+                best = np.min([(best[:, :, None] + lane[r] + c).min(axis=1)
+                               for r, c in per.items()], axis=0)
+            values[at:at + chunk] = best[:, units]
+        i = int(np.argmin(values))
+        return float(values[i]), float(v1[i]), float(v2[i])
 
 
 def _cheapest_in_lane(cap: Capacity, timings: Sequence[Timing], ok: np.ndarray | None,
@@ -293,6 +376,15 @@ def _cheapest_in_lane(cap: Capacity, timings: Sequence[Timing], ok: np.ndarray |
     return (bounds, settings) if np.isfinite(value) else None
 
 
+def _plausible(pack: Packing, v1: np.ndarray, v2: np.ndarray, stages: int) -> np.ndarray:
+    """Lanes not ruled out unpacked: one whose cap is below the largest unit, or below an
+    N-th of the total, cannot fit."""
+    slack = 2 * pack.tol
+    return ((v1 + slack >= np.diff(pack.sum_f).max()) & (v2 + slack >= np.diff(pack.sum_b).max())
+            & (stages * (v1 + slack) >= pack.sum_f[-1])
+            & (stages * (v2 + slack) >= pack.sum_b[-1]))
+
+
 def _timings(pack: Packing, again: np.ndarray, v1: np.ndarray, v2: np.ndarray) -> list[Timing]:
     return [Timing(pack.sum_f, pack.sum_f, v1, pack.tol), Timing(pack.sum_b, again, v2, pack.tol)]
 
@@ -309,17 +401,12 @@ class _Lanes:
     pack: Packing
     weights: np.ndarray
     stages: int
-    max_f: float
-    max_b: float
 
     def best(self, volume: float) -> tuple[float, float, tuple[int, ...]] | None:
         """(ρF + ρB, link sum, ends) of the best packing over all weights at `volume`, or None."""
         v1, v2 = self.weights * volume, (1.0 - self.weights) * volume
-        slack, n = 2 * self.pack.tol, self.stages
-        # A lane whose cap is below the largest unit, or below an N-th of the total, cannot fit.
-        keep = ((v1 + slack >= self.max_f) & (v2 + slack >= self.max_b)
-                & (n * (v1 + slack) >= self.pack.sum_f[-1])
-                & (n * (v2 + slack) >= self.pack.sum_b[-1]))
+        n = self.stages
+        keep = _plausible(self.pack, v1, v2, n)
         if not keep.any():
             return None
         counts, ends = self.pack.pack(v1[keep], v2[keep], n)
