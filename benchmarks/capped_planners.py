@@ -1,6 +1,6 @@
 """Every planner under a memory cap: its predicted step relative to the capped optimum.
 
-    python benchmarks/capped_planners.py            # 100 instances per part (about 2 minutes)
+    OMP_NUM_THREADS=1 python benchmarks/capped_planners.py  # 100 instances per part (~5 min CPU)
     python benchmarks/capped_planners.py --quick    # 15 instances per part
 
 (a) Fixed p: EX1-style costs (f, b, cf, cb ~ U[50, 100]), K = 8..40 units, N = 4 stages, p = 4,
