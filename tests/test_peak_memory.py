@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 import fxpipe
 from fxpipe.bench import BenchRow, format_rows
 from fxpipe.cost import Partition
 from fxpipe.models import MLP
 from fxpipe.peak_memory import peak_rise
+from fxpipe.preserve import gradients_set_aside, preserved_state
 from fxpipe.report import MeasuredMemory, format_memory
 
 CPU = torch.device("cpu")
@@ -66,6 +72,48 @@ def test_a_stage_that_saves_a_known_tensor_measures_at_least_its_bytes():
                              measured.activations)))
     # the measurement's steps leave the user's gradients as they were
     assert all(torch.equal(p.grad, before[name]) for name, p in pipe.named_parameters())
+
+
+@contextlib.contextmanager
+def _memory_events() -> Iterator[list[int]]:
+    """The bytes each of this thread's memory events meanwhile allocated (+) or freed (-), in
+    order (filled in when the block ends)."""
+    changes: list[int] = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as session:
+        yield changes
+    events = session.profiler.kineto_results.events()
+    changes += [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in events
+                                     if e.name() == "[memory]"
+                                     and e.device_type() == DeviceType.CPU)]
+
+
+@settings(max_examples=6, deadline=None)
+@given(schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), micro_batches=st.sampled_from([1, 4]),
+       recompute=st.booleans(), precision=st.sampled_from([None, "bf16"]))
+def test_the_measured_step_frees_only_what_it_allocated(schedule, micro_batches, recompute,
+                                                        precision):
+    """measure_memory profiles its measured step only, after unprofiled warm-up steps, and the
+    profiler reports freeing a block only if it saw it allocated: a block the warm-up left and
+    the step freed would never be subtracted. None is: a flushed step ends holding what it
+    started with (the gradients accumulate in place into those gradients_set_aside made, no
+    optimizer steps). Profiled from the warm-up on, the measured step's events sum to zero
+    (nothing kept, nothing of the warm-up's freed) and rise to measure_memory's peak."""
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    plan = fxpipe.Plan(stages=1, schedule=schedule, micro_batches=micro_batches,
+                       loss_fn=F.cross_entropy, recompute=recompute, precision=precision,
+                       costs="none")
+    pipe = fxpipe.compile(Hoarder(64), plan, example_inputs=(x,), cache=False)
+    measured = fxpipe.measure_memory(pipe, x, target=y).activations[0]
+    params = list(pipe.parameters())
+    with preserved_state(pipe), gradients_set_aside(pipe), pipe.executor.runs_aside():
+        made = [p.grad.data_ptr() for p in params]
+        with _memory_events():  # the warm-up's blocks known to the profiler, so their frees too
+            pipe.step(x, y)
+        with _memory_events() as changes:
+            pipe.step(x, y)
+        assert [p.grad.data_ptr() for p in params] == made
+    assert sum(changes) == 0, changes
+    assert max(np.cumsum(changes)) == measured > 0
 
 
 def test_report_shows_predicted_and_measured_memory_side_by_side():

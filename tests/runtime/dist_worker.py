@@ -17,10 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 import fxpipe
 from fxpipe.ir import tied_parameters
 from fxpipe.models import GPT
+from fxpipe.preserve import gradients_set_aside, preserved_state
 
 STEPS = 2
 # the CPUs this process could run on when it started: compile and steps must not narrow them
@@ -282,6 +285,29 @@ def _check_measures(pipe, data, stages):
         assert "different numbers of runs (rank 0: 1, rank 1: 2" in str(error), error
     else:
         raise AssertionError("ranks gathering different numbers of runs went unnoticed")
+    _check_measured_step(pipe, x, y)
+
+
+def _check_measured_step(pipe, x, y):
+    """measure_memory's peak needs a measured step that frees nothing its unprofiled warm-up
+    left (the profiler reports freeing a block only if it saw it allocated): across ranks too
+    (the transport's messages, the tied weight's gradients), profiled from the warm-up on, the
+    step's memory events on this rank sum to zero and rise to measure_memory's peak."""
+    measured = fxpipe.measure_memory(pipe, x, target=y).activations[dist.get_rank()]
+    params = list(pipe.parameters())
+    with preserved_state(pipe), gradients_set_aside(pipe), pipe.executor.runs_aside():
+        made = [p.grad.data_ptr() for p in params]
+        for _ in range(2):  # the warm-up, then the step
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as session:
+                pipe.step(x, y)
+        assert [p.grad.data_ptr() for p in params] == made  # accumulated in place
+    events = sorted((e.start_ns(), e.nbytes()) for e in session.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    level, peak = 0, 0
+    for _, change in events:
+        level += change
+        peak = max(peak, level)
+    assert (level, peak) == (0, measured) and peak > 0, (level, peak, measured)
 
 
 def _links(pipe):
