@@ -304,13 +304,17 @@ def _shape_function(edge: Edge) -> Callable[[int, int], tuple[int, ...]]:
 
 def _wire_dtype(value: torch.Tensor, slot: _Slot, src: int, dst: int) -> torch.dtype:
     """The slot's dtype, which `value` has (the compiler derived it under the plan's autocast)
-    or widens to without loss (a value the derivation left in the trace's dtype)."""
-    if value.dtype != slot.dtype and torch.promote_types(value.dtype, slot.dtype) != slot.dtype:
+    or widens to without loss (a value the derivation left in the trace's dtype): only a
+    float into a wider float, since an integer in a float slot may round."""
+    widens = (value.dtype.is_floating_point and slot.dtype.is_floating_point
+              and torch.promote_types(value.dtype, slot.dtype) == slot.dtype)
+    if value.dtype != slot.dtype and not widens:
         raise FxpipeError(
             f"value {slot.value!r} crossing from stage {src} to stage {dst} is "
             f"{value.dtype}, but the receiver expects {slot.dtype} (the dtype the compiler "
             "derived for it under the plan's autocast): the stage made it otherwise than "
-            "compiled. Give the ranks the same device type, or use Plan(precision=None).")
+            "compiled (a dtype that depends on the data?); cast it in the model, or use "
+            "Plan(precision=None).")
     return slot.dtype
 
 

@@ -105,3 +105,11 @@ def test_a_value_travels_in_its_slots_dtype_only_without_loss(made, expected):
     else:
         with pytest.raises(FxpipeError, match="'h' crossing from stage 0 to stage 1"):
             _wire_dtype(value, slot, 0, 1)
+
+
+@given(st.sampled_from([torch.int32, torch.int64, torch.bool]), st.sampled_from(_FLOATS))
+def test_an_integer_value_never_travels_in_a_float_slot(made, expected):
+    """An integer may round in a float (2**24 + 1 in fp32): it stops with its name."""
+    slot = _Slot("ids", expected, lambda b, s: (2,), None)
+    with pytest.raises(FxpipeError, match="'ids' crossing from stage 0 to stage 1"):
+        _wire_dtype(torch.tensor([2**24 + 1, 3]).to(made), slot, 0, 1)
