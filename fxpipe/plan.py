@@ -166,6 +166,12 @@ class Plan:
         if not isinstance(self.dump, bool):
             raise PlanError(f"Plan(dump={self.dump!r}) must be True or False.")
         check_precision(self.precision, self.devices, self.schedule_name)
+        if self.consistency == "predict" and self.precision is not None:
+            raise PlanError(  # autocast saves its cast of the predicted weights, which the
+                # backward would read instead of the current ones
+                f"Plan(consistency='predict') cannot run with precision={self.precision!r} "
+                "yet: the backward would read autocast's copy of the predicted weights; use "
+                "consistency='stash' or '2bw', or precision=None.")
         object.__setattr__(self, "memory_limit", memory_fields(self))  # and optimizer, checked
 
     def _check_micro_batch_choice(self) -> None:

@@ -245,3 +245,8 @@ def test_a_stage_that_steps_inside_the_run_casts_its_new_weights():
     assert losses == pytest.approx(expected, rel=1e-6)
     for mine, theirs in zip(pipe.parameters(), plain.parameters()):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_predict_under_autocast_is_refused_before_any_work():
+    with pytest.raises(fxpipe.PlanError, match="'predict'. cannot run with precision='bf16'"):
+        fxpipe.Plan(stages=2, schedule="async-1f1b", consistency="predict", precision="bf16")
