@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -248,5 +249,6 @@ def test_a_stage_that_steps_inside_the_run_casts_its_new_weights():
 
 
 def test_predict_under_autocast_is_refused_before_any_work():
-    with pytest.raises(fxpipe.PlanError, match="'predict'. cannot run with precision='bf16'"):
+    with pytest.raises(fxpipe.PlanError, match=re.escape(
+            "Plan(consistency='predict') cannot run with precision='bf16'")):
         fxpipe.Plan(stages=2, schedule="async-1f1b", consistency="predict", precision="bf16")
